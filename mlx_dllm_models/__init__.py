@@ -1,0 +1,24 @@
+"""Diffusion language models on MLX: model classes registered into mlx-lm, and a decoding engine.
+
+Importing this package is cheap: the public names are resolved on first use.
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load": "mlx_dllm_models.generate",
+    "generate_diffusion": "mlx_dllm_models.generate",
+    "stream_generate_diffusion": "mlx_dllm_models.generate",
+    "batch_generate_diffusion": "mlx_dllm_models.generate",
+    "DiffusionResponse": "mlx_dllm_models.generate",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mlx_dllm_models' has no attribute {name!r}")

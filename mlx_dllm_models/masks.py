@@ -1,0 +1,50 @@
+"""Attention layouts as boolean keep-masks (True = may attend), shaped for mlx's SDPA.
+
+Every mask broadcasts to (B, n_heads, L_query, L_key). `None` means attend to everything.
+"""
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+
+def padding_mask(left_padding: Sequence[int], length: int) -> Optional[mx.array]:
+    """Bidirectional attention over a left-padded batch, as Dream does it: pads are never attended.
+
+    A pad query still attends to itself, so that its row of the softmax is never empty: an all-masked
+    row gives NaN, and NaN values would reach real rows through 0 * NaN in the next layer.
+    """
+    if not any(int(p) for p in left_padding):
+        return None
+    cols = mx.arange(length)
+    valid = cols[None, :] >= mx.array(left_padding, dtype=mx.int32)[:, None]  # (B, L)
+    keep = valid[:, None, :] | mx.eye(length, dtype=mx.bool_)[None]
+    return keep[:, None]  # (B, 1, L, L)
+
+
+def block_causal_mask(
+    length: int, block_length: int, offset: int = 0, left_padding: Optional[Sequence[int]] = None
+) -> mx.array:
+    """Block-causal keep-mask for `length` queries at absolute positions offset..offset+length-1
+    against keys 0..offset+length-1: a query in block b sees every key in blocks <= b.
+
+    Blocks are aligned on absolute positions (0, B, 2B, ...), as SDAR and LLaDA2 are trained.
+    With left padding, positions are counted per row from the first real token.
+    """
+    q = mx.arange(offset, offset + length)
+    k = mx.arange(offset + length)
+    if left_padding is None:
+        keep = (k[None, :] // block_length) <= (q[:, None] // block_length)
+        return keep[None, None]
+    pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
+    qp = q[None, :, None] - pad
+    kp = k[None, None, :] - pad
+    keep = ((kp // block_length) <= (qp // block_length)) & (kp >= 0)
+    keep = keep | (q[None, :, None] == k[None, None, :])
+    return keep[:, None]
+
+
+def causal_mask(length: int, offset: int = 0) -> mx.array:
+    q = mx.arange(offset, offset + length)
+    k = mx.arange(offset + length)
+    return (k[None, :] <= q[:, None])[None, None]

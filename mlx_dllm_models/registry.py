@@ -1,0 +1,17 @@
+"""The Hugging Face model types this package provides, and the mlx-lm module name each resolves to.
+
+Kept free of heavy imports: the import hook reads it at interpreter start-up.
+"""
+
+# Hugging Face `model_type` -> module under mlx_dllm_models.models. mlx-lm imports
+# `mlx_lm.models.<model_type>`; the hook answers that import with our module.
+MODEL_TYPES = {
+    "llada": "llada",
+    "Dream": "dream",
+    "dream": "dream",
+    "sdar": "sdar",
+    "sdar_moe": "sdar_moe",
+    "llada2_moe": "llada2_moe",
+    "nemotron_labs_diffusion": "nemotron_labs_diffusion",
+    "diffusion_gemma": "diffusion_gemma",
+}

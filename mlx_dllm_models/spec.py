@@ -1,0 +1,43 @@
+"""What a model family declares to the decoding engine.
+
+A family's differences (noise, mask id, attention layout, logit shift, how confidence is read,
+which samplers and caches it can honour, its reference defaults) live in one `DiffusionSpec` that the
+model exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+# Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
+BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
+BLOCK_CAUSAL = "block_causal"  # SDAR, LLaDA2.x: blocks aligned on absolute positions 0, B, 2B, ...
+CAUSAL_PREFIX = "causal_prefix"  # Nemotron-Labs-Diffusion: causal KV prefix + bidirectional block
+ENCODER_CANVAS = "encoder_canvas"  # DiffusionGemma: causal encoder KV + bidirectional canvas
+
+SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
+
+
+@dataclass(frozen=True)
+class DiffusionSpec:
+    family: str
+    attention: str
+    mask_token_id: Optional[int]
+    eos_token_ids: Tuple[int, ...] = ()
+    # 1 for Dream: the prediction for position i comes from hidden state i-1.
+    logit_shift: int = 0
+    # "raw": confidence is softmax of the unprocessed logits at the chosen token (LLaDA lineage,
+    # whose Gumbel sample uses temperature but whose confidence does not); "sampled": the
+    # probability under the temperature / top-k / top-p processed distribution (Dream, LLaDA2, SDAR).
+    confidence: str = "raw"
+    # Per-step quota schedule base: "masks" splits the block's mask count over the steps (LLaDA
+    # get_num_transfer_tokens); "block" splits block_length (LLaDA2, SDAR).
+    quota_base: str = "masks"
+    samplers: Tuple[str, ...] = SHARED_SAMPLERS
+    caches: Tuple[str, ...] = ("none",)
+    # Settings the family understands beyond the shared vocabulary (e.g. Dream's alg, eps).
+    extra_settings: Tuple[str, ...] = ()
+    # Reference defaults of the family; the checkpoint's config / generation_config override them.
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # The block size the checkpoint was trained with, for block-causal families (warn when changed).
+    trained_block_length: Optional[int] = None
+    max_position_embeddings: Optional[int] = None

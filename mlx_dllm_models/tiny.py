@@ -1,0 +1,124 @@
+"""Tiny checkpoints in the exact Hugging Face layout, built offline.
+
+Used by the tests (fixtures) and by the CLI's embedded default when no trained default is shipped.
+A checkpoint is a folder with config.json, model.safetensors (real key names), an optional
+generation_config.json, and a byte-level tokenizer (ids 0..255 are the bytes, special tokens follow)
+holding the family's special tokens and chat template, loadable by transformers' AutoTokenizer.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+
+# Llama-3 style template of LLaDA-8B-Instruct.
+LLADA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+# Qwen ChatML (Dream, SDAR).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(
+    path,
+    special_tokens: Mapping[str, int],
+    *,
+    bos_token: Optional[str] = None,
+    eos_token: Optional[str] = None,
+    pad_token: Optional[str] = None,
+    mask_token: Optional[str] = None,
+    chat_template: Optional[str] = None,
+):
+    """Write a byte-level BPE tokenizer (no merges: one token per byte) with `special_tokens`
+    (name -> id, ids >= 256, gaps allowed) to `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel's alphabet is the 256 printable stand-ins for bytes; order them by byte value.
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_symbols)
+    next_id = 256
+    for name, idx in sorted(special_tokens.items(), key=lambda kv: kv[1]):
+        if idx < 256:
+            raise ValueError(f"special token {name} needs an id >= 256, got {idx}")
+        while next_id < idx:  # fill gaps so ids are exactly as requested
+            vocab[f"<|reserved_{next_id}|>"] = next_id
+            next_id += 1
+        vocab[name] = idx
+        next_id = idx + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special_tokens))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        mask_token=mask_token,
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_checkpoint(
+    path,
+    config: Mapping,
+    tensors: Dict[str, np.ndarray],
+    *,
+    generation_config: Optional[Mapping] = None,
+    shards: int = 1,
+):
+    """Write config.json and safetensors (one file, or `shards` files with an index) as HF does."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(config), indent=2))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2))
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    total = int(sum(v.nbytes for v in tensors.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
+def confident(rng: np.random.Generator, shape, scale: float) -> np.ndarray:
+    """Random float32 weights of a given spread; output heads of fixtures use a large `scale` so that
+    predictions are confident and samplers commit several tokens per step."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
