@@ -32,6 +32,8 @@ class DiffusionSpec:
     # Per-step quota schedule base: "masks" splits the block's mask count over the steps (LLaDA
     # get_num_transfer_tokens); "block" splits block_length (LLaDA2, SDAR).
     quota_base: str = "masks"
+    # The threshold rule compares with > (LLaDA2) instead of >= (Fast-dLLM).
+    strict_threshold: bool = False
     samplers: Tuple[str, ...] = SHARED_SAMPLERS
     caches: Tuple[str, ...] = ("none",)
     # Settings the family understands beyond the shared vocabulary (e.g. Dream's alg, eps).
@@ -39,5 +41,7 @@ class DiffusionSpec:
     # Reference defaults of the family; the checkpoint's config / generation_config override them.
     defaults: Mapping[str, Any] = field(default_factory=dict)
     # The block size the checkpoint was trained with, for block-causal families (warn when changed).
+    # generation_config.json key -> setting name, read on top of settings.GENERATION_CONFIG_KEYS.
+    generation_config_keys: Mapping[str, str] = field(default_factory=dict)
     trained_block_length: Optional[int] = None
     max_position_embeddings: Optional[int] = None

@@ -1,0 +1,101 @@
+"""Statistics of the logits at each position: proposed token, its confidence, entropy.
+
+Everything is computed in float32 and is NaN-safe: a NaN logit is treated as -inf, a row without any
+finite logit gets confidence 0 and entropy +inf (so no rule ever prefers it).
+"""
+
+from typing import NamedTuple, Optional, Sequence
+
+import mlx.core as mx
+
+_NEG_INF = float("-inf")
+
+
+class TokenStats(NamedTuple):
+    x0: mx.array  # (B, L) proposed token ids
+    confidence: mx.array  # (B, L) probability of x0 (see `confidence` argument of token_stats)
+    entropy: mx.array  # (B, L) entropy of the model distribution, in nats
+
+
+def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional[float] = None):
+    """Top-k, then top-p (nucleus) filtering: removed tokens get -inf.
+
+    Top-p keeps the smallest prefix of the descending distribution whose mass reaches top_p (the
+    first token always stays), as Dream's and LLaDA2's sample_tokens do.
+    """
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
+        logits = mx.where(logits < kth, _NEG_INF, logits)
+    if top_p is not None and top_p < 1.0:
+        order = mx.argsort(-logits, axis=-1)
+        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+        probs = mx.softmax(sorted_logits, axis=-1)
+        mass_before = mx.cumsum(probs, axis=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = mx.take_along_axis(drop_sorted, mx.argsort(order, axis=-1), axis=-1)
+        logits = mx.where(drop, _NEG_INF, logits)
+    return logits
+
+
+def _softmax_stats(logits):
+    finite_row = mx.any(logits > _NEG_INF, axis=-1, keepdims=True)
+    safe = mx.where(finite_row, logits, 0.0)
+    logp = safe - mx.logsumexp(safe, axis=-1, keepdims=True)
+    p = mx.exp(logp)
+    entropy = -mx.sum(mx.where(p > 0, p * logp, 0.0), axis=-1)
+    entropy = mx.where(finite_row[..., 0], entropy, float("inf"))
+    return p, finite_row, entropy
+
+
+def token_stats(
+    logits: mx.array,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    key: Optional[mx.array] = None,
+    suppress_ids: Sequence[int] = (),
+    confidence: str = "raw",
+) -> TokenStats:
+    """Propose a token per position and score it.
+
+    x0: argmax at temperature 0; otherwise a sample from softmax(filtered_logits / temperature),
+    drawn with the Gumbel-max trick (LLaDA's add_gumbel_noise is the same distribution) from `key`.
+    Suppressed ids (e.g. the mask id, so that a committed position can never stay a mask) are never
+    proposed, but keep their mass in the probabilities, as in the references.
+
+    confidence="raw": softmax of the unprocessed logits at x0 (LLaDA generate.py: the Gumbel sample
+    uses the temperature, the confidence does not). confidence="sampled": the probability of x0 under
+    the processed distribution softmax(filtered / T) (Dream, LLaDA2, SDAR sample_tokens; at T=0 the
+    filtered softmax).
+    entropy: of softmax(logits), the model's own distribution (EB-Sampler).
+    """
+    logits = logits.astype(mx.float32)
+    logits = mx.where(mx.isnan(logits), _NEG_INF, logits)
+    filtered = filter_logits(logits, top_k, top_p)
+    scores = filtered
+    if temperature > 0:
+        scores = filtered / temperature
+    proposal = scores
+    if suppress_ids:
+        ids = mx.array(list(suppress_ids))
+        keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
+        keep[ids] = False
+        proposal = mx.where(keep, proposal, _NEG_INF)
+    if temperature > 0:
+        if key is None:
+            raise ValueError("sampling at temperature > 0 needs an explicit PRNG key")
+        u = mx.random.uniform(low=1e-20, high=1.0, shape=proposal.shape, key=key)
+        proposal = proposal - mx.log(-mx.log(u))
+    x0 = mx.argmax(proposal, axis=-1)
+
+    p_raw, finite, entropy = _softmax_stats(logits)
+    if confidence == "raw":
+        p = p_raw
+    elif confidence == "sampled":
+        p, _, _ = _softmax_stats(scores)
+    else:
+        raise ValueError(f"unknown confidence kind {confidence!r}")
+    conf = mx.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
+    conf = mx.where(finite[..., 0], conf, 0.0)
+    return TokenStats(x0, conf, entropy)

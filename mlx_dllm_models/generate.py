@@ -1,0 +1,298 @@
+"""Public API: load, generate_diffusion, stream_generate_diffusion, batch_generate_diffusion.
+
+Mirrors mlx-lm's generate / stream_generate: a prompt is text (tokenized as mlx-lm does, no chat
+template) or a list of token ids; generation stops at an EOS, which is not returned
+(finish_reason "stop"), else at max_tokens (finish_reason "length").
+"""
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
+
+from .engine import BlockEvent, MaskedBlockDecoder
+from .registry import MODEL_TYPES
+from .settings import GENERATION_CONFIG_KEYS, SettingsError, resolve_settings
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class DiffusionResponse:
+    """One committed block of one prompt, with running statistics."""
+
+    text: str  # new text since the previous response
+    tokens: List[int]  # new token ids since the previous response
+    finish_reason: Optional[str]  # None while generating, then "stop" (EOS) or "length"
+    prompt_tokens: int
+    generation_tokens: int  # tokens generated so far
+    nfe: int  # model forwards so far
+    tokens_per_forward: float
+    prompt_tps: float
+    generation_tps: float
+    peak_memory: float  # GB
+
+
+@dataclass
+class BatchResponse:
+    texts: List[str]
+    tokens: List[List[int]]
+    finish_reasons: List[str]
+    nfe: int
+    tokens_per_forward: float
+    generation_tps: float
+    peak_memory: float
+
+
+# ----------------------------------------------------------------------------------------- load
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _check_checkpoint(path: Path):
+    if not path.exists():
+        raise CheckpointError(
+            f"no checkpoint at {path}: give a local folder holding config.json and *.safetensors "
+            "(this package does not download; convert a Hugging Face checkpoint with "
+            "`python -m mlx_lm convert --hf-path DIR --mlx-path OUT`)"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path} has no config.json: is it a Hugging Face / MLX checkpoint folder?")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-download the file") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise CheckpointError(f"{cfg_file} has no model_type field; it is not a model config")
+    if config["model_type"] not in MODEL_TYPES:
+        raise CheckpointError(
+            f"model_type {config['model_type']!r} in {cfg_file} is not a diffusion model this package "
+            f"provides; supported: {', '.join(sorted(set(MODEL_TYPES)))}. For autoregressive models "
+            "use mlx_lm.load"
+        )
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{path} has a config.json but no *.safetensors weight files; copy the weights there "
+            "(a PyTorch .bin checkpoint must be converted to safetensors first)"
+        )
+    return config
+
+
+def load(path, **kwargs):
+    """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
+    checkpoint checked first, and its generation_config.json attached as `model.generation_config`."""
+    from mlx_lm.utils import load as mlx_load
+
+    path = Path(path)
+    _check_checkpoint(path)
+    try:
+        model, tokenizer = mlx_load(str(path), **kwargs)
+    except ValueError as e:
+        msg = str(e)
+        if "parameters not in model" in msg or "Missing" in msg or "shape" in msg:
+            raise CheckpointError(
+                f"the weights in {path} do not match the model its config.json describes: {msg}. "
+                "Check that config.json belongs to these weights (sizes, number of layers, experts)"
+            ) from None
+        raise
+    gen_file = path / "generation_config.json"
+    model.generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    return model, tokenizer
+
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def _checkpoint_settings(model, spec):
+    gen = getattr(model, "generation_config", None) or {}
+    keys = dict(GENERATION_CONFIG_KEYS)
+    keys.update(spec.generation_config_keys)
+    return {setting: gen[key] for key, setting in keys.items() if gen.get(key) is not None}
+
+
+def _eos_ids(model, tokenizer, spec):
+    ids = set(spec.eos_token_ids)
+    ids.update(getattr(tokenizer, "eos_token_ids", None) or ())
+    gen = getattr(model, "generation_config", None) or {}
+    eos = gen.get("eos_token_id")
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    ids.discard(None)
+    return ids
+
+
+def _encode(tokenizer, prompt: Prompt) -> List[int]:
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    else:
+        ids = [int(t) for t in prompt]
+    if len(ids) == 0:
+        raise SettingsError("the prompt is empty: give at least one token of text to condition on")
+    return ids
+
+
+def _prepare(model, tokenizer, prompts, settings):
+    spec = getattr(model, "diffusion_spec", None)
+    if spec is None:
+        raise TypeError(
+            f"{type(model).__module__}.{type(model).__name__} is not a diffusion model of this "
+            "package (it has no diffusion_spec); load it with mlx_dllm_models.load"
+        )
+    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
+    ids = [_encode(tokenizer, p) for p in prompts]
+    limit = spec.max_position_embeddings
+    longest = max(len(p) for p in ids)
+    if limit is not None and longest + s["max_tokens"] > limit:
+        raise SettingsError(
+            f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds the model's context "
+            f"of {limit} positions; shorten the prompt or lower max_tokens"
+        )
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if vocab is not None:
+        bad = [t for p in ids for t in p if not 0 <= t < vocab]
+        if bad:
+            raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return spec, s, ids
+
+
+# ------------------------------------------------------------------------------------- generate
+
+
+class _Detokenizer:
+    """Incremental text of a growing token list; holds back an incomplete UTF-8 tail."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: List[int] = []
+        self.emitted = ""
+
+    def add(self, tokens):
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens).rstrip("\ufffd")
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return new
+
+    def flush(self):
+        text = self.tokenizer.decode(self.tokens)
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return new
+
+
+def _decoder_for(model, settings, eos):
+    return MaskedBlockDecoder(model, settings, eos)
+
+
+def stream_events(model, tokenizer, prompts: Sequence[Prompt], **settings):
+    """Low-level stream of engine events (StepEvent, BlockEvent) for a batch; used by the CLI's
+    live view. Returns (settings, prompt_ids, iterator)."""
+    spec, s, ids = _prepare(model, tokenizer, prompts, settings)
+    decoder = _decoder_for(model, s, _eos_ids(model, tokenizer, spec))
+    return s, ids, decoder
+
+
+def stream_generate_diffusion(
+    model, tokenizer, prompt: Prompt, **settings
+) -> Iterator[DiffusionResponse]:
+    """Yield a DiffusionResponse each time a block is committed, as it happens."""
+    s, ids, decoder = stream_events(model, tokenizer, [prompt], **settings)
+    detok = _Detokenizer(tokenizer)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_time = None
+    generated = 0
+    for event in decoder.run(ids):
+        if prompt_time is None and decoder.nfe > 0:
+            prompt_time = time.perf_counter() - tic
+        if not isinstance(event, BlockEvent):
+            continue
+        toks = event.tokens[0]
+        generated += len(toks)
+        done = event.finished[0]
+        text = detok.add(toks)
+        if done:
+            text += detok.flush()
+        elapsed = time.perf_counter() - tic
+        reason = None
+        if done:
+            reason = "stop" if event.eos[0] else "length"
+        yield DiffusionResponse(
+            text=text,
+            tokens=toks,
+            finish_reason=reason,
+            prompt_tokens=len(ids[0]),
+            generation_tokens=generated,
+            nfe=decoder.nfe,
+            tokens_per_forward=generated / max(decoder.nfe, 1),
+            prompt_tps=len(ids[0]) / prompt_time if prompt_time else 0.0,
+            generation_tps=generated / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+        )
+        if done:
+            return
+
+
+def generate_diffusion(
+    model, tokenizer, prompt: Prompt, *, max_tokens: Optional[int] = None, verbose: bool = False, **settings
+) -> str:
+    """Generate a completion of `prompt` and return its text."""
+    text = ""
+    last = None
+    for last in stream_generate_diffusion(model, tokenizer, prompt, max_tokens=max_tokens, **settings):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if verbose and last is not None:
+        print()
+        print("=" * 10)
+        print(_stats_line(last))
+    return text
+
+
+def _stats_line(r: DiffusionResponse) -> str:
+    return (
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens-per-sec | "
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens-per-sec | "
+        f"NFE: {r.nfe}, {r.tokens_per_forward:.2f} tokens/forward | "
+        f"Peak memory: {r.peak_memory:.3f} GB"
+    )
+
+
+def batch_generate_diffusion(model, tokenizer, prompts: Sequence[Prompt], **settings) -> BatchResponse:
+    """Generate for several prompts at once (left-padded; each row stops at its own EOS and is
+    dropped from the batch when it does)."""
+    if not prompts:
+        raise SettingsError("prompts is empty: give at least one prompt")
+    s, ids, decoder = stream_events(model, tokenizer, prompts, **settings)
+    out = [[] for _ in ids]
+    reasons = ["length"] * len(ids)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    for event in decoder.run(ids):
+        if isinstance(event, BlockEvent):
+            for row, toks, hit in zip(event.rows, event.tokens, event.eos):
+                out[row].extend(toks)
+                if hit:
+                    reasons[row] = "stop"
+    elapsed = time.perf_counter() - tic
+    total = sum(len(t) for t in out)
+    return BatchResponse(
+        texts=[tokenizer.decode(t) for t in out],
+        tokens=out,
+        finish_reasons=reasons,
+        nfe=decoder.nfe,
+        tokens_per_forward=total / max(decoder.nfe, 1),
+        generation_tps=total / elapsed if elapsed > 0 else 0.0,
+        peak_memory=mx.get_peak_memory() / 1e9,
+    )
