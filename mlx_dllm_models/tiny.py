@@ -122,3 +122,86 @@ def confident(rng: np.random.Generator, shape, scale: float) -> np.ndarray:
     """Random float32 weights of a given spread; output heads of fixtures use a large `scale` so that
     predictions are confident and samplers commit several tokens per step."""
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+LLADA_SPECIAL_TOKENS = {
+    "<|startoftext|>": 256,
+    "<|endoftext|>": 257,
+    "<|start_header_id|>": 258,
+    "<|end_header_id|>": 259,
+    "<|eot_id|>": 260,
+    "<|mdm_mask|>": 261,
+}
+
+
+def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                     mlp_hidden_size: int = 128, head_scale: float = 12.0):
+    """A random LLaDA-8B-shaped checkpoint (LLaDAModelLM, OLMo key names) at toy size: the
+    package's offline stand-in when no trained default is available. Its output is not language."""
+    vocab = 264
+    config = {
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "d_model": d_model,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_heads,
+        "mlp_hidden_size": mlp_hidden_size,
+        "mlp_ratio": 4,
+        "vocab_size": vocab,
+        "embedding_size": vocab,
+        "max_sequence_length": 1024,
+        "rope": True,
+        "rope_theta": 500000.0,
+        "rope_full_precision": True,
+        "alibi": False,
+        "block_type": "llama",
+        "activation_type": "silu",
+        "layer_norm_type": "rms",
+        "rms_norm_eps": 1e-5,
+        "layer_norm_with_affine": True,
+        "bias_for_layer_norm": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "attention_layer_norm": False,
+        "weight_tying": False,
+        "scale_logits": False,
+        "input_emb_norm": False,
+        "mask_token_id": LLADA_SPECIAL_TOKENS["<|mdm_mask|>"],
+        "eos_token_id": LLADA_SPECIAL_TOKENS["<|endoftext|>"],
+        "pad_token_id": LLADA_SPECIAL_TOKENS["<|endoftext|>"],
+        "bos_token_id": LLADA_SPECIAL_TOKENS["<|startoftext|>"],
+        "use_cache": False,
+        "block_group_size": 1,
+        "torch_dtype": "float32",
+    }
+    rng = np.random.default_rng(seed)
+    d, f = d_model, mlp_hidden_size
+    t = {
+        "model.transformer.wte.weight": confident(rng, (vocab, d), 1.0),
+        "model.transformer.ln_f.weight": np.ones(d, np.float32),
+        "model.transformer.ff_out.weight": confident(rng, (vocab, d), head_scale / d**0.5),
+    }
+    t["model.transformer.wte.weight"][config["mask_token_id"]] *= 0.05
+    for i in range(n_layers):
+        p = f"model.transformer.blocks.{i}."
+        t[p + "attn_norm.weight"] = np.ones(d, np.float32)
+        t[p + "ff_norm.weight"] = np.ones(d, np.float32)
+        for name in ("q_proj", "k_proj"):
+            t[p + name + ".weight"] = confident(rng, (d, d), 3.0 / d**0.5)
+        t[p + "v_proj.weight"] = confident(rng, (d, d), 1.0 / d**0.5)
+        t[p + "attn_out.weight"] = confident(rng, (d, d), 1.0 / d**0.5)
+        t[p + "ff_proj.weight"] = confident(rng, (f, d), 1.0 / d**0.5)
+        t[p + "up_proj.weight"] = confident(rng, (f, d), 1.0 / d**0.5)
+        t[p + "ff_out.weight"] = confident(rng, (d, f), 1.0 / f**0.5)
+    write_checkpoint(path, config, t, generation_config={"eos_token_id": config["eos_token_id"]})
+    build_tokenizer(
+        path,
+        LLADA_SPECIAL_TOKENS,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mdm_mask|>",
+        chat_template=LLADA_CHAT_TEMPLATE,
+    )
+    return Path(path)

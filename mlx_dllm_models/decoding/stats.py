@@ -20,8 +20,8 @@ class TokenStats(NamedTuple):
 def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional[float] = None):
     """Top-k, then top-p (nucleus) filtering: removed tokens get -inf.
 
-    Top-p keeps the smallest prefix of the descending distribution whose mass reaches top_p (the
-    first token always stays), as Dream's and LLaDA2's sample_tokens do.
+    Top-p drops a token when the mass of the tokens ranked before it already exceeds top_p (so the
+    first token always stays), as the HF TopPLogitsWarper used by Dream and LLaDA2 does.
     """
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
@@ -31,7 +31,7 @@ def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional
         sorted_logits = mx.take_along_axis(logits, order, axis=-1)
         probs = mx.softmax(sorted_logits, axis=-1)
         mass_before = mx.cumsum(probs, axis=-1) - probs
-        drop_sorted = mass_before >= top_p
+        drop_sorted = mass_before > top_p
         drop = mx.take_along_axis(drop_sorted, mx.argsort(order, axis=-1), axis=-1)
         logits = mx.where(drop, _NEG_INF, logits)
     return logits

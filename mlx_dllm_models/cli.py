@@ -1,0 +1,216 @@
+"""`mlx_dllm generate` and `mlx_dllm convert`.
+
+generate applies the tokenizer's chat template when it has one (as mlx_lm.generate does), shows the
+canvas filling in live on a terminal, and ends with a statistics line.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import time
+
+_FLAGS = {
+    # flag: (type, help)
+    "max_tokens": (int, "new tokens at most (EOS may end earlier)"),
+    "block_length": (int, "positions per block"),
+    "steps": (int, "denoising steps per block"),
+    "sampler": (str, "quota | threshold | factor | entropy (a family may add its own)"),
+    "threshold": (float, "confidence threshold of the threshold sampler, in (0, 1]"),
+    "factor": (float, "factor of the factor sampler (Fast-dLLM)"),
+    "entropy_bound": (float, "entropy budget of the entropy sampler (EB-Sampler), in nats"),
+    "temperature": (float, "0 is greedy"),
+    "top_p": (float, "nucleus filtering"),
+    "top_k": (int, "top-k filtering"),
+    "seed": (int, "PRNG seed"),
+    "cache": (str, "auto | none | a cache the family offers"),
+}
+
+
+def _parse_value(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _generate_parser():
+    p = argparse.ArgumentParser(
+        prog="mlx_dllm generate",
+        description="Generate text with a diffusion language model. Family-specific settings are "
+        "passed as --name VALUE too (e.g. --alg entropy for Dream).",
+    )
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument(
+        "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
+    )
+    p.add_argument("--no-live", action="store_true", help="no live canvas, print blocks as they come")
+    for name, (typ, help_) in _FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    return p
+
+
+def _extra_settings(unknown):
+    """Turn leftover `--some-name VALUE` pairs into settings; the settings layer rejects names the
+    family does not know, so nothing passed here is silently ignored."""
+    extra, i = {}, 0
+    while i < len(unknown):
+        tok = unknown[i]
+        if not tok.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {tok!r}")
+        name = tok[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(unknown):
+                raise SystemExit(f"error: {tok} needs a value")
+            value = unknown[i + 1]
+            i += 2
+        extra[name.replace("-", "_")] = _parse_value(value)
+    return extra
+
+
+def _render(tokenizer, canvas, mask_id, eos):
+    """Text of a canvas with each mask shown as a shaded cell; nothing after the first EOS."""
+    out, run = [], []
+    for t in canvas:
+        if t in eos:
+            break
+        if t == mask_id:
+            if run:
+                out.append(tokenizer.decode(run))
+                run = []
+            out.append("░")
+        else:
+            run.append(t)
+    if run:
+        out.append(tokenizer.decode(run))
+    return "".join(out)
+
+
+class _LiveView:
+    """Redraws the canvas in place on a terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lines = 0
+        self.last = 0.0
+
+    def draw(self, text, force=False):
+        now = time.perf_counter()
+        if not force and now - self.last < 0.05:
+            return
+        self.last = now
+        width = max(shutil.get_terminal_size().columns, 20)
+        if self.lines:
+            self.stream.write(f"\x1b[{self.lines}F")
+        self.stream.write("\x1b[J" + text + "\n")
+        self.stream.flush()
+        self.lines = sum(max(1, -(-len(line) // width)) for line in text.split("\n"))
+
+
+def generate_main(argv):
+    from .engine import BlockEvent, StepEvent
+    from .generate import _Detokenizer, _stats_line, stream_events, DiffusionResponse, load
+    from .settings import SettingsError
+    import mlx.core as mx
+
+    parser = _generate_parser()
+    args, unknown = parser.parse_known_args(argv)
+    settings = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    settings.update(_extra_settings(unknown))
+
+    model_path = args.model
+    if model_path is None:
+        from .default import default_checkpoint
+
+        model_path = default_checkpoint()
+    prompt = args.prompt
+    if prompt is None:
+        from .default import DEFAULT_PROMPT
+
+        prompt = DEFAULT_PROMPT
+    elif prompt == "-":
+        prompt = sys.stdin.read()
+
+    try:
+        model, tokenizer = load(model_path)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = []
+        if args.system_prompt:
+            messages.append({"role": "system", "content": args.system_prompt})
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    try:
+        s, ids, decoder = stream_events(model, tokenizer, [prompt], **settings)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"error: {e}")
+
+    spec = model.diffusion_spec
+    live = sys.stdout.isatty() and not args.no_live
+    view = _LiveView(sys.stdout) if live else None
+    detok = _Detokenizer(tokenizer)
+    eos = decoder.eos
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_time, generated, finished_on_eos = None, 0, False
+    for event in decoder.run(ids):
+        if prompt_time is None and decoder.nfe:
+            prompt_time = time.perf_counter() - tic
+        if isinstance(event, StepEvent) and view is not None:
+            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, eos))
+        elif isinstance(event, BlockEvent):
+            generated += len(event.tokens[0])
+            finished_on_eos = event.eos[0]
+            text = detok.add(event.tokens[0])
+            if view is None:
+                print(text, end="", flush=True)
+    elapsed = time.perf_counter() - tic
+    if view is not None:
+        view.draw(detok.emitted + detok.flush(), force=True)
+    else:
+        print(detok.flush())
+    stats = DiffusionResponse(
+        text="",
+        tokens=[],
+        finish_reason="stop" if finished_on_eos else "length",
+        prompt_tokens=len(ids[0]),
+        generation_tokens=generated,
+        nfe=decoder.nfe,
+        tokens_per_forward=generated / max(decoder.nfe, 1),
+        prompt_tps=len(ids[0]) / prompt_time if prompt_time else 0.0,
+        generation_tps=generated / elapsed if elapsed else 0.0,
+        peak_memory=mx.get_peak_memory() / 1e9,
+    )
+    print("=" * 10)
+    print(_stats_line(stats))
+    return 0
+
+
+def convert_main(argv):
+    """Delegate to mlx_lm's convert, with this package's model types registered."""
+    import mlx_dllm_models_hook  # noqa: F401
+    from mlx_lm import convert
+
+    sys.argv = ["mlx_lm.convert"] + list(argv)
+    convert.main()
+    return 0
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"generate": generate_main, "convert": convert_main}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: mlx_dllm {generate,convert} [options]   (mlx_dllm COMMAND --help for details)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
