@@ -53,30 +53,41 @@ class BlockEvent:
     nfe: int
 
 
-# A commit rule as the engine calls it: (stats, candidates, per-row quota floor, settings, spec)
-# -> (B, L) bool. The floor is what guarantees completion; every rule unions it in.
+@dataclass
+class StepContext:
+    """What a commit rule may read besides the statistics and the candidates."""
+
+    step: int  # 0-based denoising step within the block
+    steps: int  # the block's step budget
+    floor: mx.array  # (B,) per-row quota of this step from the schedule; rules union it in
+    key: Optional[mx.array]  # PRNG key for rules that draw (None at temperature 0 unless needed)
+    settings: dict
+    spec: object
+
+
+# A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
+# floor is what guarantees that a block completes within its steps; every rule unions it in.
 CommitRule = Callable[..., mx.array]
 
 
-def _quota(stats, cand, floor, s, spec):
-    return quota_commit(stats.confidence, cand, floor)
+def _quota(stats, cand, ctx):
+    return quota_commit(stats.confidence, cand, ctx.floor)
 
 
-def _threshold(stats, cand, floor, s, spec):
-    hit = threshold_commit(stats.confidence, cand, s["threshold"], strict=spec.strict_threshold)
-    return hit | quota_commit(stats.confidence, cand, floor)
+def _threshold(stats, cand, ctx):
+    thr, strict = ctx.settings["threshold"], ctx.spec.strict_threshold
+    hit = threshold_commit(stats.confidence, cand, thr, strict=strict)
+    return hit | quota_commit(stats.confidence, cand, ctx.floor)
 
 
-def _factor(stats, cand, floor, s, spec):
-    return factor_commit(stats.confidence, cand, s["factor"]) | quota_commit(
-        stats.confidence, cand, floor
-    )
+def _factor(stats, cand, ctx):
+    hit = factor_commit(stats.confidence, cand, ctx.settings["factor"])
+    return hit | quota_commit(stats.confidence, cand, ctx.floor)
 
 
-def _entropy(stats, cand, floor, s, spec):
-    return entropy_commit(stats.entropy, cand, s["entropy_bound"]) | quota_commit(
-        -stats.entropy, cand, floor
-    )
+def _entropy(stats, cand, ctx):
+    hit = entropy_commit(stats.entropy, cand, ctx.settings["entropy_bound"])
+    return hit | quota_commit(-stats.entropy, cand, ctx.floor)
 
 
 COMMIT_RULES: Dict[str, CommitRule] = {
@@ -153,19 +164,18 @@ class MaskedBlockDecoder:
                 if s["sampler"] == "quota" and floor.max().item() == 0:
                     continue  # nothing to commit: the reference's forward would change nothing
                 logits = self._forward(backend, x, start, stop)
-                sub = None
-                if not greedy:
-                    key, sub = mx.random.split(key)
+                key, k_stats, k_rule = mx.random.split(key, 3)
                 stats = token_stats(
                     logits,
                     temperature=s["temperature"],
                     top_k=s["top_k"],
                     top_p=s["top_p"],
-                    key=sub,
+                    key=None if greedy else k_stats,
                     suppress_ids=(mask_id,),
                     confidence=spec.confidence,
                 )
-                commit = self.rule(stats, cand, floor, s, spec)
+                ctx = StepContext(step, s["steps"], floor, k_rule, s, spec)
+                commit = self.rule(stats, cand, ctx)
                 block = mx.where(commit, stats.x0.astype(mx.int32), x[:, start:stop])
                 x[:, start:stop] = block
                 cand = block == mask_id
