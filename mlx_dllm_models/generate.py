@@ -130,6 +130,8 @@ def _eos_ids(model, tokenizer, spec):
 
 
 def _encode(tokenizer, prompt: Prompt) -> List[int]:
+    if isinstance(prompt, str) and prompt == "":
+        raise SettingsError("the prompt is empty: give at least one token of text to condition on")
     if isinstance(prompt, str):
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
