@@ -5,6 +5,7 @@ template) or a list of token ids; generation stops at an EOS, which is not retur
 (finish_reason "stop"), else at max_tokens (finish_reason "length").
 """
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -86,6 +87,22 @@ def _check_checkpoint(path: Path):
     return config
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """AutoTokenizer reads config.json and warns that it does not know our model types: noise."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load(path, **kwargs):
     """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
     checkpoint checked first, and its generation_config.json attached as `model.generation_config`."""
@@ -94,7 +111,8 @@ def load(path, **kwargs):
     path = Path(path)
     _check_checkpoint(path)
     try:
-        model, tokenizer = mlx_load(str(path), **kwargs)
+        with _quiet_transformers():
+            model, tokenizer = mlx_load(str(path), **kwargs)
     except ValueError as e:
         msg = str(e)
         if "parameters not in model" in msg or "Missing" in msg or "shape" in msg:
