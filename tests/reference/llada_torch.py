@@ -1,0 +1,284 @@
+"""Independent torch references for the LLaDA family (tests only).
+
+* `reference_logits(ckpt_path, input_ids)`: logits of a tiny LLaDA / LLaDA-MoE checkpoint computed by
+  transformers' own models on renamed weights: LLaDA 8B = `LlamaForCausalLM` (its block is a Llama
+  block under OLMo names), LLaDA-MoE = `Qwen3MoeForCausalLM` with `norm_topk_prob=False` (softmax
+  router, top-k weights not renormalised, per-head q/k RMSNorm before RoPE, as the HF remote code).
+  Attention is made fully bidirectional with an explicit 4-D additive mask of zeros under the eager
+  kernel (transformers uses a 4-D mask as given); `causal=True` leaves transformers' causal mask.
+  Gap: transformers' Qwen3-MoE has no partial rotary, so for `partial_rotary_factor < 1` the
+  reference installs transformers' own GLM-4-MoE `apply_rotary_pos_emb` (rotates the first
+  `rotary_dim` dims, NeoX style, passes the rest) and an `inv_freq` over `rotary_dim`, exactly what
+  the LLaDA-MoE remote code does. Expert bias, shared experts and clip_qkv have no Qwen3-MoE
+  counterpart and are refused.
+* `llada_generate(...)`: a plain transcription of ML-GSAI/LLaDA `generate.py` (low_confidence
+  remasking) and, with `threshold`, of NVlabs/Fast-dLLM `llada/generate.py` `get_transfer_index`.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _read(ckpt_path):
+    from safetensors.numpy import load_file
+
+    path = Path(ckpt_path)
+    config = json.loads((path / "config.json").read_text())
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return config, weights
+
+
+def _is_moe(config):
+    return config.get("num_experts") is not None or any("MoE" in a for a in config.get("architectures") or ())
+
+
+_OLMO_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+}
+
+
+def _llama(config, weights):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if config.get("include_bias") or config.get("include_qkv_bias") or config.get("weight_tying"):
+        raise NotImplementedError("reference covers the LLaDA 8B layout: no biases, untied head")
+    d, heads = config["d_model"], config["n_heads"]
+    cfg = LlamaConfig(
+        vocab_size=config.get("embedding_size") or config["vocab_size"],
+        hidden_size=d,
+        intermediate_size=config["mlp_hidden_size"],
+        num_hidden_layers=config["n_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("n_kv_heads") or heads,
+        head_dim=d // heads,
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+        max_position_embeddings=config["max_sequence_length"],
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation="eager",
+    )
+    state = {}
+    for k, v in weights.items():
+        parts = k.split(".")
+        if parts[:3] == ["model", "transformer", "blocks"]:
+            state[f"model.layers.{parts[3]}.{_OLMO_BLOCK[parts[4]]}.{parts[5]}"] = v
+        else:
+            top = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}[parts[2]]
+            state[f"{top}.{parts[3]}"] = v
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
+    return model.eval(), contextlib.nullcontext
+
+
+def _qwen3_moe(config, weights):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.glm4_moe import modeling_glm4_moe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    if config.get("shared_expert_intermediate_size") or config.get("moe_router_enable_expert_bias"):
+        raise NotImplementedError("Qwen3-MoE has no shared expert / expert bias of the LLaDA-MoE kind")
+    if config.get("clip_qkv") is not None or not config.get("qk_layernorm", True):
+        raise NotImplementedError("reference needs qk_layernorm and no clip_qkv")
+    d, heads, n = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    head_dim = d // heads
+    freq = config.get("moe_layer_freq") or [1] * n
+    cfg = Qwen3MoeConfig(
+        vocab_size=config["vocab_size"],
+        hidden_size=d,
+        intermediate_size=config.get("dense_intermediate_size") or 1,
+        moe_intermediate_size=config["expert_intermediate_size"],
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        num_experts=config["num_experts"],
+        num_experts_per_tok=config["num_experts_per_tok"],
+        norm_topk_prob=False,  # the LLaDA-MoE block hard-codes it, whatever the config says
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, f in enumerate(freq) if not f],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+        max_position_embeddings=config["max_position_embeddings"],
+        attention_bias=config.get("attention_bias", False),
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    state = {}
+    n_experts = config["num_experts"]
+    for k, v in weights.items():
+        if ".mlp.experts." not in k:
+            state[k] = v
+    for i in range(n):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" not in weights:
+            continue
+        # transformers 5 stores experts fused: gate_up_proj (E, 2I, H) = [gate; up], down_proj (E, H, I).
+        gate_up = [
+            np.concatenate([weights[f"{p}.{e}.gate_proj.weight"], weights[f"{p}.{e}.up_proj.weight"]])
+            for e in range(n_experts)
+        ]
+        state[f"{p}.gate_up_proj"] = np.stack(gate_up)
+        state[f"{p}.down_proj"] = np.stack([weights[f"{p}.{e}.down_proj.weight"] for e in range(n_experts)])
+    model = Qwen3MoeForCausalLM(cfg)
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
+
+    rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+    if rotary_dim == head_dim:
+        return model.eval(), contextlib.nullcontext
+    theta = config["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    model.model.rotary_emb.inv_freq = inv_freq
+    model.model.rotary_emb.original_inv_freq = inv_freq
+
+    @contextlib.contextmanager
+    def partial_rotary():
+        original = modeling_qwen3_moe.apply_rotary_pos_emb
+        modeling_qwen3_moe.apply_rotary_pos_emb = modeling_glm4_moe.apply_rotary_pos_emb
+        try:
+            yield
+        finally:
+            modeling_qwen3_moe.apply_rotary_pos_emb = original
+
+    return model.eval(), partial_rotary
+
+
+_MODELS = {}
+
+
+def _model(ckpt_path):
+    key = str(Path(ckpt_path).resolve())
+    if key not in _MODELS:
+        config, weights = _read(ckpt_path)
+        _MODELS[key] = (_qwen3_moe if _is_moe(config) else _llama)(config, weights)
+    return _MODELS[key]
+
+
+def torch_forward(ckpt_path, causal: bool = False):
+    """A callable: (B, L) token ids (numpy or torch) -> float32 torch logits (B, L, V)."""
+    model, context = _model(ckpt_path)
+
+    def forward(ids):
+        ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+        B, L = ids.shape
+        # An explicit 4-D additive mask is used as given: zeros = every query sees every key.
+        mask = None if causal else torch.zeros(B, 1, L, L, dtype=torch.float32)
+        with torch.no_grad(), context():
+            return model(input_ids=ids, attention_mask=mask).logits.float()
+
+    return forward
+
+
+def reference_logits(ckpt_path, input_ids: np.ndarray, causal: bool = False) -> np.ndarray:
+    """float32 logits (B, L, V) of the checkpoint at `ckpt_path` (LLaDA 8B or LLaDA-MoE layout)."""
+    return torch_forward(ckpt_path, causal=causal)(input_ids).numpy()
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def add_gumbel_noise(logits, temperature):
+    """LLaDA: exp(logits) / (-log u)^T in float64; its argmax is a temperature-T sample."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    noise = torch.rand_like(logits, dtype=torch.float64)
+    return logits.exp() / (-torch.log(noise)) ** temperature
+
+
+def get_num_transfer_tokens(mask_index, steps):
+    """Per row: n_masks // steps per step, the first n_masks % steps steps get one more."""
+    mask_num = mask_index.sum(dim=1, keepdim=True)
+    base = mask_num // steps
+    remainder = mask_num % steps
+    num = torch.zeros(mask_num.size(0), steps, dtype=torch.int64) + base
+    for i in range(mask_num.size(0)):
+        num[i, : remainder[i]] += 1
+    return num
+
+
+def llada_generate(
+    forward,
+    prompt_ids,
+    steps,
+    gen_length,
+    block_length,
+    temperature=0.0,
+    *,
+    mask_id,
+    threshold=None,
+    return_nfe=False,
+):
+    """LLaDA `generate` (semi-autoregressive blocks, low_confidence remasking), or with `threshold`
+    Fast-dLLM's threshold rule. `steps` is the total over all blocks, as in the reference.
+    Returns the full x (prompt + canvas) as numpy; with `return_nfe`, (x, number of forwards)."""
+    prompt = torch.as_tensor(np.asarray(prompt_ids), dtype=torch.long)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    B, P = prompt.shape
+    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long)
+    x[:, :P] = prompt.clone()
+
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+    assert steps % num_blocks == 0
+    steps_per_block = steps // num_blocks
+    nfe = 0
+
+    for num_block in range(num_blocks):
+        start = P + num_block * block_length
+        end = start + block_length
+        num_transfer_tokens = get_num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+        i = 0
+        while True:
+            if threshold is None and i == steps_per_block:
+                break
+            if threshold is not None and (x[:, start:end] == mask_id).sum() == 0:
+                break
+            mask_index = x == mask_id
+            logits = forward(x)
+            nfe += 1
+
+            x0 = torch.argmax(add_gumbel_noise(logits, temperature), dim=-1)
+            # Confidence is read from the raw logits (no temperature), in float64.
+            p = F.softmax(logits.to(torch.float64), dim=-1)
+            x0_p = torch.gather(p, dim=-1, index=x0[..., None])[..., 0]
+            x0_p[:, end:] = -np.inf
+
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, torch.tensor(-np.inf, dtype=x0_p.dtype))
+
+            transfer_index = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(B):
+                if threshold is None:
+                    k = int(num_transfer_tokens[j, i])
+                else:
+                    k = int(mask_index[j, :end].sum())
+                _, select_index = torch.topk(confidence[j], k=k)
+                transfer_index[j, select_index] = True
+                if threshold is not None:
+                    # Fast-dLLM: the top-1 is always committed, the rest only above threshold.
+                    for r in range(1, k):
+                        if confidence[j, select_index[r]] < threshold:
+                            transfer_index[j, select_index[r]] = False
+            x[transfer_index] = x0[transfer_index]
+            i += 1
+
+    out = x.numpy()
+    return (out, nfe) if return_nfe else out
