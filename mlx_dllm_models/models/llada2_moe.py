@@ -1,0 +1,233 @@
+"""LLaDA2.x MoE (inclusionAI/LLaDA2.0-mini, LLaDA2.1-flash, ...): block diffusion on the Ling 2.0 body.
+
+Built from mlx-lm's `bailing_moe` (same weight names, fused QKV attention, SwitchGLU experts, shared
+experts, first_k_dense_replace dense layers), with the deltas of the Hugging Face
+`modeling_llada2_moe.py`:
+
+* the router drops non-selected expert groups with -inf (bailing_moe writes 0, which outranks
+  negative bias-corrected scores and so picks experts from dropped groups);
+* the router always uses a sigmoid, always adds `expert_bias` (a buffer HF registers unconditionally)
+  for selection only, and always renormalises the unbiased top-k weights when top_k > 1;
+* the config's `head_dim` is honoured (bailing_moe derives it from hidden_size / heads), and the
+  rotary size is `int(head_dim * partial_rotary_factor)` as HF's RoPE init computes it.
+
+Attention is block-causal (blocks of 32 aligned on absolute positions); the caller passes the mask.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import bailing_moe
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from .sdar import (
+    check_weight_names,
+    drop_unused_buffers,
+    eos_token_ids,
+    resolve_mask_token_id,
+    run_layers,
+    select_rows,
+)
+
+LLADA2_MASK_TOKEN_ID = 156895  # <|mask|> of the Ling tokenizer
+LLADA2_BLOCK_LENGTH = 32
+
+
+@dataclass
+class ModelArgs(bailing_moe.ModelArgs):
+    # Defaults of LLaDA2MoeConfig where they differ from bailing_moe's.
+    use_qk_norm: bool = True
+    score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    head_dim: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    eos_token_id: Union[int, List[int], None] = None
+    pad_token_id: Optional[int] = None
+    block_length: Optional[int] = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # HF ignores the config's `rotary_dim` and derives it from the factor.
+        self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        self.num_shared_experts = self.num_shared_experts or 0
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"llada2_moe: num_experts {self.num_experts} is not divisible by n_group {self.n_group}."
+            )
+        self.mask_token_id = resolve_mask_token_id(
+            self.mask_token_id, LLADA2_MASK_TOKEN_ID, self.vocab_size, self.model_type
+        )
+        if self.eos_token_id is None:
+            # Ling uses <|endoftext|> as both pad and EOS; HF generate's eos_id default is that id.
+            self.eos_token_id = self.pad_token_id
+
+
+@mx.compile
+def group_limited_topk(logits, expert_bias, top_k, n_group, topk_group, routed_scaling_factor):
+    """LLaDA2MoeGate.forward (fp32): sigmoid scores, bias-corrected group-limited top-k selection,
+    unbiased weights renormalised (+1e-20) and scaled."""
+    scores = mx.sigmoid(logits)
+    routing = scores + expert_bias
+    dropped_groups = n_group - topk_group
+    if n_group > 1 and dropped_groups > 0:
+        grouped = mx.unflatten(routing, axis=-1, shape=(n_group, -1))
+        group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
+        dropped = mx.argpartition(group_scores, kth=dropped_groups - 1, axis=-2)[..., :dropped_groups, :]
+        grouped = mx.put_along_axis(
+            grouped, mx.stop_gradient(dropped), mx.array(-mx.inf, grouped.dtype), axis=-2
+        )
+        routing = mx.flatten(grouped, -2, -1)
+    inds = mx.stop_gradient(mx.argpartition(-routing, kth=top_k - 1, axis=-1)[..., :top_k])
+    weights = mx.take_along_axis(scores, inds, axis=-1)
+    if top_k > 1:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, weights * routed_scaling_factor
+
+
+class Gate(bailing_moe.BailingMoeGate):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.expert_bias = mx.zeros((args.num_experts,), dtype=mx.float32)
+
+    def __call__(self, x):
+        logits = self.gate_proj(x.astype(mx.float32)).astype(mx.float32)
+        return group_limited_topk(
+            logits,
+            self.expert_bias.astype(mx.float32),
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+        )
+
+
+class SparseMoeBlock(bailing_moe.BailingMoeSparseMoeBlock):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.gate = Gate(args)
+
+
+class Attention(bailing_moe.BailingMoeAttention):
+    """bailing_moe's forward (fused QKV split by rows, per-head QK norm, partial RoPE) over the
+    config's head_dim."""
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.use_qk_norm = args.use_qk_norm
+        self.num_attention_heads = heads = args.num_attention_heads
+        self.num_key_value_heads = kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        self.query_key_value = nn.Linear(
+            args.hidden_size, (heads + 2 * kv_heads) * head_dim, bias=args.use_qkv_bias
+        )
+        self.dense = nn.Linear(heads * head_dim, args.hidden_size, bias=args.use_bias)
+        if args.use_qk_norm:
+            self.query_layernorm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+            self.key_layernorm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        # Rotating only the first rotary_dim features of each head: the rest pass through.
+        self.rope = initialize_rope(
+            args.rotary_dim,
+            args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+
+class DecoderLayer(bailing_moe.BailingMoeDecoderLayer):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        nn.Module.__init__(self)
+        self.attention = Attention(args)
+        if layer_idx >= args.first_k_dense_replace:
+            self.mlp = SparseMoeBlock(args)
+        else:
+            self.mlp = bailing_moe.BailingMoeMLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class LLaDA2MoeModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(bailing_moe.Model):
+    """LLaDA2MoeModelLM. Reuses bailing_moe's sanitize (expert stacking, gate renaming) and
+    cast_predicate (expert_bias stays float32 on conversion)."""
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.norm_head = args.norm_head
+        self.model_type = args.model_type
+        self.model = LLaDA2MoeModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
+        h = run_layers(self, self.model.word_embeddings(inputs), cache, mask)
+        h = self.model.norm(select_rows(h, rows))
+        if self.args.tie_word_embeddings:
+            return self.model.word_embeddings.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights):
+        weights = drop_unused_buffers(weights)
+        try:
+            weights = super().sanitize(weights)
+        except KeyError as e:
+            raise ValueError(
+                f"llada2_moe: expert weight {e} is missing; config.json says num_experts="
+                f"{self.args.num_experts}, the checkpoint has fewer."
+            ) from None
+        # Routing adds the bias to sigmoid scores in (0, 1): bfloat16 would reorder close experts.
+        weights = {
+            k: v.astype(mx.float32) if k.endswith("mlp.gate.expert_bias") else v
+            for k, v in weights.items()
+        }
+        return check_weight_names(self, weights, "llada2_moe", "model.layers.1.mlp.gate.expert_bias")
+
+    @property
+    def quant_predicate(self):
+        def predicate(path, _):
+            # The router decides which experts run; HF keeps it in float32.
+            return not path.endswith("mlp.gate.gate_proj")
+
+        return predicate
+
+    @property
+    def diffusion_spec(self) -> DiffusionSpec:
+        args = self.args
+        trained = int(args.block_length or LLADA2_BLOCK_LENGTH)
+        return DiffusionSpec(
+            family="llada2",
+            attention=BLOCK_CAUSAL,
+            mask_token_id=args.mask_token_id,
+            eos_token_ids=eos_token_ids(args.eos_token_id),
+            confidence="sampled",
+            quota_base="block",
+            samplers=SHARED_SAMPLERS,
+            caches=("none", "prefix"),
+            extra_settings=("editing_threshold", "max_post_steps"),
+            # modeling_llada2_moe.generate defaults; LLaDA2.1 adds editing (off unless set).
+            defaults={
+                "block_length": trained,
+                "steps": trained,
+                "sampler": "threshold",
+                "threshold": 0.95,
+                "temperature": 0.0,
+                "editing_threshold": None,
+                "max_post_steps": 16,
+                "max_tokens": 128,
+            },
+            trained_block_length=trained,
+            max_position_embeddings=args.max_position_embeddings,
+        )

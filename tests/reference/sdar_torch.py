@@ -1,0 +1,66 @@
+"""Independent torch reference for SDAR / SDAR-MoE.
+
+SDAR's `modeling_sdar.py` is Qwen3's math (SDAR-MoE: Qwen3-MoE's) with the attention mask supplied by
+the caller. The reference is transformers' own Qwen3ForCausalLM / Qwen3MoeForCausalLM, loaded with
+`from_pretrained` from the checkpoint's weights (identical key names; transformers' loader fuses the
+MoE experts itself) under the checkpoint's config relabelled as qwen3 / qwen3_moe, eager attention,
+and a 4-D additive mask (transformers returns a 4-D mask as-is and eager attention adds it).
+"""
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+_QWEN = {"sdar": ("qwen3", "Qwen3ForCausalLM"), "sdar_moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+
+
+@functools.lru_cache(maxsize=4)
+def load_reference(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Path(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    model_type, arch = _QWEN[cfg["model_type"]]
+    cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "block_size", "mask_token_id")}
+    cfg.update(model_type=model_type, architectures=[arch])
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        for f in ckpt.glob("*.safetensors"):
+            (Path(tmp) / f.name).symlink_to(f.resolve())
+        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def block_causal_keep(length, block_length):
+    """Rows of tril(ones(nb, nb)) repeated by block, as SDAR's generate.py builds its mask."""
+    nb = -(-length // block_length)
+    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
+    keep = tril.repeat_interleave(block_length, 0).repeat_interleave(block_length, 1)
+    return keep[:length, :length]
+
+
+def reference_logits(ckpt, input_ids, block_length, layout="block"):
+    """float32 logits (B, L, V) under the block-causal mask (`layout="block"`), or, to show that a
+    test can fail, the causal ("causal") or bidirectional ("full") reading."""
+    model = load_reference(str(ckpt))
+    x = torch.as_tensor(np.asarray(input_ids)).long()
+    B, L = x.shape
+    if layout == "block":
+        keep = block_causal_keep(L, block_length)
+    elif layout == "causal":
+        keep = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    elif layout == "full":
+        keep = torch.ones(L, L, dtype=torch.bool)
+    else:
+        raise ValueError(layout)
+    additive = torch.zeros(L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
+    additive = additive[None, None].expand(B, 1, L, L)
+    with torch.no_grad():
+        out = model(input_ids=x, attention_mask=additive, position_ids=torch.arange(L).expand(B, L), use_cache=False)
+    return out.logits.float().numpy()
