@@ -46,6 +46,9 @@ def _generate_parser():
     p.add_argument(
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="let the tokenizer run the checkpoint's code"
+    )
     p.add_argument("--no-live", action="store_true", help="no live canvas, print blocks as they come")
     for name, (typ, help_) in _FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
@@ -137,7 +140,9 @@ def generate_main(argv):
         prompt = sys.stdin.read()
 
     try:
-        model, tokenizer = load(model_path)
+        model, tokenizer = load(
+            model_path, tokenizer_config={"trust_remote_code": args.trust_remote_code}
+        )
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):

@@ -23,7 +23,9 @@ from .decoding import (
     token_stats,
     transfer_schedule,
 )
-from .masks import padding_mask
+from .decoding.dream import dream_commit
+from .masks import block_causal_mask, padding_mask
+from .spec import BLOCK_CAUSAL
 
 
 @dataclass
@@ -67,11 +69,20 @@ class StepContext:
 
 # A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
 # floor is what guarantees that a block completes within its steps; every rule unions it in.
+# Optional attributes of a rule (a family's own sampler, e.g. Dream's, sets them):
+#   schedule(masks (B,), steps, settings) -> (B, steps) int32 floors whose rows sum to `masks`
+#     (default: transfer_schedule);
+#   exact_floor(settings) -> bool: the rule commits exactly the floor, so a step whose floor is 0
+#     in every row is skipped without a forward;
+#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats).
 CommitRule = Callable[..., mx.array]
 
 
 def _quota(stats, cand, ctx):
     return quota_commit(stats.confidence, cand, ctx.floor)
+
+
+_quota.exact_floor = lambda settings: True
 
 
 def _threshold(stats, cand, ctx):
@@ -95,75 +106,152 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "threshold": _threshold,
     "factor": _factor,
     "entropy": _entropy,
+    "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
 }
+
+
+class Layout:
+    """Where each row's prompt and canvas sit in the (B, W) token array.
+
+    Rows are left-padded; a row's positions count its real tokens only (column - pad). For
+    bidirectional families every canvas starts at the same column. For block-causal families,
+    whose blocks sit on absolute positions 0, B, 2B, ..., each row's padding is a multiple of the
+    block length, so that block boundaries fall on the same columns for every row; canvases then
+    start at different columns, and the array extends to the end of the last block, whose
+    positions past max_tokens stay masks: the model sees the whole block it was trained on, and
+    they are never committed nor returned.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], n_gen: int, block_length: int,
+                 aligned: bool, mask_id: int, pad_id: int = 0):
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        if aligned:
+            self.pads = [block_length * -(-(longest - n) // block_length) for n in lengths]
+        else:
+            self.pads = [longest - n for n in lengths]
+        self.starts = [p + n for p, n in zip(self.pads, lengths)]
+        self.n_gen = n_gen
+        width = max(self.starts) + n_gen
+        if aligned:
+            width = block_length * -(-width // block_length)
+        self.width = width
+        self.aligned = aligned
+        self.block_length = block_length
+        rows = [
+            [pad_id] * pad + list(p) + [mask_id] * (width - pad - len(p))
+            for pad, p in zip(self.pads, prompts)
+        ]
+        self.tokens = mx.array(rows, dtype=mx.int32)
+        cols = mx.arange(width)[None, :]
+        starts = mx.array(self.starts)[:, None]
+        self.generated = (cols >= starts) & (cols < starts + n_gen)  # (B, W) canvas columns
+
+    def blocks(self):
+        first = min(self.starts)
+        return block_ranges(first, max(self.starts) + self.n_gen - first, self.block_length,
+                            aligned=self.aligned)
+
+    def select(self, idx: List[int]):
+        out = object.__new__(Layout)
+        out.__dict__.update(self.__dict__)
+        out.pads = [self.pads[i] for i in idx]
+        out.starts = [self.starts[i] for i in idx]
+        out.generated = self.generated[mx.array(idx)]
+        return out
 
 
 class FullRecompute:
     """Every step runs the model over the whole sequence (prompt + canvas). The exact mode for
-    bidirectional models, whose every position attends to every other. Left-padded rows get a
-    padding mask and per-row positions; the LM head only runs over the block's rows."""
+    bidirectional models, whose every position attends to every other, and the reference mode of
+    block-causal ones (under their block-causal mask). Left-padded rows get a padding mask and
+    per-row positions; the LM head only runs over the block's rows."""
 
-    def __init__(self, model, spec, pads: Sequence[int], length: int):
+    def __init__(self, model, spec, layout: Layout, settings: dict):
         self.model = model
         self.shift = spec.logit_shift
-        self.mask = padding_mask(pads, length)
-        self.cache = Positions.for_left_padding(pads, len(model.layers))
+        self.nfe = 0
+        width = layout.width
+        if spec.attention == BLOCK_CAUSAL:
+            self.mask = block_causal_mask(
+                width, settings["block_length"], left_padding=layout.pads if any(layout.pads) else None
+            )
+        else:
+            self.mask = padding_mask(layout.pads, width)
+        self.cache = Positions.for_left_padding(layout.pads, len(model.layers))
+        self.spec, self.settings = spec, settings
+
+    def prefill(self, x):
+        pass
+
+    def begin_block(self, x, start, stop):
+        return x
 
     def block_logits(self, x, start, stop):
+        self.nfe += 1
         rows = (start - self.shift, stop - self.shift)
         return self.model(x, cache=self.cache, mask=self.mask, rows=rows)
 
+    def end_block(self, x, start, stop):
+        pass
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int):
-    width = max(len(p) for p in prompts)
-    pads = [width - len(p) for p in prompts]
-    rows = [[pad_id] * n + list(p) for n, p in zip(pads, prompts)]
-    return mx.array(rows, dtype=mx.int32), pads
+    def select(self, layout: Layout, idx: List[int]):
+        fresh = type(self)(self.model, self.spec, layout, self.settings)
+        fresh.nfe = self.nfe
+        return fresh
 
 
 class MaskedBlockDecoder:
-    """Masked block decoding for a batch of prompts (B >= 1)."""
+    """Masked block decoding for a batch of prompts (B >= 1). The loop is the same for every
+    family; what differs (how logits of a block are computed, caches, block seeding) lives in the
+    backend, chosen from the spec's attention layout and the `cache` setting."""
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=FullRecompute):
+    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
         self.model = model
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
-        self.backend_cls = backend
-        self.nfe = 0
+        self.backend_cls = backend or FullRecompute
+        self.backend = None
         rule = COMMIT_RULES.get(settings["sampler"])
         if rule is None:
             raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
         self.rule = rule
+        self.schedule = getattr(rule, "schedule", None) or (lambda m, steps, _: transfer_schedule(m, steps))
+        self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
 
-    def _forward(self, backend, x, start, stop):
-        self.nfe += 1
-        return backend.block_logits(x, start, stop)
+    @property
+    def nfe(self) -> int:
+        return self.backend.nfe if self.backend is not None else 0
 
     def run(self, prompts: Sequence[Sequence[int]]) -> Iterator[object]:
         s, spec = self.s, self.spec
         mask_id = spec.mask_token_id
-        n_gen = s["max_tokens"]
-        prompt_arr, pads = left_pad(prompts, pad_id=mask_id)
-        P = prompt_arr.shape[1]
-        x = mx.concatenate([prompt_arr, mx.full((len(prompts), n_gen), mask_id, mx.int32)], axis=1)
+        layout = Layout(prompts, s["max_tokens"], s["block_length"], spec.attention == BLOCK_CAUSAL,
+                        mask_id)
+        x = layout.tokens
         rows = list(range(len(prompts)))
-        backend = self.backend_cls(self.model, spec, pads, x.shape[1])
+        backend = self.backend = self.backend_cls(self.model, spec, layout, s)
+        backend.prefill(x)
         key = mx.random.key(s["seed"])
         greedy = s["temperature"] == 0
-        for start, stop in block_ranges(P, n_gen, s["block_length"]):
-            cand = x[:, start:stop] == mask_id
-            base = cand.sum(axis=1) if spec.quota_base == "masks" else mx.full(
-                (x.shape[0],), stop - start, mx.int32
-            )
-            schedule = transfer_schedule(base, s["steps"])
+        first = min(layout.starts)
+        for start, stop in layout.blocks():
+            x = backend.begin_block(x, start, stop)
+            gen = layout.generated[:, start:stop]
+            cand = (x[:, start:stop] == mask_id) & gen
+            if spec.quota_base == "masks":
+                base = cand.sum(axis=1)
+            else:
+                base = mx.full((x.shape[0],), s["block_length"], mx.int32)
+            schedule = self.schedule(base, s["steps"], s)
             for step in range(s["steps"]):
                 if not cand.any().item():
                     break
                 floor = schedule[:, step]
-                if s["sampler"] == "quota" and floor.max().item() == 0:
+                if self.exact_floor and floor.max().item() == 0:
                     continue  # nothing to commit: the reference's forward would change nothing
-                logits = self._forward(backend, x, start, stop)
+                logits = backend.block_logits(x, start, stop)
                 key, k_stats, k_rule = mx.random.split(key, 3)
                 stats = token_stats(
                     logits,
@@ -173,30 +261,33 @@ class MaskedBlockDecoder:
                     key=None if greedy else k_stats,
                     suppress_ids=(mask_id,),
                     confidence=spec.confidence,
+                    order=spec.sampling_order,
+                    extras=getattr(self.rule, "stats_extras", ()),
                 )
                 ctx = StepContext(step, s["steps"], floor, k_rule, s, spec)
                 commit = self.rule(stats, cand, ctx)
                 block = mx.where(commit, stats.x0.astype(mx.int32), x[:, start:stop])
                 x[:, start:stop] = block
-                cand = block == mask_id
-                yield StepEvent(rows, x[:, P:], (start - P, stop - P), self.nfe)
+                cand = (block == mask_id) & gen
+                yield StepEvent(rows, x[:, first:], (start - first, stop - first), self.nfe)
             assert not cand.any().item(), "a block left masks after its step budget"
+            backend.end_block(x, start, stop)
             new = x[:, start:stop].tolist()
-            hit, emitted = [], []
-            for toks in new:
+            gen_rows = gen.tolist()
+            hit, emitted, finished = [], [], []
+            for r, (toks, g) in enumerate(zip(new, gen_rows)):
+                toks = [t for t, keep in zip(toks, g) if keep]
                 cut = next((i for i, t in enumerate(toks) if t in self.eos), None)
                 hit.append(cut is not None)
                 emitted.append(toks if cut is None else toks[:cut])
-            last = stop == P + n_gen
-            finished = [h or last for h in hit]
+                finished.append(cut is not None or stop >= layout.starts[r] + layout.n_gen)
             yield BlockEvent(list(rows), emitted, hit, finished, self.nfe)
             keep = [i for i, f in enumerate(finished) if not f]
             if not keep:
                 return
             if len(keep) < len(rows):
                 # Rows are independent: drop finished ones from the batch instead of computing them.
-                idx = mx.array(keep)
-                x = x[idx]
+                x = x[mx.array(keep)]
                 rows = [rows[i] for i in keep]
-                pads = [pads[i] for i in keep]
-                backend = self.backend_cls(self.model, spec, pads, x.shape[1])
+                layout = layout.select(keep)
+                backend = self.backend = backend.select(layout, keep)

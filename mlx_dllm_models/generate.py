@@ -110,11 +110,22 @@ def load(path, **kwargs):
 
     path = Path(path)
     _check_checkpoint(path)
+    # Real checkpoints carry an auto_map to remote code; transformers would stop and ask on stdin
+    # whether to run it. The tokenizers of the supported families do not need it, so say no unless
+    # the caller opts in.
+    tokenizer_config = dict(kwargs.pop("tokenizer_config", None) or {})
+    tokenizer_config.setdefault("trust_remote_code", False)
     try:
         with _quiet_transformers():
-            model, tokenizer = mlx_load(str(path), **kwargs)
+            model, tokenizer = mlx_load(str(path), tokenizer_config=tokenizer_config, **kwargs)
     except ValueError as e:
         msg = str(e)
+        if "trust_remote_code" in msg:
+            raise CheckpointError(
+                f"the tokenizer in {path} needs the checkpoint's own Python code; after reviewing "
+                "the .py files there, pass tokenizer_config={'trust_remote_code': True} "
+                "(CLI: --trust-remote-code)"
+            ) from None
         if "parameters not in model" in msg or "Missing" in msg or "shape" in msg:
             raise CheckpointError(
                 f"the weights in {path} do not match the model its config.json describes: {msg}. "
@@ -132,6 +143,8 @@ def load(path, **kwargs):
 def _checkpoint_settings(model, spec):
     gen = getattr(model, "generation_config", None) or {}
     keys = dict(GENERATION_CONFIG_KEYS)
+    for key in spec.ignored_generation_config_keys:
+        keys.pop(key, None)
     keys.update(spec.generation_config_keys)
     return {setting: gen[key] for key, setting in keys.items() if gen.get(key) is not None}
 

@@ -7,6 +7,8 @@ Kept free of heavy imports: the import hook reads it at interpreter start-up.
 # `mlx_lm.models.<model_type>`; the hook answers that import with our module.
 MODEL_TYPES = {
     "llada": "llada",
+    # dllm's instructions rewrite LLaDA-MoE's model_type to "lladamoe"; same module.
+    "lladamoe": "llada",
     "Dream": "dream",
     "dream": "dream",
     "sdar": "sdar",

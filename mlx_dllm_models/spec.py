@@ -6,7 +6,7 @@ model exposes as `model.diffusion_spec`. The engine reads the spec; it never ask
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 # Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
 BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
@@ -43,5 +43,20 @@ class DiffusionSpec:
     # The block size the checkpoint was trained with, for block-causal families (warn when changed).
     # generation_config.json key -> setting name, read on top of settings.GENERATION_CONFIG_KEYS.
     generation_config_keys: Mapping[str, str] = field(default_factory=dict)
+    # Keys of the shared mapping that this family's reference decoder never reads (SDAR's
+    # generation_config holds AR sampling defaults that its diffusion generate ignores).
+    ignored_generation_config_keys: Tuple[str, ...] = ()
     trained_block_length: Optional[int] = None
     max_position_embeddings: Optional[int] = None
+    # The reference's order of logits processing before sampling (decoding.stats.token_stats):
+    # Dream divides by the temperature first, then filters top-p, then top-k.
+    sampling_order: Tuple[str, ...] = ("top_k", "top_p", "temperature")
+    # Extra settings that act only with some samplers (setting -> samplers), on top of
+    # settings.SAMPLER_SETTINGS: passing one with another sampler is an error.
+    sampler_settings: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    # Defaults that come with a sampler (sampler -> {setting: value}), over `defaults`, under the
+    # checkpoint and explicit settings. block_length None means one block over max_tokens.
+    sampler_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Checks of extra settings (setting -> f(value) returning an error message, or None if valid),
+    # run when the chosen sampler acts on the setting.
+    setting_checks: Mapping[str, Callable[[Any], Optional[str]]] = field(default_factory=dict)

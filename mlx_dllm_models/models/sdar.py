@@ -105,6 +105,9 @@ def sdar_spec(args) -> DiffusionSpec:
             "temperature": 0.0,
             "max_tokens": 128,
         },
+        # generation_config.json holds Qwen3's AR sampling defaults (temperature 0.6, top_k 20,
+        # top_p 0.95) that SDAR's diffusion generate.py never reads.
+        ignored_generation_config_keys=("temperature", "top_k", "top_p"),
         trained_block_length=block,
         max_position_embeddings=args.max_position_embeddings,
     )
