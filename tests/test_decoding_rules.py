@@ -4,7 +4,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mlx_dllm_models.decoding import (
