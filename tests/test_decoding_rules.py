@@ -100,8 +100,10 @@ def test_entropy_bound(data, bound):
     for r in range(h.shape[0]):
         idx = np.where(cand[r])[0]
         order = idx[np.argsort(h[r][idx])]
-        before = np.cumsum(h[r][order]) - h[r][order]
-        expect = set(order[before <= bound + 1e-6]) | set(order[:1])
+        before = np.cumsum(h[r][order].astype(np.float64)) - h[r][order]
+        # a float32 sum may round either way right at the boundary: skip those cases
+        assume(np.all(np.abs(before[1:] - bound) > 1e-5))
+        expect = set(order[before <= bound]) | set(order[:1])
         assert set(np.where(commit[r])[0]) == expect
 
 
