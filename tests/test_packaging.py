@@ -1,0 +1,267 @@
+"""Packaging: the wheel, the start-up hook, the upstream patch, and mlx-lm finding our models in
+fresh processes that never imported mlx_dllm_models.
+
+The fresh processes run in a throwaway venv holding a regular (non-editable) install of the wheel
+built from this checkout, so `mlx_dllm_models.pth` is processed by `site` at start-up exactly as
+in a user's environment (a .pth on PYTHONPATH would be ignored). The venv sees the test
+environment's packages (mlx, mlx-lm, ...) through a start-up `site.addsitedir` of its own, so
+nothing is downloaded and nothing is copied.
+"""
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import tomllib
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mlx_dllm_models.registry import MODEL_TYPES
+from tests.fixtures import all_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH = ROOT / "patches" / "mlx-lm-model-plugins.patch"
+PINNED_MLX_LM = "0.32.2"
+HEAVY = ("mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "torch", "mlx_dllm_models")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(
+        PYTHONNOUSERSITE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def _run(cmd, cwd, env=None, timeout=600):
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _python(installed, code, *args, extra_env=None, timeout=600):
+    """Run `code` in a fresh interpreter of the throwaway venv, outside the checkout; return what it
+    printed on its `RESULT ` line, parsed as JSON."""
+    env = _env()
+    env.update(extra_env or {})
+    proc = _run([installed.python, "-c", textwrap.dedent(code), *args], installed.workdir, env, timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise AssertionError(f"no RESULT line:\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", out, ROOT],
+        out,
+    )
+    (whl,) = out.glob("mlx_dllm_models-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory, wheel):
+    """A venv with the wheel installed the regular way, on top of the test environment's packages."""
+    base = tmp_path_factory.mktemp("venv")
+    venv = base / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], base)
+    python = venv / "bin" / "python"
+    site_dir = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], base).stdout.strip())
+    parents = [p for p in dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]) if Path(p).is_dir()]
+    # Sorts before mlx_dllm_models.pth, so the dependencies are importable when the hook loads.
+    lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in parents)
+    (site_dir / "_test_parent_env.pth").write_text(lines)
+    # The test environment's pip, so that nothing outside the throwaway venv is touched.
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", site_dir, wheel], base)
+    workdir = base / "work"
+    workdir.mkdir()
+    return SimpleNamespace(python=python, site=site_dir, workdir=workdir)
+
+
+@pytest.fixture(scope="session")
+def mlx_lm_copy(tmp_path_factory):
+    """A copy of the installed mlx_lm package, for the patch."""
+    import mlx_lm
+
+    version = importlib.metadata.version("mlx-lm")
+    if version != PINNED_MLX_LM:
+        pytest.skip(f"{PATCH.name} targets mlx-lm {PINNED_MLX_LM}; installed is {version}")
+    dst = tmp_path_factory.mktemp("mlx_lm_src")
+    shutil.copytree(Path(mlx_lm.__file__).parent, dst / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _apply_patch(directory, check):
+    """Apply (or with `check`, only try) the patch in `directory`; (ok, output)."""
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "-i", str(PATCH)] + (["--dry-run"] if check else [])
+    else:
+        cmd = ["git", "apply", str(PATCH)] + (["--check"] if check else [])
+    proc = subprocess.run(cmd, cwd=directory, capture_output=True, text=True)
+    # patch's "Hunk #1 succeeded at ... (offset/fuzz)" means it no longer matches the sources exactly.
+    return proc.returncode == 0 and "Hunk" not in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_patch_applies_cleanly_to_pinned_mlx_lm(mlx_lm_copy):
+    ok, output = _apply_patch(mlx_lm_copy, check=True)
+    assert ok, output
+
+
+def test_entry_points_declare_every_registered_model_type():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"]["mlx_lm.models"]
+    assert declared == {t: f"mlx_dllm_models.models.{m}" for t, m in MODEL_TYPES.items()}
+
+
+def test_wheel_ships_the_startup_hook_at_its_root(wheel):
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        assert whl.read("mlx_dllm_models.pth").decode().strip() == "import mlx_dllm_models_hook"
+    assert {"mlx_dllm_models_hook.py", "mlx_dllm_models/__init__.py", "mlx_dllm_models/registry.py"} <= names
+    assert not any(n.startswith(("tests/", "patches/")) for n in names)
+
+
+def test_editable_wheel_also_ships_the_startup_hook(tmp_path):
+    """`pip install -e .` must install the hook too, after the .pth that puts the checkout on sys.path."""
+    code = f"from hatchling.build import build_editable; print(build_editable({str(tmp_path)!r}))"
+    name = _run([sys.executable, "-c", code], ROOT).stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(tmp_path / name) as whl:
+        pths = sorted(n for n in whl.namelist() if n.endswith(".pth"))
+        assert whl.read("mlx_dllm_models.pth").decode().strip() == "import mlx_dllm_models_hook"
+        paths = [whl.read(n).decode().strip() for n in pths if n != "mlx_dllm_models.pth"]
+    # site processes .pth files in sorted order.
+    assert pths[-1] == "mlx_dllm_models.pth" and paths == [str(ROOT)], pths
+
+
+def test_startup_hook_is_installed_and_imports_nothing_heavy(installed):
+    got = _python(
+        installed,
+        f"""
+        import json, sys
+        hook = sys.modules.get("mlx_dllm_models_hook")
+        print("RESULT", json.dumps({{
+            "hook_file": getattr(hook, "__file__", None),
+            "finders": [type(f).__name__ for f in sys.meta_path],
+            "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules),
+        }}))
+        """,
+    )
+    assert got["hook_file"] is not None, "mlx_dllm_models.pth did not run at start-up"
+    assert Path(got["hook_file"]).parent == installed.site, got["hook_file"]
+    assert "DiffusionModelFinder" in got["finders"]
+    assert got["heavy"] == []
+
+
+def _available_model_types():
+    import importlib.util
+
+    return {t: m for t, m in MODEL_TYPES.items() if importlib.util.find_spec(f"mlx_dllm_models.models.{m}")}
+
+
+def test_patched_mlx_lm_finds_models_through_entry_points_alone(installed, mlx_lm_copy, tmp_path):
+    types = _available_model_types()
+    if not types:
+        pytest.skip("no model module written yet")
+    patched = tmp_path / "patched"
+    shutil.copytree(mlx_lm_copy, patched)
+    ok, output = _apply_patch(patched, check=False)
+    assert ok, output
+    got = _python(
+        installed,
+        f"""
+        import importlib.util, json, sys
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "DiffusionModelFinder"]
+        import mlx_lm.utils as utils
+        out = {{"utils": utils.__file__, "classes": {{}}}}
+        for t in {sorted(types)!r}:
+            assert importlib.util.find_spec("mlx_lm.models." + t) is None, "hook still active"
+            model, args = utils._get_classes({{"model_type": t}})
+            out["classes"][t] = [model.__module__, args.__module__]
+        try:
+            utils._get_classes({{"model_type": "no_such_model_type"}})
+        except ValueError as e:
+            out["unknown"] = str(e)
+        print("RESULT", json.dumps(out))
+        """,
+        extra_env={"PYTHONPATH": str(patched)},
+    )
+    assert Path(got["utils"]).is_relative_to(patched)
+    assert got["classes"] == {t: [f"mlx_dllm_models.models.{m}"] * 2 for t, m in types.items()}
+    assert "not supported" in got["unknown"]
+
+
+# One interpreter per checkpoint: `python -m mlx_lm convert` (run as __main__, as the CLI does)
+# plain, -q 4 bit and -q 8 bit, then mlx_lm.load of the HF folder and of each conversion.
+CONVERT_AND_LOAD = """
+import json, runpy, sys
+before = sorted(m for m in ("mlx_dllm_models", "mlx", "mlx_lm") if m in sys.modules)
+src, work = sys.argv[1], sys.argv[2]
+variants = {"plain": [], "q4": ["-q", "--q-bits", "4", "--q-group-size", "32"],
+            "q8": ["-q", "--q-bits", "8", "--q-group-size", "32"]}
+for name, flags in variants.items():
+    sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", f"{work}/{name}", *flags]
+    runpy.run_module("mlx_lm", run_name="__main__")
+
+import mlx.core as mx
+import mlx_lm
+import mlx_dllm_models
+
+out = {"before": before, "package": mlx_dllm_models.__file__, "models": {}}
+reference = None
+for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
+    model, tokenizer = mlx_lm.load(path)
+    ids = tokenizer.encode("hello world")
+    logits = model(mx.array([ids]))
+    mx.eval(logits)
+    if reference is None:
+        reference = logits.astype(mx.float32)
+    diff = mx.abs(logits.astype(mx.float32) - reference).max() / (mx.abs(reference).max() + 1e-6)
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+    out["models"][name] = {
+        "module": type(model).__module__,
+        "ids": len(ids),
+        "shape": list(logits.shape),
+        "finite": bool(mx.isfinite(logits).all()),
+        "rel_diff": float(diff),
+        "bits": bits,
+    }
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(all_checkpoints()))
+def test_mlx_lm_converts_and_loads_in_a_fresh_process(name, installed, tmp_path):
+    src = all_checkpoints()[name](tmp_path / "hf")
+    model_type = json.loads((Path(src) / "config.json").read_text())["model_type"]
+    work = tmp_path / "mlx"
+    work.mkdir()
+    got = _python(installed, CONVERT_AND_LOAD, src, work)
+
+    assert got["before"] == [], "the interpreter imported these before mlx-lm needed them"
+    assert Path(got["package"]).is_relative_to(installed.site), "not the installed wheel"
+    expected_module = f"mlx_dllm_models.models.{MODEL_TYPES[model_type]}"
+    hf = got["models"]["hf"]
+    for variant, m in got["models"].items():
+        assert m["module"] == expected_module, variant
+        assert m["shape"][:2] == [1, m["ids"]] and m["shape"][2] == hf["shape"][2], variant
+        assert m["finite"], variant
+    # The plain conversion keeps the weights (up to the dtype cast convert applies from torch_dtype).
+    assert got["models"]["plain"]["bits"] == [] and got["models"]["plain"]["rel_diff"] < 1e-2
+    assert 4 in got["models"]["q4"]["bits"], "-q --q-bits 4 quantized nothing"
+    assert 8 in got["models"]["q8"]["bits"], "-q --q-bits 8 quantized nothing"
