@@ -70,13 +70,18 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
             f"it understands: {', '.join(sorted(allowed))}"
         )
     explicit = {k: v for k, v in overrides.items() if v is not None}
+    from_checkpoint = {
+        k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
+    }
     values: Dict[str, Any] = dict(PACKAGE_DEFAULTS)
     values.update({k: None for k in spec.extra_settings if k not in values})
     values.update(spec.defaults)
-    for key, value in (checkpoint or {}).items():
-        if key in allowed and value is not None:
-            values[key] = value
+    sampler = explicit.get("sampler", from_checkpoint.get("sampler", values["sampler"]))
+    values.update(spec.sampler_defaults.get(sampler, {}))
+    values.update(from_checkpoint)
     values.update(explicit)
+    if values["block_length"] is None:
+        values["block_length"] = values["max_tokens"]  # one block over the whole generation
     _validate(spec, values, explicit)
     return values
 
@@ -142,12 +147,19 @@ def _validate(spec, s, explicit):
         f"cache={s['cache']!r} is not available for the {spec.family} family "
         f"({spec.attention} attention); choose one of: {', '.join(caches)}",
     )
-    for name, samplers in SAMPLER_SETTINGS.items():
+    scoped = dict(SAMPLER_SETTINGS)
+    scoped.update(spec.sampler_settings)
+    for name, samplers in scoped.items():
         if name in explicit and s["sampler"] not in samplers:
             raise SettingsError(
                 f"{name} only acts with sampler={samplers[0]!r}, but sampler is {s['sampler']!r}; "
                 f"pass sampler={samplers[0]!r} or drop {name}"
             )
+    for name, check in spec.setting_checks.items():
+        if name in explicit or s["sampler"] in scoped.get(name, (s["sampler"],)):
+            msg = check(s[name])
+            if msg:
+                raise SettingsError(msg)
     if spec.confidence == "raw" and t == 0:
         for name in ("top_p", "top_k"):
             if name in explicit:

@@ -112,8 +112,7 @@ def test_diffusion_spec_from_config(model, ckpt):
     assert spec.mask_token_id == cfg["mask_token_id"] == MASK
     assert spec.eos_token_ids == (ENDOFTEXT,)
     assert spec.logit_shift == 1 and spec.confidence == "sampled" and spec.quota_base == "masks"
-    for name in ("quota", "threshold", "factor", "entropy", "origin", "maskgit_plus", "topk_margin"):
-        assert name in spec.samplers
+    assert spec.samplers == ("dream", "quota", "threshold", "factor", "entropy")
     assert set(spec.extra_settings) == {"alg", "alg_temp", "eps"}
     assert spec.defaults["alg"] == "origin" and spec.defaults["eps"] == 1e-3
     assert spec.max_position_embeddings == cfg["max_position_embeddings"]

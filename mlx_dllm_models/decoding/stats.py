@@ -11,10 +11,24 @@ import mlx.core as mx
 _NEG_INF = float("-inf")
 
 
-class TokenStats(NamedTuple):
+class _Stats(NamedTuple):
     x0: mx.array  # (B, L) proposed token ids
     confidence: mx.array  # (B, L) probability of x0 (see `confidence` argument of token_stats)
     entropy: mx.array  # (B, L) entropy of the model distribution, in nats
+
+
+class TokenStats(_Stats):
+    """(x0, confidence, entropy), plus optional statistics that token_stats computes only when
+    asked through `extras` (None otherwise). They are attributes, not tuple fields, so unpacking
+    stays three-way.
+
+    margin: top-1 minus top-2 probability of the processed distribution (Dream's topk_margin).
+    processed_entropy: entropy of the processed (temperature / top-k / top-p) distribution (Dream's
+    `entropy` alg ranks by its negative).
+    """
+
+    margin = None
+    processed_entropy = None
 
 
 def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional[float] = None):
@@ -56,6 +70,8 @@ def token_stats(
     key: Optional[mx.array] = None,
     suppress_ids: Sequence[int] = (),
     confidence: str = "raw",
+    order: Sequence[str] = ("top_k", "top_p", "temperature"),
+    extras: Sequence[str] = (),
 ) -> TokenStats:
     """Propose a token per position and score it.
 
@@ -69,13 +85,24 @@ def token_stats(
     the processed distribution softmax(filtered / T) (Dream, LLaDA2, SDAR sample_tokens; at T=0 the
     filtered softmax).
     entropy: of softmax(logits), the model's own distribution (EB-Sampler).
+
+    order: the order in which the processed distribution applies top-k, top-p and temperature (a
+    family's reference order: Dream divides by the temperature, then top-p, then top-k; top-p
+    depends on where the temperature comes). extras: names of optional statistics to compute, see
+    TokenStats ("margin", "processed_entropy").
     """
     logits = logits.astype(mx.float32)
     logits = mx.where(mx.isnan(logits), _NEG_INF, logits)
-    filtered = filter_logits(logits, top_k, top_p)
-    scores = filtered
-    if temperature > 0:
-        scores = filtered / temperature
+    scores = logits
+    for op in order:
+        if op == "temperature":
+            scores = scores / temperature if temperature > 0 else scores
+        elif op == "top_k":
+            scores = filter_logits(scores, top_k=top_k)
+        elif op == "top_p":
+            scores = filter_logits(scores, top_p=top_p)
+        else:
+            raise ValueError(f"unknown logits processing step {op!r} in order={tuple(order)}")
     proposal = scores
     if suppress_ids:
         ids = mx.array(list(suppress_ids))
@@ -90,12 +117,28 @@ def token_stats(
     x0 = mx.argmax(proposal, axis=-1)
 
     p_raw, finite, entropy = _softmax_stats(logits)
+    unknown = set(extras) - {"margin", "processed_entropy"}
+    if unknown:
+        raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
+    p_proc = h_proc = None
+    if confidence == "sampled" or extras:
+        p_proc, _, h_proc = _softmax_stats(scores)
     if confidence == "raw":
         p = p_raw
     elif confidence == "sampled":
-        p, _, _ = _softmax_stats(scores)
+        p = p_proc
     else:
         raise ValueError(f"unknown confidence kind {confidence!r}")
     conf = mx.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
     conf = mx.where(finite[..., 0], conf, 0.0)
-    return TokenStats(x0, conf, entropy)
+    out = TokenStats(x0, conf, entropy)
+    if "margin" in extras:
+        if p_proc.shape[-1] > 1:
+            top2 = mx.topk(p_proc, 2, axis=-1)
+            margin = mx.abs(top2[..., 0] - top2[..., 1])
+        else:
+            margin = p_proc[..., 0]
+        out.margin = mx.where(finite[..., 0], margin, 0.0)
+    if "processed_entropy" in extras:
+        out.processed_entropy = h_proc
+    return out

@@ -16,14 +16,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
 
+from ..decoding.dream import DREAM_ALGS, check_alg, check_alg_temp, check_eps  # noqa: F401
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
-
-# The `alg` values of Dream's `diffusion_generate`.
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 # Dream-v0-Instruct-7B generation_config.json (alg, alg_temp, eps, steps, temperature, top_p, top_k).
 # The reference pairs steps=512 with max_new_tokens=512; max_tokens keeps the package-wide 128.
+# Its steps count over the whole canvas, which the "dream" sampler decodes as one block; with the
+# block-wise shared samplers, steps >= block_length amounts to steps = block_length.
 REFERENCE_DEFAULTS = {
+    "sampler": "dream",
     "alg": "origin",
     "alg_temp": None,
     "eps": 1e-3,
@@ -138,7 +139,7 @@ class Model(nn.Module):
             eos = ()
         elif isinstance(eos, int):
             eos = (eos,)
-        samplers = tuple(dict.fromkeys(SHARED_SAMPLERS + DREAM_ALGS))
+        dream_only = ("dream",)
         return DiffusionSpec(
             family="dream",
             attention=BIDIRECTIONAL,
@@ -147,11 +148,16 @@ class Model(nn.Module):
             logit_shift=1,
             confidence="sampled",
             quota_base="masks",
-            samplers=samplers,
+            # "dream" is diffusion_generate (its `alg` picks origin / maskgit_plus / topk_margin /
+            # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
+            samplers=("dream",) + SHARED_SAMPLERS,
             caches=("none", "prefix", "dual"),
             extra_settings=("alg", "alg_temp", "eps"),
             defaults=dict(REFERENCE_DEFAULTS),
-            # generation_config's `steps` counts over the whole canvas, not per block: not read.
-            generation_config_keys={"alg": "alg", "alg_temp": "alg_temp", "eps": "eps"},
+            generation_config_keys={"alg": "alg", "alg_temp": "alg_temp", "eps": "eps", "steps": "steps"},
+            sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
+            sampler_settings={"alg": dream_only, "alg_temp": dream_only, "eps": dream_only},
+            sampler_defaults={"dream": {"block_length": None}},  # the whole canvas is one block
+            setting_checks={"alg": check_alg, "alg_temp": check_alg_temp, "eps": check_eps},
             max_position_embeddings=args.max_position_embeddings,
         )

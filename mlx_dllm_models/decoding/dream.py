@@ -1,0 +1,141 @@
+"""Dream's own sampler, `diffusion_generate` (HF generation_utils.py of Dream-org/Dream-v0-*-7B), as
+a commit rule and a schedule for the masked block engine. Selected with sampler="dream"; which of
+Dream's algorithms runs is the `alg` setting.
+
+The reference decodes the whole canvas as one block over `steps` steps on the timesteps
+t = linspace(1, eps, steps + 1). At step i (t = t_i, s = t_{i+1}):
+
+* origin: every mask is committed with probability 1 - s/t (all that are left at the last step),
+  with a token sampled from the processed distribution. It draws even at temperature 0.
+* maskgit_plus / topk_margin / entropy: the n = int(m * (1 - s/t)) masks (all m left at the last
+  step) of highest confidence are committed; confidence is the probability of the proposed token,
+  the top-1 minus top-2 probability, or the negative entropy (sum p log p) of the processed
+  distribution. With alg_temp > 0 the n positions are drawn without replacement from
+  softmax(confidence / alg_temp) instead.
+
+Not to be confused with the shared sampler "entropy" (EB-Sampler, a bound on summed entropy): the
+Dream algorithm is sampler="dream", alg="entropy".
+
+Deviation: the reference takes m as the batch mean of the rows' mask counts; here m is per row.
+They agree whenever the rows hold as many masks, which is always the case in this engine (every
+row starts with max_tokens masks, the ranked algorithms commit the same count per row, and the mask
+token is never proposed), so batched and one-by-one decoding give the same tokens.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .rules import quota_commit
+
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+def check_alg(value) -> Optional[str]:
+    if value not in DREAM_ALGS:
+        return f"unknown alg {value!r} for sampler 'dream'; choose one of: {', '.join(DREAM_ALGS)}"
+    return None
+
+
+def check_eps(value) -> Optional[str]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+    if not ok:
+        return f"eps must be in (0, 1) (the last timestep of Dream's schedule), got {value!r}"
+    return None
+
+
+def check_alg_temp(value) -> Optional[str]:
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    if not ok:
+        return f"alg_temp must be a number >= 0 (0 or null ranks greedily), got {value!r}"
+    return None
+
+
+def timesteps(steps: int, eps: float) -> np.ndarray:
+    """linspace(1, eps, steps + 1) in float32, value for value as torch.linspace computes it (each
+    half counted from its own end, one rounding per element), so that the step counts
+    int(m * (1 - s/t)) truncate exactly as the reference's do."""
+    n = steps + 1
+    start, end = np.float32(1.0), np.float32(eps)
+    if n == 1:
+        return np.array([start], np.float32)
+    step = float((end - start) / np.float32(n - 1))
+    i = np.arange(n)
+    from_start = float(start) + step * i
+    from_end = float(end) - step * (n - 1 - i)
+    return np.where(i < n // 2, from_start, from_end).astype(np.float32)
+
+
+def _transfer_ratios(steps: int, eps: float) -> np.ndarray:
+    """(steps,) float32: 1 - s/t of each step, 1 at the last."""
+    t = timesteps(steps, eps)
+    ratio = np.float32(1) - t[1:] / t[:-1]
+    ratio[-1] = 1
+    return ratio.astype(np.float32)
+
+
+def dream_schedule(masks: mx.array, steps: int, settings) -> mx.array:
+    """(B, steps) int32 per-row commit counts of Dream's schedule, summing to `masks` (B,).
+
+    Ranked algorithms: n_i = int(m_i * (1 - s/t)) with m_i the masks left, all of them at the
+    last step. origin commits a random number per step, so its floor is 0 until the last step,
+    which takes everything left."""
+    m = np.array(masks, dtype=np.int64)
+    out = np.zeros((m.shape[0], steps), np.int64)
+    if settings["alg"] == "origin":
+        out[:, -1] = m
+        return mx.array(out.astype(np.int32))
+    ratio = _transfer_ratios(steps, settings["eps"])
+    left = m.copy()
+    for i in range(steps):
+        n = left if i == steps - 1 else (left.astype(np.float32) * ratio[i]).astype(np.int64)
+        out[:, i] = n
+        left = left - n
+    return mx.array(out.astype(np.int32))
+
+
+def uniform(key, shape):
+    """Origin's transfer draws; a seam for tests that replay the reference's draws."""
+    return mx.random.uniform(shape=shape, key=key)
+
+
+def _gumbel(key, shape):
+    u = mx.random.uniform(low=1e-20, high=1.0, shape=shape, key=key)
+    return -mx.log(-mx.log(u))
+
+
+def dream_commit(stats, cand, ctx):
+    """Commit rule of sampler "dream" (see the module docstring); ctx.floor is dream_schedule's."""
+    s = ctx.settings
+    alg = s["alg"]
+    if alg == "origin":
+        p = float(_transfer_ratios(ctx.steps, s["eps"])[ctx.step])
+        hit = uniform(ctx.key, cand.shape) < mx.array(p, dtype=mx.float32)
+        return (cand & hit) | quota_commit(stats.confidence, cand, ctx.floor)
+    if alg == "maskgit_plus":
+        score = stats.confidence
+    elif alg == "topk_margin":
+        score = stats.margin
+    elif alg == "entropy":
+        score = -stats.processed_entropy
+    else:
+        raise ValueError(f"unknown Dream alg {alg!r}")
+    if s.get("alg_temp"):
+        # Drawing k positions without replacement from softmax(score / alg_temp) is taking the k
+        # best of score / alg_temp + Gumbel noise.
+        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
+    return quota_commit(score, cand, ctx.floor)
+
+
+def _exact_floor(settings) -> bool:
+    # The ranked algorithms commit exactly the schedule: a step whose count is 0 changes nothing,
+    # so the engine skips its forward. origin's commits are random: every step runs.
+    return settings["alg"] != "origin"
+
+
+dream_commit.schedule = dream_schedule
+dream_commit.exact_floor = _exact_floor
+dream_commit.stats_extras = ("margin", "processed_entropy")
