@@ -183,6 +183,7 @@ def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 
         "model.transformer.ff_out.weight": confident(rng, (vocab, d), head_scale / d**0.5),
     }
     t["model.transformer.wte.weight"][config["mask_token_id"]] *= 0.05
+    t["model.transformer.ff_out.weight"][config["mask_token_id"]] = 0.0  # never proposed
     for i in range(n_layers):
         p = f"model.transformer.blocks.{i}."
         t[p + "attn_norm.weight"] = np.ones(d, np.float32)

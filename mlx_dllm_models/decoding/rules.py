@@ -11,11 +11,19 @@ _NEG_INF = float("-inf")
 
 
 def _rank(scores: mx.array, candidates: mx.array, descending: bool = True) -> mx.array:
-    """Rank of each position among the row's candidates (0 = best); non-candidates rank last."""
+    """Rank of each position among the row's candidates (0 = best); non-candidates rank last.
+
+    Ties (common once float32 probabilities saturate at 1.0) go to the lower position, so the
+    outcome never depends on a sort's stability: rank_i = #{j better than i} + #{j < i tied with i}.
+    Pairwise over the block, which is at most a few hundred positions.
+    """
     key = scores if descending else -scores
     key = mx.where(candidates, key, _NEG_INF)
-    order = mx.argsort(-key, axis=-1)
-    return mx.argsort(order, axis=-1)
+    a, b = key[..., :, None], key[..., None, :]  # a: position i, b: position j
+    n = key.shape[-1]
+    earlier = mx.arange(n)[None, :] < mx.arange(n)[:, None]  # [i, j]: j < i
+    beats = (b > a) | ((b == a) & earlier)
+    return beats.sum(axis=-1)
 
 
 def quota_commit(confidence: mx.array, candidates: mx.array, k) -> mx.array:
