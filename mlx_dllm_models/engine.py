@@ -201,6 +201,29 @@ class FullRecompute:
         return fresh
 
 
+# (attention layout, cache setting) -> backend class. "auto" picks the exact cache of the layout
+# where one is registered, else full recompute. Backends of other layouts register themselves
+# here from their own modules (imported by mlx_dllm_models.backends).
+BACKENDS: Dict[tuple, type] = {}
+
+
+def select_backend(spec, settings):
+    from . import backends  # noqa: F401  (registers the cache backends)
+
+    cache = settings.get("cache", "auto")
+    if cache in ("auto", None):
+        return BACKENDS.get((spec.attention, "auto"), FullRecompute)
+    if cache == "none":
+        return BACKENDS.get((spec.attention, "none"), FullRecompute)
+    found = BACKENDS.get((spec.attention, cache))
+    if found is None:
+        raise ValueError(
+            f"cache={cache!r} has no implementation for {spec.attention} attention yet; "
+            "use cache='none' or 'auto'"
+        )
+    return found
+
+
 class MaskedBlockDecoder:
     """Masked block decoding for a batch of prompts (B >= 1). The loop is the same for every
     family; what differs (how logits of a block are computed, caches, block seeding) lives in the
@@ -211,7 +234,7 @@ class MaskedBlockDecoder:
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
-        self.backend_cls = backend or FullRecompute
+        self.backend_cls = backend or select_backend(self.spec, settings)
         self.backend = None
         rule = COMMIT_RULES.get(settings["sampler"])
         if rule is None:
@@ -291,3 +314,20 @@ class MaskedBlockDecoder:
                 rows = [rows[i] for i in keep]
                 layout = layout.select(keep)
                 backend = self.backend = backend.select(layout, keep)
+
+
+# Decoding loops by name. A family's spec names its default (`DiffusionSpec.decoder`); a `mode`
+# setting, where the family has one, can pick another (e.g. Nemotron's self-speculation).
+DECODERS: Dict[str, type] = {"masked": MaskedBlockDecoder}
+
+
+def select_decoder(spec, settings):
+    from . import backends  # noqa: F401  (registers other decoders too)
+
+    name = settings.get("mode") or spec.decoder
+    if name not in DECODERS:
+        raise ValueError(
+            f"mode {name!r} is not available for the {spec.family} family; "
+            f"choose one of: {', '.join(sorted(DECODERS))}"
+        )
+    return DECODERS[name]

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
 
-from .engine import BlockEvent, MaskedBlockDecoder
+from .engine import BlockEvent, select_decoder
 from .registry import MODEL_TYPES
 from .settings import GENERATION_CONFIG_KEYS, SettingsError, resolve_settings
 
@@ -224,7 +224,7 @@ class _Detokenizer:
 
 
 def _decoder_for(model, settings, eos):
-    return MaskedBlockDecoder(model, settings, eos)
+    return select_decoder(model.diffusion_spec, settings)(model, settings, eos)
 
 
 def stream_events(model, tokenizer, prompts: Sequence[Prompt], **settings):

@@ -35,6 +35,8 @@ class DiffusionSpec:
     # The threshold rule compares with > (LLaDA2) instead of >= (Fast-dLLM).
     strict_threshold: bool = False
     samplers: Tuple[str, ...] = SHARED_SAMPLERS
+    # The decoding loop (engine.DECODERS): "masked" block decoding, or a family's own loop.
+    decoder: str = "masked"
     caches: Tuple[str, ...] = ("none",)
     # Settings the family understands beyond the shared vocabulary (e.g. Dream's alg, eps).
     extra_settings: Tuple[str, ...] = ()
