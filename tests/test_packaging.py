@@ -233,7 +233,13 @@ for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
         reference = logits.astype(mx.float32)
     diff = mx.abs(logits.astype(mx.float32) - reference).max() / (mx.abs(reference).max() + 1e-6)
     bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+    try:
+        text = mlx_dllm_models.generate_diffusion(model, tokenizer, ids, max_tokens=8)
+        generated = {"ok": True, "type": type(text).__name__}
+    except Exception as e:  # reported, and asserted on by the test
+        generated = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     out["models"][name] = {
+        "generated": generated,
         "module": type(model).__module__,
         "ids": len(ids),
         "shape": list(logits.shape),
@@ -245,8 +251,13 @@ print("RESULT", json.dumps(out))
 """
 
 
+# Model types whose decoding loop is not in the engine yet: they convert and load, but generation
+# is not asserted. Keep this empty once every family decodes.
+DECODING_PENDING = {"nemotron_labs_diffusion", "diffusion_gemma", "sdar", "sdar_moe", "llada2_moe"}
+
+
 @pytest.mark.parametrize("name", sorted(all_checkpoints()))
-def test_mlx_lm_converts_and_loads_in_a_fresh_process(name, installed, tmp_path):
+def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, installed, tmp_path):
     src = all_checkpoints()[name](tmp_path / "hf")
     model_type = json.loads((Path(src) / "config.json").read_text())["model_type"]
     work = tmp_path / "mlx"
@@ -261,6 +272,8 @@ def test_mlx_lm_converts_and_loads_in_a_fresh_process(name, installed, tmp_path)
         assert m["module"] == expected_module, variant
         assert m["shape"][:2] == [1, m["ids"]] and m["shape"][2] == hf["shape"][2], variant
         assert m["finite"], variant
+        if model_type not in DECODING_PENDING:
+            assert m["generated"] == {"ok": True, "type": "str"}, (variant, m["generated"])
     # The plain conversion keeps the weights (up to the dtype cast convert applies from torch_dtype).
     assert got["models"]["plain"]["bits"] == [] and got["models"]["plain"]["rel_diff"] < 1e-2
     assert 4 in got["models"]["q4"]["bits"], "-q --q-bits 4 quantized nothing"
