@@ -200,9 +200,12 @@ def generate_main(argv):
 
 def convert_main(argv):
     """Delegate to mlx_lm's convert, with this package's model types registered."""
-    import mlx_dllm_models_hook  # noqa: F401
-    from mlx_lm import convert
+    import importlib
 
+    import mlx_dllm_models_hook  # noqa: F401
+
+    # `mlx_lm.convert` the attribute is the function; the module holds the CLI's main().
+    convert = importlib.import_module("mlx_lm.convert")
     sys.argv = ["mlx_lm.convert"] + list(argv)
     convert.main()
     return 0

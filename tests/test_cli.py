@@ -1,0 +1,102 @@
+"""The CLI in a subprocess: live canvas on a terminal, plain output otherwise, clear errors, convert."""
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_dllm_models.tiny import build_tiny_llada
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dllm_models", *args],
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_llada(tmp_path_factory.mktemp("cli") / "llada")
+
+
+STATS = re.compile(r"NFE: (\d+), ([\d.]+) tokens/forward \| Peak memory: [\d.]+ GB")
+
+
+def test_generate_prints_text_and_statistics(ckpt):
+    out = _cli("generate", "--model", str(ckpt), "--prompt", "hello", "--max-tokens", "16",
+               "--block-length", "8", "--steps", "4", "--no-live")
+    assert out.returncode == 0, out.stderr
+    m = STATS.search(out.stdout)
+    assert m, out.stdout
+    assert int(m.group(1)) <= 8 and float(m.group(2)) >= 2.0
+    assert "░" not in out.stdout
+
+
+def test_live_canvas_on_a_terminal(ckpt):
+    """On a TTY the canvas is drawn with masked cells and redrawn in place as it fills in."""
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the CLI on a pseudo-terminal
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", "generate", "--model",
+                                   str(ckpt), "--prompt", "hello", "--max-tokens", "48",
+                                   "--block-length", "16", "--steps", "16"], _env())
+    chunks = []
+    while True:
+        ready, _, _ = select.select([fd], [], [], 120)
+        if not ready:
+            break
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.waitpid(pid, 0)
+    screen = b"".join(chunks).decode("utf-8", "replace")
+    assert "░" in screen, "no masked cells were drawn"
+    assert "\x1b[" in screen and "F\x1b[J" in screen, "the canvas was not redrawn in place"
+    assert STATS.search(screen)
+
+
+def test_unknown_setting_is_a_clear_error(ckpt):
+    out = _cli("generate", "--model", str(ckpt), "--prompt", "hi", "--alg", "entropy")
+    assert out.returncode != 0
+    assert "unknown setting(s) alg for the llada family" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_value_is_a_clear_error(ckpt):
+    out = _cli("generate", "--model", str(ckpt), "--prompt", "hi", "--steps", "0")
+    assert out.returncode != 0 and "steps must be an integer >= 1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    out = _cli("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
+    assert out.returncode != 0 and "no checkpoint at" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
+    out = _cli("convert", "--hf-path", str(ckpt), "--mlx-path", str(tmp_path / "q"), "-q",
+               "--q-bits", "8", "--q-group-size", "32")
+    assert out.returncode == 0, out.stderr
+    gen = _cli("generate", "--model", str(tmp_path / "q"), "--prompt", "hi", "--max-tokens", "8",
+               "--no-live")
+    assert gen.returncode == 0, gen.stderr
+    assert STATS.search(gen.stdout)
