@@ -116,10 +116,7 @@ class _LiveView:
 
 
 def generate_main(argv):
-    from .engine import BlockEvent, StepEvent
-    from .generate import _Detokenizer, _stats_line, stream_events, DiffusionResponse, load
-    from .settings import SettingsError
-    import mlx.core as mx
+    from .generate import _stats_line, load, responses, stream_events
 
     parser = _generate_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -158,41 +155,22 @@ def generate_main(argv):
         raise SystemExit(f"error: {e}")
 
     spec = model.diffusion_spec
-    live = sys.stdout.isatty() and not args.no_live
-    view = _LiveView(sys.stdout) if live else None
-    detok = _Detokenizer(tokenizer)
-    eos = decoder.eos
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    prompt_time, generated, finished_on_eos = None, 0, False
-    for event in decoder.run(ids):
-        if prompt_time is None and decoder.nfe:
-            prompt_time = time.perf_counter() - tic
-        if isinstance(event, StepEvent) and view is not None:
-            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, eos))
-        elif isinstance(event, BlockEvent):
-            generated += len(event.tokens[0])
-            finished_on_eos = event.eos[0]
-            text = detok.add(event.tokens[0])
-            if view is None:
-                print(text, end="", flush=True)
-    elapsed = time.perf_counter() - tic
+    view = _LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
+    on_step = None
     if view is not None:
-        view.draw(detok.emitted + detok.flush(), force=True)
+        def on_step(event):
+            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos))
+
+    text, last = "", None
+    for last in responses(decoder, ids, tokenizer, on_step=on_step):
+        text += last.text
+        if view is None:
+            print(last.text, end="", flush=True)
+    if view is not None:
+        view.draw(text, force=True)
     else:
-        print(detok.flush())
-    stats = DiffusionResponse(
-        text="",
-        tokens=[],
-        finish_reason="stop" if finished_on_eos else "length",
-        prompt_tokens=len(ids[0]),
-        generation_tokens=generated,
-        nfe=decoder.nfe,
-        tokens_per_forward=generated / max(decoder.nfe, 1),
-        prompt_tps=len(ids[0]) / prompt_time if prompt_time else 0.0,
-        generation_tps=generated / elapsed if elapsed else 0.0,
-        peak_memory=mx.get_peak_memory() / 1e9,
-    )
+        print()
+    stats = last
     print("=" * 10)
     print(_stats_line(stats))
     return 0

@@ -240,6 +240,12 @@ def stream_generate_diffusion(
 ) -> Iterator[DiffusionResponse]:
     """Yield a DiffusionResponse each time a block is committed, as it happens."""
     s, ids, decoder = stream_events(model, tokenizer, [prompt], **settings)
+    yield from responses(decoder, ids, tokenizer)
+
+
+def responses(decoder, ids, tokenizer, on_step=None) -> Iterator[DiffusionResponse]:
+    """DiffusionResponses of a one-prompt decoder run; `on_step(StepEvent)` sees every denoising
+    step (the CLI's live view draws from it)."""
     detok = _Detokenizer(tokenizer)
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -249,6 +255,8 @@ def stream_generate_diffusion(
         if prompt_time is None and decoder.nfe > 0:
             prompt_time = time.perf_counter() - tic
         if not isinstance(event, BlockEvent):
+            if on_step is not None:
+                on_step(event)
             continue
         toks = event.tokens[0]
         generated += len(toks)
