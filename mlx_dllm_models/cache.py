@@ -27,3 +27,90 @@ class Positions:
             return None
         offset = -mx.array(left_padding, dtype=mx.int32)
         return [cls(offset) for _ in range(num_layers)]
+
+
+class BlockKVCache:
+    """K/V of one layer over the columns of a block-aligned layout (block-causal families).
+
+    The buffer holds the whole window (B, kv_heads, width, head_dim), allocated at the first
+    write. A forward over columns start..start+L-1 writes its K/V there in place and reads the keys
+    of columns 0..start+L-1 as a slice: the committed prefix is never copied or concatenated. The
+    cursor (`start`, `committed`) is shared by every layer through `PrefixKVCache`.
+    """
+
+    def __init__(self, owner: "PrefixKVCache"):
+        self.owner = owner
+        self.keys = None
+        self.values = None
+
+    @property
+    def offset(self):
+        return self.owner.offset
+
+    def update_and_fetch(self, keys, values):
+        start, width = self.owner.start, self.owner.width
+        end = start + keys.shape[2]
+        if end > width:
+            raise ValueError(f"write of columns {start}..{end - 1} past the cache width {width}")
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = mx.zeros((b, h, width, d), keys.dtype)
+            self.values = mx.zeros((b, values.shape[1], width, values.shape[3]), values.dtype)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+
+class PrefixKVCache:
+    """The per-layer `BlockKVCache`s of a model and their shared cursor; pass it as `cache=`.
+
+    `committed`: columns 0..committed-1 hold final K/V (finished blocks). `at(start)` places the
+    next forward's first input column; a forward at or past `committed` leaves the prefix intact,
+    so the open block's K/V are rewritten in place at every denoising step without moving the
+    committed offset, and `commit(column)` moves it once a forward has written final K/V up to there.
+    `offset` is what mlx-lm's layers take as the RoPE position of the first input row: the column
+    minus each row's left padding, a (B,) array when rows are padded.
+    """
+
+    def __init__(self, num_layers: int, width: int, left_padding=None):
+        self.width = width
+        self.start = 0
+        self.committed = 0
+        pads = [int(p) for p in (left_padding or [])]
+        self.pads = mx.array(pads, dtype=mx.int32) if any(pads) else None
+        self.layers = [BlockKVCache(self) for _ in range(num_layers)]
+
+    @property
+    def offset(self):
+        return self.start if self.pads is None else self.start - self.pads
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def at(self, start: int) -> "PrefixKVCache":
+        if start > self.committed:
+            raise ValueError(
+                f"a forward from column {start} would leave columns {self.committed}..{start - 1} "
+                "without final K/V"
+            )
+        self.start = start
+        return self
+
+    def commit(self, column: int):
+        self.committed = max(self.committed, column)
+
+    def select(self, idx, left_padding) -> "PrefixKVCache":
+        """The cache of rows `idx` (rows that finished are dropped from the batch)."""
+        out = PrefixKVCache(len(self.layers), self.width, left_padding)
+        out.start, out.committed = self.start, self.committed
+        rows = mx.array(idx)
+        for new, old in zip(out.layers, self.layers):
+            if old.keys is not None:
+                new.keys, new.values = old.keys[rows], old.values[rows]
+        return out

@@ -5,9 +5,12 @@ Masked block decoding (LLaDA, LLaDA-MoE, Dream, and the block-causal families th
 backend): the generated region starts as mask tokens and is decoded block by block; each step
 proposes a token for every mask of the current block and a commit rule, with a per-step quota floor
 from the schedule, commits some of them. The floor sums to the block's mask count over `steps`, so a
-block always completes within its step budget and no mask ever reaches the output.
+block always completes within its step budget and no mask ever reaches the output. Families that
+declare `editing_threshold` (LLaDA2.1) also rewrite committed tokens of the open block, during its
+steps and for up to `max_post_steps` forwards after its last mask (token editing).
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -23,6 +26,7 @@ from .decoding import (
     token_stats,
     transfer_schedule,
 )
+from .decoding.block import sequential_commit, token_edits
 from .decoding.dream import dream_commit
 from .masks import block_causal_mask, padding_mask
 from .spec import BLOCK_CAUSAL
@@ -107,7 +111,26 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "factor": _factor,
     "entropy": _entropy,
     "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
+    "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
 }
+
+logger = logging.getLogger(__name__)
+_WARNED_BLOCK_LENGTHS = set()
+
+
+def _warn_untrained_block_length(spec, settings):
+    """Block-causal checkpoints are trained with one block size; another one runs, but quality
+    depends on it. Said once per process for each (family, trained, chosen) size."""
+    trained, chosen = spec.trained_block_length, settings["block_length"]
+    key = (spec.family, trained, chosen)
+    if trained is None or chosen == trained or key in _WARNED_BLOCK_LENGTHS:
+        return
+    _WARNED_BLOCK_LENGTHS.add(key)
+    logger.warning(
+        "block_length=%d differs from the block size %d this %s checkpoint was trained with; "
+        "generation runs, but its quality may drop",
+        chosen, trained, spec.family,
+    )
 
 
 class Layout:
@@ -242,6 +265,7 @@ class MaskedBlockDecoder:
         self.rule = rule
         self.schedule = getattr(rule, "schedule", None) or (lambda m, steps, _: transfer_schedule(m, steps))
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
+        _warn_untrained_block_length(self.spec, settings)
 
     @property
     def nfe(self) -> int:
@@ -259,6 +283,14 @@ class MaskedBlockDecoder:
         key = mx.random.key(s["seed"])
         greedy = s["temperature"] == 0
         first = min(layout.starts)
+        # Token editing (LLaDA2.1 T2T), for families that declare its settings: committed,
+        # generated positions of the open block are rewritten when the model proposes another
+        # token above editing_threshold, during the block's steps and then for up to
+        # max_post_steps more forwards once it has no masks left; a row stops at a step that
+        # edits nothing.
+        edit_threshold = s.get("editing_threshold")
+        editing = edit_threshold is not None
+        max_post = (s.get("max_post_steps") or 0) if editing else 0
         for start, stop in layout.blocks():
             x = backend.begin_block(x, start, stop)
             gen = layout.generated[:, start:stop]
@@ -268,11 +300,20 @@ class MaskedBlockDecoder:
             else:
                 base = mx.full((x.shape[0],), s["block_length"], mx.int32)
             schedule = self.schedule(base, s["steps"], s)
-            for step in range(s["steps"]):
-                if not cand.any().item():
+            no_floor = mx.zeros((x.shape[0],), mx.int32)
+            active = cand.any(axis=1)  # rows still iterating on this block
+            post = no_floor
+            for step in range(s["steps"] + max_post):
+                masked = cand.any(axis=1)
+                if editing:
+                    post = post + (active & ~masked)
+                    active = active & (post <= max_post)
+                else:
+                    active = masked
+                if not active.any().item():
                     break
-                floor = schedule[:, step]
-                if self.exact_floor and floor.max().item() == 0:
+                floor = schedule[:, step] if step < s["steps"] else no_floor
+                if self.exact_floor and not editing and floor.max().item() == 0:
                     continue  # nothing to commit: the reference's forward would change nothing
                 logits = backend.block_logits(x, start, stop)
                 key, k_stats, k_rule = mx.random.split(key, 3)
@@ -289,7 +330,13 @@ class MaskedBlockDecoder:
                 )
                 ctx = StepContext(step, s["steps"], floor, k_rule, s, spec)
                 commit = self.rule(stats, cand, ctx)
-                block = mx.where(commit, stats.x0.astype(mx.int32), x[:, start:stop])
+                current = x[:, start:stop]
+                if editing:
+                    editable = gen & (current != mask_id) & active[:, None]
+                    edits = token_edits(stats, current, editable, edit_threshold, spec.strict_threshold)
+                    commit = commit | edits
+                    active = active & (masked | edits.any(axis=1))
+                block = mx.where(commit, stats.x0.astype(mx.int32), current)
                 x[:, start:stop] = block
                 cand = (block == mask_id) & gen
                 yield StepEvent(rows, x[:, first:], (start - first, stop - first), self.nfe)
@@ -318,7 +365,7 @@ class MaskedBlockDecoder:
 
 # Decoding loops by name. A family's spec names its default (`DiffusionSpec.decoder`); a `mode`
 # setting, where the family has one, can pick another (e.g. Nemotron's self-speculation).
-DECODERS: Dict[str, type] = {"masked": MaskedBlockDecoder}
+DECODERS: Dict[str, type] = {"masked": MaskedBlockDecoder, "diffusion": MaskedBlockDecoder}
 
 
 def select_decoder(spec, settings):

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models import bailing_moe
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..decoding.block import check_editing_threshold, check_max_post_steps
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from .sdar import (
     check_weight_names,
@@ -214,9 +215,19 @@ class Model(bailing_moe.Model):
             eos_token_ids=eos_token_ids(args.eos_token_id),
             confidence="sampled",
             quota_base="block",
+            # generate: tokens with probability > threshold, the step's quota as the fallback.
+            strict_threshold=True,
+            # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
+            sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
             caches=("none", "prefix"),
+            # LLaDA2.1 token editing (engine.MaskedBlockDecoder); editing_threshold None = 2.0.
             extra_settings=("editing_threshold", "max_post_steps"),
+            setting_checks={
+                "editing_threshold": check_editing_threshold,
+                "max_post_steps": check_max_post_steps,
+            },
+            setting_requires={"max_post_steps": "editing_threshold"},
             # modeling_llada2_moe.generate defaults; LLaDA2.1 adds editing (off unless set).
             defaults={
                 "block_length": trained,

@@ -91,6 +91,11 @@ def sdar_spec(args) -> DiffusionSpec:
         eos_token_ids=eos_token_ids(args.eos_token_id),
         confidence="sampled",
         quota_base="block",
+        # generate.py: low_confidence_dynamic keeps tokens with probability > threshold.
+        strict_threshold=True,
+        # sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
+        sampling_order=("temperature", "top_k", "top_p"),
+        # low_confidence_static = "quota", low_confidence_dynamic = "threshold", sequential.
         samplers=SHARED_SAMPLERS + ("sequential",),
         caches=("none", "prefix"),
         defaults={

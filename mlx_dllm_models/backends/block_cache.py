@@ -1,0 +1,96 @@
+"""Exact prefix KV cache for block-causal families (SDAR, SDAR-MoE, TraDo, LLaDA2.x).
+
+Under the block-causal mask a query in block b sees blocks <= b only, so a finished block's K/V
+never change: they are computed once and read by every later step. Per denoising step the model
+runs over the open block only (block_length queries against the cached prefix) instead of the
+whole window.
+
+* Prefill: the prompt's whole blocks, in chunks of whole blocks. The prompt's unaligned tail
+  shares the first generation block and is re-encoded with it (never changed: it is not a
+  candidate).
+* Commit folding: the K/V a block's denoising steps wrote were computed before its last tokens
+  were committed. Instead of a separate forward over the finished block (SDAR's `store_kv`
+  forward, mlx-vlm's commit forward), the next block's first forward starts at the finished
+  block: [block b final tokens ; block b+1] under the block-causal mask gives block b's final K/V
+  exactly (its queries never see block b+1), and block b+1's logits. The last block needs no
+  commit at all. `commits_saved` counts the forwards this avoids (one per finished block).
+
+Token-identical at temperature 0 to `FullRecompute` (the whole window under the block-causal mask
+every step), which is what the family references do.
+"""
+
+from typing import List
+
+import mlx.core as mx
+
+from ..cache import PrefixKVCache
+from ..engine import BACKENDS, FullRecompute
+from ..masks import block_causal_mask
+from ..spec import BLOCK_CAUSAL
+
+# Prompt blocks per prefill forward: about this many tokens, rounded down to whole blocks.
+PREFILL_TOKENS = 512
+
+
+class PrefixCache:
+    """Backend of the masked block engine (see engine.FullRecompute for the interface)."""
+
+    def __init__(self, model, spec, layout, settings):
+        if not layout.aligned:
+            raise ValueError("the prefix cache needs a block-aligned layout (block-causal families)")
+        self.model, self.spec, self.settings = model, spec, settings
+        self.block = settings["block_length"]
+        self.width = layout.width
+        self.pads = list(layout.pads) if any(layout.pads) else None
+        self.cache = PrefixKVCache(len(model.layers), layout.width, self.pads)
+        # The first column of the first block that holds a generated position of some row.
+        self.prefix = (min(layout.starts) // self.block) * self.block
+        self.nfe = 0
+        self.prefill_forwards = 0
+        self.commits_folded = 0  # finished blocks whose K/V came with the next block's forward
+        self.commits_saved = 0  # commit forwards avoided: one per finished block
+
+    def _forward(self, x, start, stop, rows):
+        self.nfe += 1
+        mask = block_causal_mask(stop - start, self.block, offset=start, left_padding=self.pads)
+        return self.model(x[:, start:stop], cache=self.cache.at(start), mask=mask, rows=rows)
+
+    def prefill(self, x):
+        chunk = max(1, PREFILL_TOKENS // self.block) * self.block
+        for start in range(0, self.prefix, chunk):
+            stop = min(start + chunk, self.prefix)
+            # Only the K/V are wanted: the head runs over one row (not zero rows: mlx's
+            # quantized matmul dies with SIGFPE on an empty input, as a 4-bit head would get).
+            out = self._forward(x, start, stop, rows=(stop - start - 1, stop - start))
+            mx.eval(out, [(c.keys, c.values) for c in self.cache])
+            self.prefill_forwards += 1
+            self.cache.commit(stop)
+
+    def begin_block(self, x, start, stop):
+        return x
+
+    def block_logits(self, x, start, stop):
+        block_start = (start // self.block) * self.block
+        block_stop = min(block_start + self.block, self.width)
+        # Every finished block not yet committed rides along with this forward.
+        first = self.cache.committed
+        logits = self._forward(x, first, block_stop, rows=(start - first, stop - first))
+        if first < block_start:
+            self.commits_folded += (block_start - first) // self.block
+            self.cache.commit(block_start)
+        return logits
+
+    def end_block(self, x, start, stop):
+        self.commits_saved += 1
+
+    def select(self, layout, idx: List[int]):
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.pads = list(layout.pads) if any(layout.pads) else None
+        out.cache = self.cache.select(idx, out.pads)
+        return out
+
+
+BACKENDS[(BLOCK_CAUSAL, "auto")] = PrefixCache
+BACKENDS[(BLOCK_CAUSAL, "prefix")] = PrefixCache
+BACKENDS[(BLOCK_CAUSAL, "none")] = FullRecompute

@@ -1,0 +1,478 @@
+"""Block-diffusion decoding (SDAR, SDAR-MoE, LLaDA2.x) on the engine: the exact prefix KV cache
+against full recompute under the block-causal mask, token parity at temperature 0 with plain
+transcriptions of the reference loops (SDAR generate.py; LLaDA2.0 / 2.1 generate), token
+editing, the block-length warning and bad input."""
+
+import json
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import load_fixture
+from fixtures import llada2 as llada2_fixture
+from fixtures import sdar as sdar_fixture
+from mlx_dllm_models.backends.block_cache import PrefixCache
+from mlx_dllm_models.cache import PrefixKVCache
+from mlx_dllm_models.decoding.block import sequential_commit
+from mlx_dllm_models.engine import BlockEvent, FullRecompute, Layout, StepContext, StepEvent, select_backend
+from mlx_dllm_models.generate import stream_events
+from mlx_dllm_models.settings import SettingsError
+from reference.llada2_generate import llada20_generate, llada21_generate
+from reference.sdar_generate import sdar_generate
+from reference.sdar_torch import load_reference
+
+BUILDERS = {
+    "sdar": sdar_fixture.build_sdar,
+    "sdar_moe": sdar_fixture.build_sdar_moe,
+    "llada2_moe": llada2_fixture.build,
+}
+
+
+@pytest.fixture(scope="module")
+def family(fixture_dir):
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            path = fixture_dir / name
+            if not (path / "config.json").exists():
+                BUILDERS[name](path)
+            loaded[name] = (path, *load_fixture(path))
+        return loaded[name]
+
+    return get
+
+
+def run(model, tok, prompts, **kw):
+    """Tokens and finish reasons of each row, and the decoder (its backend holds the counters)."""
+    _, ids, decoder = stream_events(model, tok, prompts, **kw)
+    out, reasons = [[] for _ in ids], ["length"] * len(ids)
+    for event in decoder.run(ids):
+        if isinstance(event, BlockEvent):
+            for row, toks, hit in zip(event.rows, event.tokens, event.eos):
+                out[row].extend(toks)
+                reasons[row] = "stop" if hit else reasons[row]
+    return out, reasons, decoder
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+# Prompt lengths per family: block-aligned and not, for the trained block (4 / 32) and a smaller one.
+PROMPT_LENGTHS = {"sdar": (8, 7, 13), "sdar_moe": (8, 7, 13), "llada2_moe": (32, 7, 45)}
+
+CACHE_CASES = [
+    ("sdar", dict(max_tokens=16)),  # the family defaults: threshold 0.85, block 4, 4 steps
+    ("sdar", dict(max_tokens=13, sampler="quota", steps=2)),
+    ("sdar", dict(max_tokens=12, sampler="sequential", block_length=8, steps=4)),
+    ("sdar", dict(max_tokens=16, sampler="entropy", entropy_bound=0.5)),
+    ("sdar", dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=5)),
+    ("sdar_moe", dict(max_tokens=16)),
+    ("sdar_moe", dict(max_tokens=10, sampler="factor", factor=0.5, block_length=8, steps=8)),
+    ("llada2_moe", dict(max_tokens=40)),  # threshold 0.95, block 32
+    ("llada2_moe", dict(max_tokens=40, sampler="quota", steps=8)),
+    ("llada2_moe", dict(max_tokens=24, block_length=8, steps=8, threshold=0.7)),
+    ("llada2_moe", dict(max_tokens=40, threshold=0.7, editing_threshold=0.6, max_post_steps=4)),
+    ("llada2_moe", dict(max_tokens=30, block_length=16, steps=16, editing_threshold=0.8)),
+]
+
+
+@pytest.mark.parametrize("name,kw", CACHE_CASES)
+def test_prefix_cache_is_token_identical_to_full_recompute(family, name, kw):
+    _, model, tok = family(name)
+    for n in PROMPT_LENGTHS[name]:
+        prompt = tokens(n, seed=n)
+        full, full_reasons, full_dec = run(model, tok, [prompt], cache="none", **kw)
+        cached, reasons, dec = run(model, tok, [prompt], **kw)
+        assert isinstance(dec.backend, PrefixCache) and isinstance(full_dec.backend, FullRecompute)
+        assert cached == full and reasons == full_reasons
+        # The same denoising forwards, plus the prompt's prefill, and no commit forward.
+        assert dec.nfe == full_dec.nfe + dec.backend.prefill_forwards
+        assert dec.backend.prefill_forwards == (1 if n >= dec.s["block_length"] else 0)
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("sdar", dict(max_tokens=14)),
+        ("sdar_moe", dict(max_tokens=9, sampler="quota", block_length=8, steps=4)),
+        ("llada2_moe", dict(max_tokens=64, threshold=0.7)),
+        ("llada2_moe", dict(max_tokens=64, threshold=0.7, editing_threshold=0.7, max_post_steps=4)),
+    ],
+)
+def test_batch_of_prompts_of_different_lengths_equals_one_by_one(family, name, kw):
+    _, model, tok = family(name)
+    prompts = [tokens(n, seed=n) for n in (7, 3, 40, 11)]
+    batch, batch_reasons, dec = run(model, tok, prompts, **kw)
+    for prompt, got, reason in zip(prompts, batch, batch_reasons):
+        (alone,), (alone_reason,), _ = run(model, tok, [prompt], **kw)
+        assert got == alone and reason == alone_reason
+        (full,), _, _ = run(model, tok, [prompt], cache="none", **kw)
+        assert got == full
+
+
+def test_the_batch_case_drops_a_row_that_stopped_early(family):
+    """The premise of the LLaDA2 cases above: rows meet an EOS, leave the batch, and the cache
+    (its rows selected) carries on with the others."""
+    _, model, tok = family("llada2_moe")
+    kw = dict(max_tokens=64, threshold=0.7, editing_threshold=0.7, max_post_steps=4)
+    _, ids, dec = stream_events(model, tok, [tokens(n, seed=n) for n in (7, 3, 40, 11)], **kw)
+    rows = [event.rows for event in dec.run(ids) if isinstance(event, BlockEvent)]
+    assert len(rows[-1]) < len(rows[0]) and isinstance(dec.backend, PrefixCache)
+
+
+def test_cache_logits_match_the_full_window(family):
+    """Numerics under left padding: the open block's logits from [cached prefix ; block] and from
+    the whole window under the block-causal mask, for the first block and the folded second."""
+    _, model, _ = family("sdar")
+    spec = model.diffusion_spec
+    settings = dict(block_length=4, max_tokens=12)
+    prompts = [tokens(6, 1), tokens(13, 2)]
+    layout = Layout(prompts, 12, 4, True, spec.mask_token_id)
+    x = layout.tokens
+    x = mx.where(x == spec.mask_token_id, mx.array(np.random.default_rng(0).integers(0, 256, x.shape)), x)
+    full, cached = FullRecompute(model, spec, layout, settings), PrefixCache(model, spec, layout, settings)
+    cached.prefill(x)
+    for start, stop in layout.blocks()[:2]:
+        ref = full.block_logits(x, start, stop)
+        got = cached.block_logits(x, start, stop)
+        err = mx.abs(got - ref).max().item()
+        assert err <= 1e-5 * mx.abs(ref).max().item(), f"max abs error {err:.3g}"
+    assert cached.commits_folded == 1 and cached.cache.committed == layout.blocks()[1][0]
+
+
+def test_commit_is_folded_into_the_next_blocks_first_forward(family):
+    path, model, tok = family("sdar")
+    cls, seen = type(model), []
+
+    def spy(self, inputs, cache=None, mask=None, rows=None):
+        seen.append((inputs.shape[1], cache.start, cache.committed, rows))
+        return cls.__call__(self, inputs, cache=cache, mask=mask, rows=rows)
+
+    model.__class__ = type("Spy", (cls,), {"__call__": spy})
+    try:
+        prompt = tokens(10, 3)  # two whole prompt blocks, a tail of 2 in the first open block
+        out, _, dec = run(model, tok, [prompt], max_tokens=14, sampler="quota")
+    finally:
+        model.__class__ = cls
+    backend = dec.backend
+    assert seen[0] == (8, 0, 0, (7, 8))  # prefill: the whole blocks, the LM head over one row
+    starts = [start for _, start, _, _ in seen[1:]]
+    # The first block's forwards start at its aligned column 8 (the tail is re-encoded with it);
+    # each later block's first forward starts one block earlier: the finished block rides along.
+    n_blocks = 4  # columns 8..24: [10, 12) [12, 16) [16, 20) [20, 24)
+    assert backend.commits_saved == n_blocks and backend.commits_folded == n_blocks - 1
+    assert sorted(set(starts)) == [8, 12, 16, 20]
+    folded = [(n, s, c) for n, s, c, _ in seen[1:] if n == 8]
+    assert folded == [(8, 8, 8), (8, 12, 12), (8, 16, 16)]
+    assert all(n in (4, 8) for n, _, _, _ in seen[1:])
+    # quota over block_length 4 in 4 steps: one token a step, 14 tokens, no separate commit forward.
+    assert len(out[0]) == 14 and dec.nfe == 1 + 14
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_whole_blocks(family, monkeypatch):
+    from mlx_dllm_models.backends import block_cache
+
+    _, model, tok = family("sdar")
+    monkeypatch.setattr(block_cache, "PREFILL_TOKENS", 9)  # two blocks of 4 a chunk
+    prompt = tokens(21, seed=4)  # whole blocks over columns 0..20: chunks 0..8, 8..16, 16..20
+    full, _, _ = run(model, tok, [prompt], max_tokens=11, cache="none")
+    cached, _, dec = run(model, tok, [prompt], max_tokens=11)
+    assert cached == full and dec.backend.prefill_forwards == 3
+
+
+def test_block_kv_cache_writes_in_place():
+    cache = PrefixKVCache(num_layers=1, width=12, left_padding=[0, 4])
+    layer = cache[0]
+    rng = np.random.default_rng(0)
+    kv = lambda n: mx.array(rng.standard_normal((2, 2, n, 8)).astype(np.float32))  # noqa: E731
+    prefix = kv(8)
+    cache.at(0)
+    layer.update_and_fetch(prefix, prefix)
+    assert layer.keys.shape == (2, 2, 12, 8)  # the whole window, allocated once
+    cache.commit(8)
+    for _ in range(2):  # two denoising steps of the open block: rewritten in place
+        block = kv(4)
+        k, v = cache.at(8)[0].update_and_fetch(block, block)
+        assert k.shape[2] == 12 and cache.committed == 8
+        assert mx.array_equal(k[..., :8, :], prefix) and mx.array_equal(k[..., 8:, :], block)
+    assert cache.offset.tolist() == [8, 4]  # RoPE positions: column minus each row's padding
+    with pytest.raises(ValueError, match="without final K/V"):
+        cache.at(10)
+
+
+def test_sequential_commits_the_leftmost_masks():
+    cand = mx.array([[False, True, True, False, True, True], [True, True, True, True, True, True]])
+    conf = mx.array(np.linspace(0, 1, 12).reshape(2, 6).astype(np.float32))
+    stats = type("S", (), {"confidence": conf})()
+    ctx = StepContext(0, 2, mx.array([3, 2]), None, {}, None)
+    got = sequential_commit(stats, cand, ctx)
+    assert got.tolist() == [[False, True, True, False, True, False], [True, True, False, False, False, False]]
+
+
+# ------------------------------------------------------------------------------ SDAR reference
+
+
+def transformers_forward(path):
+    model = load_reference(str(path))
+
+    def forward(ids, keep):
+        n = ids.shape[1]
+        additive = torch.zeros(n, n).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=additive, position_ids=torch.arange(n)[None],
+                        use_cache=False)
+        return out.logits.float()
+
+    return forward
+
+
+def cut_at_eos(ids, eos):
+    ids = [int(t) for t in ids]
+    return next((ids[:i] for i, t in enumerate(ids) if t in eos), ids)
+
+
+SDAR_STRATEGIES = {
+    "quota": "low_confidence_static",
+    "threshold": "low_confidence_dynamic",
+    "sequential": "sequential",
+}
+
+
+@pytest.mark.parametrize(
+    "name,sampler,block_length,steps",
+    [
+        ("sdar", "quota", 4, 4),
+        ("sdar", "threshold", 4, 4),
+        ("sdar", "sequential", 4, 4),
+        ("sdar", "quota", 4, 2),
+        ("sdar", "threshold", 8, 4),
+        ("sdar", "sequential", 8, 4),
+        ("sdar_moe", "threshold", 4, 4),
+    ],
+)
+def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_length, steps):
+    """Greedy (the reference's T=0 divides by zero; see the transcription). With several tokens a
+    step the reference's top-k may take non-mask positions; the transcription is told to take
+    only masks there (topk_over_masks_only), which is what the engine does."""
+    path, model, tok = family(name)
+    spec = model.diffusion_spec
+    eos = set(spec.eos_token_ids)
+    forward = transformers_forward(path)
+    for n in (8, 7, 13):
+        prompt = tokens(n, seed=n)
+        gen = -(-(n + 16) // block_length) * block_length - n  # the canvas ends on a block edge
+        x, ref_forwards = sdar_generate(
+            forward, torch.tensor([prompt]), spec.mask_token_id, gen_length=gen,
+            block_length=block_length, denoising_steps=steps, temperature=0.0,
+            remasking_strategy=SDAR_STRATEGIES[sampler], confidence_threshold=0.85,
+            stopping_criteria_idx=sorted(eos), topk_over_masks_only=steps < block_length,
+        )
+        want = cut_at_eos(x[0, n : n + gen], eos)
+        (got,), _, dec = run(model, tok, [prompt], max_tokens=gen, block_length=block_length,
+                             steps=steps, sampler=sampler, temperature=0.0)
+        assert got == want
+        # The reference's cache costs one store forward per finished block; folded here.
+        assert dec.nfe == ref_forwards - dec.backend.commits_saved
+
+
+# ---------------------------------------------------------------------------- LLaDA2 reference
+
+
+def mlx_vlm_forward(path):
+    """mlx-vlm's llada2_moe (an independent implementation) under the reference's mask."""
+    from mlx_vlm.models.llada2_moe import Model
+    from mlx_vlm.models.llada2_moe.config import ModelConfig
+
+    cfg = json.loads((path / "config.json").read_text())
+    model = Model(ModelConfig.from_dict(cfg))
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()))
+    language_model = model.language_model
+
+    def forward(ids, keep):
+        logits = language_model(mx.array(ids.numpy()), mask=mx.array(keep.numpy())[None, None]).logits
+        return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    return forward
+
+
+@pytest.fixture(scope="module")
+def llada2(family):
+    path, model, tok = family("llada2_moe")
+    return model, tok, mlx_vlm_forward(path)
+
+
+def llada2_prompts():
+    return [tokens(n, seed=n) for n in (7, 32, 40)]
+
+
+def without_eos(ids, eos_id):
+    ids = [int(t) for t in ids]
+    return ids[:-1] if ids and ids[-1] == eos_id else ids
+
+
+@pytest.mark.parametrize(
+    "block_length,steps,threshold",
+    [(32, 32, 0.95), (32, 32, 0.7), (32, 8, 0.95), (16, 16, 0.95)],
+)
+def test_llada20_matches_reference_generate(llada2, block_length, steps, threshold):
+    model, tok, forward = llada2
+    spec = model.diffusion_spec
+    eos = spec.eos_token_ids[0]
+    for prompt in llada2_prompts():
+        n = len(prompt)
+        gen = -(-(n + 40) // block_length) * block_length - n
+        want, ref_forwards = llada20_generate(
+            forward, torch.tensor([prompt]), block_length=block_length, steps=steps, gen_length=gen,
+            threshold=threshold, eos_id=eos, mask_id=spec.mask_token_id,
+        )
+        (got,), _, dec = run(model, tok, [prompt], max_tokens=gen, block_length=block_length,
+                             steps=steps, threshold=threshold)
+        assert got == without_eos(want, eos)
+        assert dec.nfe - dec.backend.prefill_forwards == ref_forwards
+
+
+@pytest.mark.parametrize(
+    "block_length,threshold,editing_threshold,max_post_steps",
+    [(32, 0.95, 0.9, 16), (32, 0.7, 0.7, 4), (16, 0.7, 0.5, 4), (16, 0.9, 0.6, 8), (16, 0.7, 0.8, 16)],
+)
+def test_llada21_editing_matches_reference_generate(llada2, block_length, threshold, editing_threshold,
+                                                    max_post_steps):
+    """steps == block_length: one mask a step at least, the reference's num_to_transfer=1."""
+    model, tok, forward = llada2
+    spec = model.diffusion_spec
+    eos = spec.eos_token_ids[0]
+    for prompt in llada2_prompts():
+        n = len(prompt)
+        gen = -(-(n + 40) // block_length) * block_length - n
+        want, ref_forwards, remasked = llada21_generate(
+            forward, torch.tensor([prompt]), block_length=block_length, steps=block_length,
+            gen_length=gen, threshold=threshold, editing_threshold=editing_threshold,
+            max_post_steps=max_post_steps, eos_id=eos, mask_id=spec.mask_token_id,
+        )
+        assert remasked == 0, "the reference edited a token into the mask token: pick another case"
+        (got,), (reason,), dec = run(
+            model, tok, [prompt], max_tokens=gen, block_length=block_length, steps=block_length,
+            threshold=threshold, editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+        )
+        assert got == without_eos(want, eos)
+        if reason == "length":  # the reference does not stop at an EOS; forwards agree otherwise
+            assert dec.nfe - dec.backend.prefill_forwards == ref_forwards
+
+
+# -------------------------------------------------------------------------------------- editing
+
+
+def test_editing_rewrites_tokens_and_is_bounded_by_max_post_steps(family):
+    _, model, tok = family("llada2_moe")
+    mask = model.diffusion_spec.mask_token_id
+    _, ids, dec = stream_events(model, tok, [tokens(7, seed=11)], max_tokens=25, editing_threshold=0.0,
+                                max_post_steps=3)
+    before, edits, post_steps = None, 0, 0
+    for event in dec.run(ids):
+        if isinstance(event, StepEvent):
+            now = event.canvas[0]
+            if before is not None:
+                edits += sum(a != b and a != mask for a, b in zip(before, now))
+                post_steps += mask not in before
+            before = now
+    assert edits > 0
+    assert post_steps == 3  # one block (25 tokens in columns 7..32): bounded by max_post_steps
+
+
+def test_editing_never_touches_prompt_padding_or_positions_past_max_tokens(family):
+    """Row 0 is left-padded by a whole block and its prompt tail shares the second block with
+    row 1's generated tokens: only generated positions may be edited."""
+    _, model, tok = family("llada2_moe")
+    mask = model.diffusion_spec.mask_token_id
+    prompts = [tokens(7, seed=11), tokens(20, seed=12)]
+    s, ids, dec = stream_events(model, tok, prompts, max_tokens=25, editing_threshold=0.0, max_post_steps=3)
+    layout = Layout(ids, 25, s["block_length"], True, mask)
+    assert layout.pads == [32, 0] and layout.blocks() == [(20, 32), (32, 64)]
+    seen = []
+
+    class Watch(dec.backend_cls):
+        def block_logits(self, x, start, stop):
+            seen.append(np.array(x))  # the engine writes x in place
+            return super().block_logits(x, start, stop)
+
+    dec.backend_cls = Watch
+    list(dec.run(ids))
+    edits = 0
+    initial, fixed = np.array(layout.tokens), ~np.array(layout.generated)
+    for x in seen:
+        n = x.shape[0]  # row 1 can only leave the batch first
+        assert (x[fixed[:n]] == initial[:n][fixed[:n]]).all()
+    for prev, x in zip(seen, seen[1:]):
+        if prev.shape == x.shape:
+            edits += ((prev != x) & (prev != mask)).sum()
+    assert edits > 0, "editing_threshold=0 never edited: the test could not see an unprotected position"
+
+
+def test_editing_off_never_changes_a_committed_token(family):
+    _, model, tok = family("llada2_moe")
+    mask = model.diffusion_spec.mask_token_id
+    _, ids, dec = stream_events(model, tok, [tokens(7, 11)], max_tokens=25, threshold=0.7)
+    before = None
+    for event in dec.run(ids):
+        if isinstance(event, StepEvent):
+            now = event.canvas[0]
+            if before is not None:
+                assert all(a == b for a, b in zip(before, now) if a != mask)
+            before = now
+
+
+# ---------------------------------------------------------------------------- settings, errors
+
+
+def test_cache_modes_select_backends(family):
+    _, model, tok = family("sdar")
+    spec = model.diffusion_spec
+    assert select_backend(spec, {"cache": "auto"}) is PrefixCache
+    assert select_backend(spec, {"cache": "prefix"}) is PrefixCache
+    assert select_backend(spec, {"cache": "none"}) is FullRecompute
+
+
+@pytest.mark.parametrize("name", ["sdar", "llada2_moe"])
+def test_a_cache_the_layout_cannot_make_exact_is_refused(family, name):
+    _, model, tok = family(name)
+    with pytest.raises(SettingsError, match=r"cache='dual' is not available .*block_causal.*auto, none, prefix"):
+        run(model, tok, [[1, 2, 3]], max_tokens=4, cache="dual")
+
+
+def test_editing_settings_for_a_family_without_editing(family):
+    _, model, tok = family("sdar")
+    for setting in ("editing_threshold", "max_post_steps"):
+        with pytest.raises(SettingsError, match=f"unknown setting.*{setting} for the sdar family"):
+            run(model, tok, [[1, 2, 3]], max_tokens=4, **{setting: 0.5})
+
+
+def test_bad_editing_settings(family):
+    _, model, tok = family("llada2_moe")
+    with pytest.raises(SettingsError, match="max_post_steps only acts when editing_threshold is set"):
+        run(model, tok, [[1, 2, 3]], max_tokens=4, max_post_steps=4)
+    with pytest.raises(SettingsError, match=r"editing_threshold must be in \[0, 1\]"):
+        run(model, tok, [[1, 2, 3]], max_tokens=4, editing_threshold=1.5)
+    with pytest.raises(SettingsError, match="max_post_steps must be an integer >= 0"):
+        run(model, tok, [[1, 2, 3]], max_tokens=4, editing_threshold=0.9, max_post_steps=-1)
+
+
+def test_untrained_block_length_is_allowed_and_logged_once(family, caplog):
+    from mlx_dllm_models import engine
+
+    _, model, tok = family("sdar")
+    engine._WARNED_BLOCK_LENGTHS.clear()
+    with caplog.at_level(logging.WARNING, logger="mlx_dllm_models.engine"):
+        run(model, tok, [[1, 2, 3]], max_tokens=4)  # the trained block size: silent
+        assert not caplog.records
+        for _ in range(2):
+            run(model, tok, [[1, 2, 3]], max_tokens=8, block_length=8, steps=8)
+    warnings = [r for r in caplog.records if "block_length=8 differs from the block size 4" in r.getMessage()]
+    assert len(warnings) == 1
