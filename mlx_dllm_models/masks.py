@@ -48,3 +48,24 @@ def causal_mask(length: int, offset: int = 0) -> mx.array:
     q = mx.arange(offset, offset + length)
     k = mx.arange(offset + length)
     return (k[None, :] <= q[:, None])[None, None]
+
+
+def causal_prefix_mask(
+    length: int, prefix: int, offset: int = 0, left_padding: Optional[Sequence[int]] = None
+) -> mx.array:
+    """Keep-mask for `length` queries at columns offset..offset+length-1 against keys
+    0..offset+length-1: a query before column `prefix` attends causally; a query at or after it
+    attends to every key before `prefix` and to every key from `prefix` on (Nemotron's causal
+    prefix + bidirectional block). prefix >= offset + length gives the plain causal mask.
+
+    With left padding, pad keys are never attended (a pad query still attends to itself, so that
+    no softmax row is empty).
+    """
+    q = mx.arange(offset, offset + length)[:, None]
+    k = mx.arange(offset + length)[None, :]
+    keep = (k <= q) | ((q >= prefix) & (k >= prefix))
+    if left_padding is None or not any(int(p) for p in left_padding):
+        return keep[None, None]
+    pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
+    keep = (keep[None] & (k[None] >= pad)) | (q[None] == k[None])
+    return keep[:, None]

@@ -79,6 +79,18 @@ def query_scale(length: int, offset, beta: float, original_max: int) -> mx.array
     return scale[:, None, :, None] if scale.ndim == 2 else scale[:, None]
 
 
+# Values of the `mode` setting: the masked block engine (AR-seeded blocks over a causal prefix), or
+# lossless self-speculation (a bidirectional draft verified by a causal pass); both live in
+# mlx_dllm_models.backends.causal_prefix.
+MODES = ("diffusion", "self_spec")
+
+
+def _check_mode(value) -> Optional[str]:
+    if value not in MODES:
+        return f"unknown mode {value!r} for the nemotron family; choose one of: {', '.join(MODES)}"
+    return None
+
+
 def _is_mlx_lm_cache(c) -> bool:
     return type(c).__module__ == "mlx_lm.models.cache"
 
@@ -205,6 +217,14 @@ class Model(nn.Module):
                 "threshold": 0.9,
                 "temperature": 0.0,
                 "max_tokens": 128,
+                "mode": "diffusion",
+            },
+            setting_checks={"mode": _check_mode},
+            # Self-speculation drafts a whole window in one forward and keeps what the causal pass
+            # agrees with: the denoising samplers have nothing to act on there.
+            mode_settings={
+                name: ("diffusion",)
+                for name in ("steps", "sampler", "threshold", "factor", "entropy_bound")
             },
             trained_block_length=a.block_size,
             max_position_embeddings=a.max_position_embeddings,

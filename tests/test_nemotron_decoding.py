@@ -1,0 +1,300 @@
+"""Nemotron-Labs-Diffusion decoding: AR-seeded blocks over a causal KV prefix (diffusion mode) and
+lossless self-speculation.
+
+Diffusion mode at temperature 0 is token-identical to an independent transcription of the HF
+reference `generate` (tests/reference/nemotron_reference.py) and to mlx-vlm's own diffusion
+generate; the KV cache is token-identical to full recompute. Self-speculation is token-identical to
+greedy AR decoding with mlx-lm.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import load_fixture
+from fixtures import nemotron as fx
+from mlx_lm.generate import generate_step
+from reference.nemotron_reference import VlmForward, hf_generate
+
+from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
+from mlx_dllm_models.backends.causal_prefix import speculative_accept
+from mlx_dllm_models.generate import stream_events
+from mlx_dllm_models.settings import SettingsError
+
+ROOT = Path(__file__).resolve().parents[1]
+L = fx.BLOCK_SIZE
+
+
+def _prompts(count, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 30, size=count)
+    return [[fx.BOS] + rng.integers(32, 250, size=int(n)).tolist() for n in lengths]
+
+
+PROMPTS = _prompts(4, seed=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(fixture_dir):
+    path = fixture_dir / "nemotron"
+    if not (path / "config.json").exists():
+        fx.build(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load_fixture(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint):
+    from mlx_vlm.models.nemotron_labs_diffusion import Model, ModelConfig
+
+    ref = Model(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())))
+    ref.load_weights(list(ref.sanitize(mx.load(str(checkpoint / "model.safetensors"))).items()))
+    mx.eval(ref.parameters())
+    return ref
+
+
+def _ours(model, tok, prompt, **kw):
+    out, responses = [], []
+    for r in stream_generate_diffusion(model, tok, prompt, **kw):
+        out.extend(r.tokens)
+        responses.append(r)
+    return out, responses
+
+
+def _cut(tokens):
+    tokens = [int(t) for t in tokens]
+    cut = next((i for i, t in enumerate(tokens) if t == fx.EOS), None)
+    return tokens if cut is None else tokens[:cut]
+
+
+def _ar_greedy(model, prompt, max_tokens):
+    """Greedy AR decoding by mlx-lm (its KV cache and no mask: the model's causal path)."""
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if token == fx.EOS:
+            break
+        out.append(int(token))
+    return out
+
+
+# ------------------------------------------------------------------------------ diffusion mode
+
+
+@pytest.mark.parametrize("threshold", [None, 0.9, 0.6])
+def test_diffusion_matches_hf_reference_generate(loaded, vlm, threshold):
+    model, tok = loaded
+    sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
+    several = []
+    for prompt in PROMPTS:
+        x, _ = hf_generate(VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, fx.EOS,
+                           threshold=threshold)
+        assert fx.MASK not in x[0].tolist()  # (the reference may commit a mask id; ours never does)
+        got, responses = _ours(model, tok, prompt, max_tokens=3 * L, **sampler)
+        assert got == _cut(x[0, len(prompt):])
+        several.append(responses[-1].tokens_per_forward)
+    if threshold is not None and threshold < 0.9:
+        assert max(several) > 1.5, "fixture not confident: threshold never beats one per step"
+
+
+@pytest.mark.parametrize(
+    "max_tokens, steps, threshold", [(3 * L, L, None), (20, L, 0.9), (20, L // 2, None)]
+)
+def test_diffusion_matches_mlx_vlm_generate(loaded, vlm, max_tokens, steps, threshold):
+    """mlx-vlm's native sampler: one token per step (threshold=None) or threshold + best one. It
+    reads no block_size, so block_length is passed; with threshold it force-completes a block at its
+    last step, which never comes into play when steps == block_length."""
+    model, tok = loaded
+    sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
+    for prompt in PROMPTS:
+        want = vlm.language_model.generate(
+            mx.array([prompt]), block_length=L, steps=steps, gen_length=max_tokens,
+            threshold=threshold, sampler="native",
+        )
+        got, _ = _ours(model, tok, prompt, max_tokens=max_tokens, steps=steps, **sampler)
+        assert got == _cut(want[0].tolist())
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(sampler="threshold", threshold=0.7),
+        dict(sampler="factor", factor=1.0),
+        dict(sampler="entropy", entropy_bound=0.5),
+        dict(block_length=5, steps=3),
+        dict(temperature=1.0, seed=3),
+        dict(temperature=0.7, top_k=20, seed=4, sampler="threshold", threshold=0.8),
+    ],
+)
+def test_prefix_cache_equals_full_recompute(loaded, kw):
+    model, tok = loaded
+    for prompt in PROMPTS[:2]:
+        cached, _ = _ours(model, tok, prompt, max_tokens=19, **kw)
+        assert cached == _ours(model, tok, prompt, max_tokens=19, cache="none", **kw)[0]
+        assert cached == _ours(model, tok, prompt, max_tokens=19, cache="prefix", **kw)[0]
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_left_padded_batch_equals_one_by_one(loaded, cache):
+    model, tok = loaded
+    prompts = _prompts(3, seed=7)
+    kw = dict(max_tokens=20, cache=cache, sampler="threshold", threshold=0.8)
+    batch = batch_generate_diffusion(model, tok, prompts, **kw)
+    assert len({len(p) for p in prompts}) > 1
+    assert batch.tokens == [_ours(model, tok, p, **kw)[0] for p in prompts]
+
+
+def test_forwards_of_the_cache(loaded):
+    """The checkpoint's block_size is the default block; the prompt is encoded once, each denoising
+    step runs over the block only, the finished block gets one causal forward, the last none."""
+    model, tok = loaded
+    seen = []
+    cls = type(model)
+
+    def spy(self, inputs, cache=None, mask=None, rows=None):
+        seen.append(inputs.shape[1])
+        return cls.__call__(self, inputs, cache=cache, mask=mask, rows=rows)
+
+    prompt = PROMPTS[0]
+    model.__class__ = type("Spy", (cls,), {"__call__": spy})
+    try:
+        _, responses = _ours(model, tok, prompt, max_tokens=3 * L)
+    finally:
+        model.__class__ = cls
+    per_block = [L] * (L - 1)  # one token per step; position 0 is the AR seed
+    assert seen == [len(prompt)] + per_block + [L] + per_block + [L] + per_block
+    assert responses[-1].nfe == len(seen)
+
+
+# --------------------------------------------------------------------------- self-speculation
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+@pytest.mark.parametrize("max_tokens", [1, 7, 30])
+def test_self_spec_equals_greedy_ar(loaded, cache, max_tokens):
+    model, tok = loaded
+    for prompt in _prompts(3, seed=max_tokens):
+        got, responses = _ours(model, tok, prompt, max_tokens=max_tokens, mode="self_spec",
+                               cache=cache)
+        assert got == _ar_greedy(model, prompt, max_tokens)
+        assert responses[-1].finish_reason in ("stop", "length")
+        # Every forward yields at least one token, as AR decoding does.
+        assert responses[-1].tokens_per_forward >= 1 or responses[-1].finish_reason == "stop"
+
+
+class OracleDrafts:
+    """The fixture's model, except that at mask inputs (the draft window) it predicts the true
+    greedy continuation, `truth[column]`, but a wrong token at the columns in `wrong`. An untrained
+    model's drafts almost never agree with its AR head; this one's agree in runs, so acceptance,
+    rejection and tokens per forward can be checked while verification stays the real model's."""
+
+    def __init__(self, model, truth, wrong):
+        self.model, self.layers, self.diffusion_spec = model, model.layers, model.diffusion_spec
+        target = np.array(truth)
+        target[list(wrong)] = (target[list(wrong)] + 1) % fx.VOCAB
+        self.target = mx.array(target)
+
+    def __call__(self, inputs, cache=None, mask=None, rows=None):
+        logits = self.model(inputs, cache=cache, mask=mask, rows=rows)
+        lo = rows[0] if rows is not None else 0
+        first = (0 if cache is None else int(cache[0].offset)) + lo
+        cols = mx.minimum(mx.arange(first, first + logits.shape[1]), self.target.shape[0] - 1)
+        oracle = 20.0 * (mx.arange(fx.VOCAB)[None, :] == self.target[cols][:, None])
+        drafting = (inputs[:, lo : lo + logits.shape[1]] == fx.MASK)[..., None]
+        return mx.where(drafting, oracle[None], logits)
+
+
+@pytest.mark.parametrize("cache", ["auto", "none"])
+def test_self_spec_accepts_agreeing_drafts(loaded, cache):
+    model, tok = loaded
+    prompt, n = PROMPTS[2], 40
+    ar = _ar_greedy(model, prompt, n)
+    assert len(ar) == n
+    truth = prompt + ar + [0] * 64
+    wrong = range(len(prompt) + 5, len(truth), 11)
+    oracle = OracleDrafts(model, truth, wrong)
+    kw = dict(max_tokens=n, mode="self_spec", cache=cache)
+    s, ids, decoder = stream_events(model, tok, [prompt], **kw)
+    decoder.model = oracle
+    got = [t for e in decoder.run(ids) for t in e.tokens[0]]
+    assert got == ar
+    assert 0 < decoder.accepted < decoder.drafted, "no partial acceptance exercised"
+    assert n / decoder.nfe > 2, f"{n} tokens in {decoder.nfe} forwards"
+    # The same drafts, all wrong: one token per forward, and still the AR output.
+    s, ids, decoder = stream_events(model, tok, [prompt], **kw)
+    decoder.model = OracleDrafts(model, truth, range(len(truth)))
+    assert [t for e in decoder.run(ids) for t in e.tokens[0]] == ar
+    assert decoder.accepted == 0 and decoder.nfe == n
+
+
+def test_self_spec_streams_chunks_and_batches(loaded):
+    model, tok = loaded
+    prompts = _prompts(3, seed=11)
+    got, responses = _ours(model, tok, prompts[0], max_tokens=12, mode="self_spec")
+    assert len(responses) > 1
+    assert all(r.finish_reason is None for r in responses[:-1])
+    batch = batch_generate_diffusion(model, tok, prompts, max_tokens=12, mode="self_spec")
+    assert batch.tokens == [_ar_greedy(model, p, 12) for p in prompts]
+
+
+def test_self_spec_sampling_is_seeded_and_cache_exact(loaded):
+    model, tok = loaded
+    kw = dict(max_tokens=16, mode="self_spec", temperature=0.8, seed=5)
+    a, _ = _ours(model, tok, PROMPTS[0], **kw)
+    assert a == _ours(model, tok, PROMPTS[0], **kw)[0]
+    assert a == _ours(model, tok, PROMPTS[0], cache="none", **kw)[0]
+    assert a != _ours(model, tok, PROMPTS[0], **{**kw, "seed": 6})[0]
+    assert fx.MASK not in a
+
+
+def test_speculative_accept_keeps_the_target_distribution():
+    """Speculative sampling: whatever the drafts' distribution q, each returned token follows p."""
+    p = mx.array([[0.6, 0.3, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = mx.array([[0.1, 0.2, 0.3, 0.4]])
+    rng = np.random.default_rng(0)
+    trials = 3000
+    counts = np.zeros(4)
+    for i in range(trials):
+        draft = int(rng.choice(4, p=np.array(q[0])))
+        counts[speculative_accept(p, q, [draft], mx.random.key(i))[0]] += 1
+    assert np.abs(counts / trials - np.array(p[0])).max() < 0.04, counts / trials
+
+
+# ------------------------------------------------------------------------- settings and CLI
+
+
+def test_bad_settings_raise_clear_errors(loaded):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="unknown mode 'fast'.*diffusion, self_spec"):
+        _ours(model, tok, "hi", mode="fast")
+    for bad in (dict(steps=4), dict(sampler="threshold"), dict(threshold=0.5)):
+        with pytest.raises(SettingsError, match="only acts with mode='diffusion'"):
+            _ours(model, tok, "hi", mode="self_spec", **bad)
+
+
+def _cli(checkpoint, *extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "mlx_dllm_models", "generate", "--model", str(checkpoint),
+           "--prompt", "hi", "--max-tokens", "16", "--no-live", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("mode", [None, "self_spec"])
+def test_cli_generates(checkpoint, mode):
+    out = _cli(checkpoint, *(["--mode", mode] if mode else []))
+    assert out.returncode == 0, out.stderr
+    assert "tokens/forward" in out.stdout
+
+
+def test_cli_rejects_an_unknown_mode(checkpoint):
+    out = _cli(checkpoint, "--mode", "fast")
+    assert out.returncode != 0 and "unknown mode 'fast'" in out.stderr
