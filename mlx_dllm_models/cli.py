@@ -39,6 +39,9 @@ def _generate_parser():
         prog="mlx_dllm generate",
         description="Generate text with a diffusion language model. Family-specific settings are "
         "passed as --name VALUE too (e.g. --alg entropy for Dream).",
+        # Family settings pass through as unknown flags; abbreviations would swallow them
+        # (`--mode` would be taken for `--model`).
+        allow_abbrev=False,
     )
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
@@ -50,6 +53,13 @@ def _generate_parser():
         "--trust-remote-code", action="store_true", help="let the tokenizer run the checkpoint's code"
     )
     p.add_argument("--no-live", action="store_true", help="no live canvas, print blocks as they come")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="an image for the prompt (repeatable; checkpoints with a vision tower)",
+    )
     for name, (typ, help_) in _FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
     return p
@@ -76,13 +86,14 @@ def _extra_settings(unknown):
     return extra
 
 
-def _render(tokenizer, canvas, mask_id, eos):
-    """Text of a canvas with each mask shown as a shaded cell; nothing after the first EOS."""
+def _render(tokenizer, canvas, mask_id, eos, pending=None):
+    """Text of a canvas with each mask (or each position `pending` marks, for decoders without a
+    mask token) shown as a shaded cell; nothing after the first EOS."""
     out, run = [], []
-    for t in canvas:
+    for i, t in enumerate(canvas):
         if t in eos:
             break
-        if t == mask_id:
+        if t == mask_id or (pending is not None and pending[i]):
             if run:
                 out.append(tokenizer.decode(run))
                 run = []
@@ -117,6 +128,7 @@ class _LiveView:
 
 def generate_main(argv):
     from .generate import _stats_line, load, responses, stream_events
+    from .vision import is_processor, text_tokenizer
 
     parser = _generate_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -142,15 +154,19 @@ def generate_main(argv):
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
+    text_tok = text_tokenizer(tokenizer)
+    if not args.ignore_chat_template and getattr(text_tok, "chat_template", None):
+        content = prompt
+        if args.image and is_processor(tokenizer) and tokenizer.image_token not in prompt:
+            content = tokenizer.image_token * len(args.image) + prompt
         messages = []
         if args.system_prompt:
             messages.append({"role": "system", "content": args.system_prompt})
-        messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages.append({"role": "user", "content": content})
+        prompt = text_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     try:
-        s, ids, decoder = stream_events(model, tokenizer, [prompt], **settings)
+        s, ids, decoder = stream_events(model, tokenizer, [prompt], images=args.image, **settings)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
 
@@ -159,7 +175,9 @@ def generate_main(argv):
     on_step = None
     if view is not None:
         def on_step(event):
-            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos))
+            pending = getattr(event, "pending", None)
+            pending = pending[0].tolist() if pending is not None else None
+            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
 
     text, last = "", None
     for last in responses(decoder, ids, tokenizer, on_step=on_step):

@@ -19,6 +19,7 @@ import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-l
 from .engine import BlockEvent, select_decoder
 from .registry import MODEL_TYPES
 from .settings import GENERATION_CONFIG_KEYS, SettingsError, resolve_settings
+from .vision import encode_prompt, is_processor, text_tokenizer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -105,7 +106,11 @@ def _quiet_transformers():
 
 def load(path, **kwargs):
     """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
-    checkpoint checked first, and its generation_config.json attached as `model.generation_config`."""
+    checkpoint checked first, and its generation_config.json attached as `model.generation_config`.
+
+    For a checkpoint with a vision tower (DiffusionGemma), (model, processor) as mlx_vlm.load
+    returns it: mlx-vlm's processor, which places images in a prompt and serves text-only prompts
+    too (`generate_diffusion(model, processor, prompt, image=[...])`)."""
     from mlx_lm.utils import load as mlx_load
 
     path = Path(path)
@@ -134,6 +139,13 @@ def load(path, **kwargs):
         raise
     gen_file = path / "generation_config.json"
     model.generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    if getattr(model, "vision_tower", None) is not None:
+        from .vision import load_processor, vision_config_of
+
+        with _quiet_transformers():
+            tokenizer = load_processor(
+                path, tokenizer_config["trust_remote_code"], vision_config_of(path)
+            )
     return model, tokenizer
 
 
@@ -146,7 +158,14 @@ def _checkpoint_settings(model, spec):
     for key in spec.ignored_generation_config_keys:
         keys.pop(key, None)
     keys.update(spec.generation_config_keys)
-    return {setting: gen[key] for key, setting in keys.items() if gen.get(key) is not None}
+    found = {}
+    for key, setting in keys.items():
+        value = gen
+        for part in key.split("."):  # "a.b" reads a nested entry (sampler_config.entropy_bound)
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            found[setting] = value
+    return found
 
 
 def _eos_ids(model, tokenizer, spec):
@@ -160,13 +179,17 @@ def _eos_ids(model, tokenizer, spec):
     return ids
 
 
+def _add_bos(tokenizer, prompt: str) -> bool:
+    bos = getattr(tokenizer, "bos_token", None)
+    return bos is None or not prompt.startswith(bos)
+
+
 def _encode(tokenizer, prompt: Prompt) -> List[int]:
+    tokenizer = text_tokenizer(tokenizer)
     if isinstance(prompt, str) and prompt == "":
         raise SettingsError("the prompt is empty: give at least one token of text to condition on")
     if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+        ids = tokenizer.encode(prompt, add_special_tokens=_add_bos(tokenizer, prompt))
     else:
         ids = [int(t) for t in prompt]
     if len(ids) == 0:
@@ -174,7 +197,7 @@ def _encode(tokenizer, prompt: Prompt) -> List[int]:
     return ids
 
 
-def _prepare(model, tokenizer, prompts, settings):
+def _prepare(model, tokenizer, prompts, settings, images=None):
     spec = getattr(model, "diffusion_spec", None)
     if spec is None:
         raise TypeError(
@@ -182,7 +205,11 @@ def _prepare(model, tokenizer, prompts, settings):
             "package (it has no diffusion_spec); load it with mlx_dllm_models.load"
         )
     s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
-    ids = [_encode(tokenizer, p) for p in prompts]
+    pixel_values = None
+    if images is not None:
+        ids, pixel_values = _encode_with_images(model, tokenizer, prompts, images)
+    else:
+        ids = [_encode(tokenizer, p) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
     if limit is not None and longest + s["max_tokens"] > limit:
@@ -190,12 +217,37 @@ def _prepare(model, tokenizer, prompts, settings):
             f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds the model's context "
             f"of {limit} positions; shorten the prompt or lower max_tokens"
         )
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
     if vocab is not None:
         bad = [t for p in ids for t in p if not 0 <= t < vocab]
         if bad:
             raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    return spec, s, ids
+    return spec, s, ids, pixel_values
+
+
+def _encode_with_images(model, processor, prompts, images):
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    if getattr(model, "vision_tower", None) is None:
+        raise SettingsError(
+            "this checkpoint has no vision tower (its config.json has no vision_config), so it "
+            "cannot read images; drop image= or use a multimodal checkpoint"
+        )
+    if not is_processor(processor):
+        raise SettingsError(
+            "images need the processor that mlx_dllm_models.load returns for this checkpoint, "
+            f"not a {type(processor).__name__}"
+        )
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise SettingsError(
+            "images go with a single text prompt (the processor places the image tokens); "
+            "generate one prompt at a time"
+        )
+    prompt = prompts[0]
+    if prompt == "":
+        raise SettingsError("the prompt is empty: give at least one token of text to condition on")
+    ids, pixel_values = encode_prompt(processor, prompt, images, _add_bos(processor.tokenizer, prompt))
+    return [ids], pixel_values
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -227,19 +279,25 @@ def _decoder_for(model, settings, eos):
     return select_decoder(model.diffusion_spec, settings)(model, settings, eos)
 
 
-def stream_events(model, tokenizer, prompts: Sequence[Prompt], **settings):
+def stream_events(model, tokenizer, prompts: Sequence[Prompt], images=None, **settings):
     """Low-level stream of engine events (StepEvent, BlockEvent) for a batch; used by the CLI's
-    live view. Returns (settings, prompt_ids, iterator)."""
-    spec, s, ids = _prepare(model, tokenizer, prompts, settings)
+    live view. `images` (paths, PIL images or arrays) go with a single text prompt and need the
+    processor that `load` returns for a multimodal checkpoint. Returns (settings, prompt_ids,
+    decoder); `decoder.run(prompt_ids)` yields the events."""
+    spec, s, ids, pixel_values = _prepare(model, tokenizer, prompts, settings, images)
     decoder = _decoder_for(model, s, _eos_ids(model, tokenizer, spec))
+    if pixel_values is not None:
+        decoder.images = pixel_values
     return s, ids, decoder
 
 
 def stream_generate_diffusion(
-    model, tokenizer, prompt: Prompt, **settings
+    model, tokenizer, prompt: Prompt, image=None, **settings
 ) -> Iterator[DiffusionResponse]:
-    """Yield a DiffusionResponse each time a block is committed, as it happens."""
-    s, ids, decoder = stream_events(model, tokenizer, [prompt], **settings)
+    """Yield a DiffusionResponse each time a block (a canvas) is committed, as it happens.
+    `image`: a path, PIL image or array, or a list of them, with the processor of a multimodal
+    checkpoint; a prompt without image placeholders gets the images first."""
+    s, ids, decoder = stream_events(model, tokenizer, [prompt], images=image, **settings)
     yield from responses(decoder, ids, tokenizer)
 
 
@@ -285,12 +343,22 @@ def responses(decoder, ids, tokenizer, on_step=None) -> Iterator[DiffusionRespon
 
 
 def generate_diffusion(
-    model, tokenizer, prompt: Prompt, *, max_tokens: Optional[int] = None, verbose: bool = False, **settings
+    model,
+    tokenizer,
+    prompt: Prompt,
+    *,
+    max_tokens: Optional[int] = None,
+    verbose: bool = False,
+    image=None,
+    **settings,
 ) -> str:
-    """Generate a completion of `prompt` and return its text."""
+    """Generate a completion of `prompt` and return its text (`image`: see
+    stream_generate_diffusion)."""
     text = ""
     last = None
-    for last in stream_generate_diffusion(model, tokenizer, prompt, max_tokens=max_tokens, **settings):
+    for last in stream_generate_diffusion(
+        model, tokenizer, prompt, image=image, max_tokens=max_tokens, **settings
+    ):
         if verbose:
             print(last.text, end="", flush=True)
         text += last.text

@@ -70,6 +70,12 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
             f"it understands: {', '.join(sorted(allowed))}"
         )
     explicit = {k: v for k, v in overrides.items() if v is not None}
+    unused = [k for k in explicit if k in spec.unused_settings]
+    if unused:
+        name = unused[0]
+        raise SettingsError(
+            f"{name} does not apply to the {spec.family} family: {spec.unused_settings[name]}"
+        )
     from_checkpoint = {
         k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
     }
@@ -147,6 +153,15 @@ def _validate(spec, s, explicit):
         f"cache={s['cache']!r} is not available for the {spec.family} family "
         f"({spec.attention} attention); choose one of: {', '.join(caches)}",
     )
+    for name, modes in spec.mode_settings.items():
+        if name in explicit and s.get("mode") not in modes:
+            raise SettingsError(
+                f"{name} only acts with mode={modes[0]!r}, but mode is {s.get('mode')!r}; "
+                f"pass mode={modes[0]!r} or drop {name}"
+            )
+    for name, needed in spec.setting_requires.items():
+        if name in explicit and s.get(needed) is None:
+            raise SettingsError(f"{name} only acts when {needed} is set; pass {needed} or drop {name}")
     scoped = dict(SAMPLER_SETTINGS)
     scoped.update(spec.sampler_settings)
     for name, samplers in scoped.items():

@@ -62,3 +62,15 @@ class DiffusionSpec:
     # Checks of extra settings (setting -> f(value) returning an error message, or None if valid),
     # run when the chosen sampler acts on the setting.
     setting_checks: Mapping[str, Callable[[Any], Optional[str]]] = field(default_factory=dict)
+    # Shared settings that mean nothing to the family's decoder (setting -> why, and what to use
+    # instead): passing one explicitly is an error, never a silently ignored setting.
+    unused_settings: Mapping[str, str] = field(default_factory=dict)
+    # Vocabulary size, for decoders that draw token ids (uniform-noise canvases).
+    vocab_size: Optional[int] = None
+    # Settings that act only when another one is set (setting -> the one it needs), e.g. LLaDA2's
+    # max_post_steps needs editing_threshold: passing it without is an error.
+    setting_requires: Mapping[str, str] = field(default_factory=dict)
+    # Settings that act only in some values of the family's `mode` setting (setting -> modes), e.g.
+    # the samplers of masked decoding under Nemotron's self-speculation: passing one in another
+    # mode is an error.
+    mode_settings: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)

@@ -322,13 +322,16 @@ def test_diffusion_spec_comes_from_config_and_generation_config(model):
     assert spec.logit_shift == 0
     assert set(spec.samplers) == {"entropy", "threshold"}
     assert spec.defaults == {
+        "sampler": "entropy",
+        "max_tokens": 256,
         "max_denoising_steps": 48,
         "entropy_bound": 0.1,
         "t_min": 0.4,
         "t_max": 0.8,
         "stability_threshold": 1,
         "confidence_threshold": 0.005,
-        "canvas_length": CANVAS,
+        "min_canvas_length": CANVAS,
+        "max_canvas_length": CANVAS,
     }
     for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold",
                  "confidence_threshold", "min_canvas_length", "max_canvas_length"):

@@ -6,7 +6,7 @@ registers itself at import; list it here.
 
 import importlib
 
-_MODULES = ()
+_MODULES = ("block_cache", "causal_prefix", "canvas")
 
 for _name in _MODULES:
     importlib.import_module(f"{__name__}.{_name}")

@@ -12,6 +12,13 @@ from .rules import (
     quota_commit,
     threshold_commit,
 )
+from .canvas import (
+    CanvasStats,
+    canvas_stats,
+    linear_temperature,
+    renoise,
+    stable_and_confident,
+)
 from .schedule import block_ranges, transfer_schedule
 from .stats import TokenStats, filter_logits, token_stats
 
@@ -26,4 +33,9 @@ __all__ = [
     "edit_commit",
     "transfer_schedule",
     "block_ranges",
+    "CanvasStats",
+    "canvas_stats",
+    "linear_temperature",
+    "renoise",
+    "stable_and_confident",
 ]

@@ -20,8 +20,14 @@ modes over one set of weights:
 The two towers share every weight except the per-layer output scalar, of which the checkpoint keeps
 one copy per tower. Self-conditioning (the previous step's logits fed back) is decoder-only.
 
-The vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`) is not implemented
-yet: its weights are dropped, and `Model.vision_tower` stays None (see `_sanitize_vision`).
+Images: a checkpoint whose config.json has a `vision_config` gets mlx-vlm's Gemma 4 vision tower
+and `embed_vision` projector (built in mlx_dllm_models.vision); `encode(..., pixel_values=...)`
+puts the image features where the prompt holds the image token and, as transformers does for
+`use_bidirectional_attention="vision"`, lets each run of image tokens attend to itself both ways.
+Without a `vision_config` the vision weights are dropped and `Model.vision_tower` is None.
+
+Decoding: the engine's canvas loop (mlx_dllm_models.backends.canvas, `DiffusionSpec.decoder` =
+"canvas").
 """
 
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .. import vision
 from ..spec import ENCODER_CANVAS, DiffusionSpec
 
 _NAME = "diffusion_gemma"
@@ -41,13 +48,69 @@ _NAME = "diffusion_gemma"
 # Reference defaults: transformers' DiffusionGemmaGenerationConfig._get_default_generation_params
 # and the official generation_config.json; the checkpoint's generation_config overrides them.
 FAMILY_DEFAULTS = {
+    "sampler": "entropy",
+    "max_tokens": 256,
     "max_denoising_steps": 48,
     "entropy_bound": 0.1,
     "t_min": 0.4,
     "t_max": 0.8,
     "stability_threshold": 1,
     "confidence_threshold": 0.005,
-    "canvas_length": 256,
+}
+
+# Short requests get a canvas of their own length, but not below this: a canvas far shorter than
+# the trained one (256) is a different task for the denoiser. mlx-vlm uses the same floor.
+MIN_CANVAS_LENGTH = 64
+
+# generation_config.json key (dotted for nested ones) -> setting.
+GENERATION_CONFIG_KEYS = {
+    "max_new_tokens": "max_tokens",
+    "max_denoising_steps": "max_denoising_steps",
+    "sampler_config.entropy_bound": "entropy_bound",
+    "t_min": "t_min",
+    "t_max": "t_max",
+    "stability_threshold": "stability_threshold",
+    "confidence_threshold": "confidence_threshold",
+}
+
+# Shared settings that DiffusionGemma's sampler has no use for: an error when given.
+UNUSED_SETTINGS = {
+    "block_length": "each canvas is a block; set min_canvas_length / max_canvas_length",
+    "steps": "set max_denoising_steps (an upper bound per canvas: a canvas stops once its argmax "
+    "is stable and confident)",
+    "temperature": "the temperature follows a schedule from t_max (first step) to t_min; set those",
+    "top_p": "the sampler draws from the whole temperature-scaled distribution",
+    "top_k": "the sampler draws from the whole temperature-scaled distribution",
+    "factor": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)",
+}
+
+
+def _int_at_least(name, least):
+    def check(v):
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= least
+        return None if ok else f"{name} must be an integer >= {least}, got {v!r}"
+
+    return check
+
+
+def _number_at_least(name, least, strict=False):
+    def check(v):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        ok = ok and (v > least if strict else v >= least)
+        relation = ">" if strict else ">="
+        return None if ok else f"{name} must be a number {relation} {least}, got {v!r}"
+
+    return check
+
+
+_SETTING_CHECKS = {
+    "max_denoising_steps": _int_at_least("max_denoising_steps", 1),
+    "t_min": _number_at_least("t_min", 0),
+    "t_max": _number_at_least("t_max", 0, strict=True),
+    "stability_threshold": _int_at_least("stability_threshold", 0),
+    "confidence_threshold": _number_at_least("confidence_threshold", 0),
+    "min_canvas_length": _int_at_least("min_canvas_length", 1),
+    "max_canvas_length": _int_at_least("max_canvas_length", 1),
 }
 
 # Kept at 8 bits when the rest is quantized lower: the always-active, precision-sensitive parts.
@@ -290,6 +353,42 @@ def _encoded_kv(cache):
     return cache.keys[..., :offset, :], cache.values[..., :offset, :]
 
 
+def _encoder_mask(n_new, cache, window, valid, blocks):
+    """Keep-mask (B or 1, 1, n_new, keys) of an encoder pass over `n_new` new positions, for the
+    keys that the layer's cache returns: every position for a KVCache, the last
+    `max_size - 1` before the new ones (in temporal order) for a RotatingKVCache. Causal, within
+    `window` on sliding layers; `valid` (B, all positions so far) drops padding keys (each query
+    keeps itself, so that no softmax row is empty); `blocks` (B, n_new, n_new) lets image tokens of
+    one run see each other."""
+    before = cache.offset if cache is not None else 0
+    kept = before
+    if isinstance(cache, RotatingKVCache):
+        if n_new == 1 and before > 0:
+            # mlx-lm writes a single token in place (keys come back rotated): only a mask-free
+            # pass is possible, which holds while no padding is in view.
+            start = max(0, before + 1 - cache.max_size)
+            if blocks is None and (valid is None or bool(valid[:, start:].all().item())):
+                return None
+            raise ValueError(
+                f"{_NAME}: a single new position cannot be encoded into a windowed cache while "
+                "padding is in view; encode at least two positions at a time"
+            )
+        kept = min(before, cache.max_size - 1)
+    q = mx.arange(before, before + n_new)[:, None]
+    k = mx.arange(before - kept, before + n_new)[None, :]
+    keep = k <= q
+    if window is not None:
+        keep = keep & (q - k < window)
+    keep = keep[None, None]
+    if blocks is not None:
+        side = mx.zeros((blocks.shape[0], n_new, kept), dtype=mx.bool_)
+        keep = keep | mx.concatenate([side, blocks], axis=-1)[:, None]
+    if valid is not None:
+        keys_valid = valid[:, before - kept : before + n_new]
+        keep = (keep & keys_valid[:, None, None, :]) | (k == q)[None, None]
+    return keep
+
+
 class DiffusionGemmaTextModel(nn.Module):
     def __init__(self, args: TextConfig):
         super().__init__()
@@ -300,6 +399,7 @@ class DiffusionGemmaTextModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_conditioning = SelfConditioning(g)
         self.sliding_window = args.sliding_window
+        self.bidirectional_vision = args.use_bidirectional_attention == "vision"
 
     def _embed(self, ids):
         return self.embed_tokens(ids) * self.embed_scale
@@ -319,14 +419,24 @@ class DiffusionGemmaTextModel(nn.Module):
             soft = p @ e.weight
         return soft * self.embed_scale
 
-    def encode(self, inputs, cache=None):
+    def encode(self, inputs, cache=None, valid=None, features=None, image_token_id=None):
         h = self._embed(inputs)
+        blocks = None
+        if features is not None:
+            h = vision.place_features(h, inputs, features, image_token_id)
+            if self.bidirectional_vision:
+                blocks = vision.vision_blocks(inputs, image_token_id)
         cache = cache or [None] * len(self.layers)
         masks = {}
         for layer, c in zip(self.layers, cache):
             if layer.layer_type not in masks:
                 window = self.sliding_window if layer.self_attn.is_sliding else None
-                masks[layer.layer_type] = create_attention_mask(h, c, window_size=window)
+                if valid is None and blocks is None:
+                    masks[layer.layer_type] = create_attention_mask(h, c, window_size=window)
+                else:
+                    masks[layer.layer_type] = _encoder_mask(
+                        inputs.shape[1], c, window, valid, blocks
+                    )
         for layer, c in zip(self.layers, cache):
             h = layer(h, masks[layer.layer_type], c, encoder=True)
         return self.norm(h)
@@ -351,17 +461,59 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.model = DiffusionGemmaTextModel(args.text_config)
         self.final_logit_softcapping = args.text_config.final_logit_softcapping
-        # Hook for the vision work: a Gemma-4 vision tower + embed_vision projector would go here,
-        # with `_sanitize_vision` keeping their weights and `encode` scattering image features.
-        self.vision_tower = None
+        if args.vision_config is not None:
+            # Inside `model` so that mlx-lm's save keeps vision_config ("vision_tower" in
+            # model.model) when converting.
+            tower, embed = vision.build_vision(args.vision_config, args.text_config.hidden_size)
+            self.model.vision_tower = tower
+            self.model.embed_vision = embed
+
+    @property
+    def vision_tower(self):
+        """mlx-vlm's Gemma 4 vision tower, or None for a text-only checkpoint."""
+        return self.model.get("vision_tower")
 
     # -- the two modes -------------------------------------------------------------------------
 
-    def encode(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+    def encode(
+        self,
+        inputs: mx.array,
+        cache: Optional[List[Any]] = None,
+        valid: Optional[mx.array] = None,
+        pixel_values=None,
+    ) -> mx.array:
         """Causal encoder pass over `inputs` (B, L), appending their K/V to `cache` (one entry per
         layer, from `make_cache()`); returns the final-normed hidden states (B, L, H). `logits(h)`
-        turns them into the encoder's own next-token logits."""
-        return self.model.encode(inputs, cache)
+        turns them into the encoder's own next-token logits.
+
+        `valid` (B, positions encoded so far including `inputs`), for left-padded batches: False
+        marks padding, which no query attends to. `pixel_values` (the processor's) are run through
+        the vision tower and placed at the image tokens of `inputs`."""
+        features = None
+        if pixel_values is not None:
+            if self.vision_tower is None:
+                raise ValueError(
+                    f"{_NAME}: this checkpoint has no vision tower (config.json has no "
+                    "vision_config), so it cannot read images; give a text-only prompt"
+                )
+            features = vision.image_features(
+                self.vision_tower, self.model.embed_vision, pixel_values
+            )
+        return self.model.encode(inputs, cache, valid, features, self.args.image_token_id)
+
+    def padding_masks(self, valid: mx.array, canvas_length: int):
+        """Decoder keep-masks by layer type for a left-padded batch: `valid` (B, encoded
+        positions) False at padding; the canvas sees every encoded real position on full layers,
+        the last `sliding_window - 1` on sliding ones, and itself."""
+        B, T = valid.shape
+        canvas = mx.ones((B, canvas_length), dtype=mx.bool_)
+        window = self.args.text_config.sliding_window - 1
+        full = mx.concatenate([valid, canvas], axis=1)
+        sliding = mx.concatenate([valid[:, max(0, T - window) :], canvas], axis=1)
+        return {
+            "full_attention": full[:, None, None, :],
+            "sliding_attention": sliding[:, None, None, :],
+        }
 
     def decode(
         self,
@@ -413,6 +565,9 @@ class Model(nn.Module):
         for key, value in weights.items():
             if "rotary_emb" in key or key == "lm_head.weight":
                 continue
+            if key.startswith(("model.vision_tower.", "model.embed_vision.")):
+                out[key] = value  # already converted
+                continue
             if key.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
                 kept = self._sanitize_vision(key, value)
                 if kept is not None:
@@ -448,10 +603,13 @@ class Model(nn.Module):
         return out
 
     def _sanitize_vision(self, key, value):
-        """Where the vision weights go once a tower exists; dropped for the text-only model."""
+        """transformers' `model.encoder.{vision_tower,embed_vision}.*` -> `model.*`; dropped for a
+        text-only checkpoint, and so are the clipping bounds of a tower that does not clip."""
         if self.vision_tower is None:
             return None
-        return key[len("model.encoder.") :], value
+        if not vision.keeps_vision_weight(key, self.args.vision_config):
+            return None
+        return "model." + key[len("model.encoder.") :], value
 
     def _check_names_and_shapes(self, weights):
         params = dict(tree_flatten(self.parameters()))
@@ -484,6 +642,8 @@ class Model(nn.Module):
         router stay at 8 bits; experts, dense MLPs and the rest take the requested bits."""
 
         def predicate(path, module):
+            if path.startswith(("model.vision_tower", "model.embed_vision")):
+                return False  # small and sensitive; mlx-vlm keeps vision towers unquantized too
             if path.endswith(("embed_tokens", "router.proj")) or ".self_attn." in path:
                 return dict(_EIGHT_BIT)
             return True
@@ -497,20 +657,18 @@ class Model(nn.Module):
         a, t = self.args, self.args.text_config
         eos = a.eos_token_id if a.eos_token_id is not None else t.eos_token_id
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        defaults = dict(FAMILY_DEFAULTS, canvas_length=a.canvas_length)
+        defaults = dict(
+            FAMILY_DEFAULTS,
+            min_canvas_length=min(MIN_CANVAS_LENGTH, a.canvas_length),
+            max_canvas_length=a.canvas_length,
+        )
         gen = a.generation_config or {}
-        for name in (
-            "max_denoising_steps",
-            "t_min",
-            "t_max",
-            "stability_threshold",
-            "confidence_threshold",
-        ):
-            if gen.get(name) is not None:
-                defaults[name] = gen[name]
-        bound = (gen.get("sampler_config") or {}).get("entropy_bound")
-        if bound is not None:
-            defaults["entropy_bound"] = bound
+        for key, name in GENERATION_CONFIG_KEYS.items():
+            value = gen
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                defaults[name] = value
         return DiffusionSpec(
             family=_NAME,
             attention=ENCODER_CANVAS,
@@ -518,16 +676,14 @@ class Model(nn.Module):
             eos_token_ids=eos,
             confidence="sampled",  # entropy / probability of the temperature-scheduled logits
             samplers=("entropy", "threshold"),
+            decoder="canvas",
             caches=("auto",),
-            extra_settings=(
-                "max_denoising_steps",
-                "t_min",
-                "t_max",
-                "stability_threshold",
-                "confidence_threshold",
-                "min_canvas_length",
-                "max_canvas_length",
-            ),
+            extra_settings=tuple(_SETTING_CHECKS),
             defaults=defaults,
+            generation_config_keys=GENERATION_CONFIG_KEYS,
+            ignored_generation_config_keys=tuple(UNUSED_SETTINGS),
+            setting_checks=_SETTING_CHECKS,
+            unused_settings=UNUSED_SETTINGS,
+            vocab_size=t.vocab_size,
             max_position_embeddings=t.max_position_embeddings,
         )

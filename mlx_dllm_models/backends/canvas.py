@@ -1,0 +1,225 @@
+"""Uniform-noise canvas decoding (DiffusionGemma), the engine's second loop: DECODERS["canvas"].
+
+Reproduces the generation loop of transformers'
+`models/diffusion_gemma/generation_diffusion_gemma.py` (DiffusionGemmaGenerationMixin.generate):
+canvases are generated one after another; the prompt, then each finished canvas, is written into
+the model's encoder cache; a canvas starts as uniformly random ids and each denoising step
+
+1. runs the decoder over the canvas, self-conditioned on the previous step's logits,
+2. scales the logits by a temperature falling linearly from t_max to t_min,
+3. draws a token per position and accepts some (entropy bound over all positions, or the
+   confidence threshold), re-noising every other position with fresh uniform ids,
+4. stops the canvas once its argmax is stable and confident (mean entropy below a threshold).
+
+The canvas appended to the output, and encoded for the next one, is the argmax of the last step, as
+in the reference (not the accepted canvas). Differences from the reference: output stops at the
+first EOS, which is not returned, and at max_tokens; the last canvas is only as long as the tokens
+still wanted (at least min_canvas_length); rows of a batch are left-padded and each draws the noise
+it would draw alone.
+"""
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..decoding import (
+    canvas_stats,
+    entropy_commit,
+    linear_temperature,
+    renoise,
+    stable_and_confident,
+    threshold_commit,
+)
+from ..engine import DECODERS, BlockEvent, StepEvent
+from ..settings import SettingsError
+
+
+@dataclass
+class CanvasStepEvent(StepEvent):
+    """A denoising step. `generated` holds each active row's finished canvases followed by the
+    current canvas's argmax (`block` is its span); `pending` (same shape) marks the positions that
+    this step did not accept (the threshold sampler: not accepted yet), which the live view
+    shades."""
+
+    pending: Optional[mx.array] = None
+
+
+class CanvasNoise:
+    """The canvas's random draws: uniform ids (initial canvas, re-noising) and one uniform number
+    per position (the categorical draw). Each row keeps its own stream from `seed` and draws only
+    while it is denoising, so a row of a batch sees the draws it would see alone. Tests substitute
+    an object with the same two methods to share draws with another implementation."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.keys = {}
+
+    def _key(self, row):
+        key = self.keys.get(row)
+        if key is None:
+            key = mx.random.key(self.seed)
+        key, sub = mx.random.split(key)
+        self.keys[row] = key
+        return sub
+
+    def ids(self, rows: Sequence[int], length: int, vocab: int) -> mx.array:
+        return mx.concatenate(
+            [mx.random.randint(0, vocab, (1, length), key=self._key(r)) for r in rows]
+        ).astype(mx.int32)
+
+    def uniform(self, rows: Sequence[int], length: int) -> mx.array:
+        draws = [mx.random.uniform(shape=(1, length), key=self._key(r)) for r in rows]
+        return mx.concatenate(draws)
+
+
+def _take_rows(cache, idx):
+    if getattr(cache, "keys", None) is not None:
+        cache.keys, cache.values = cache.keys[idx], cache.values[idx]
+    return cache
+
+
+class CanvasDecoder:
+    """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
+
+    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int]):
+        self.model = model
+        self.spec = model.diffusion_spec
+        self.s = s = settings
+        if s["t_max"] < s["t_min"]:
+            raise SettingsError(
+                f"t_max ({s['t_max']}) is the first step's temperature and must be >= t_min "
+                f"({s['t_min']}), the last step's"
+            )
+        if s["min_canvas_length"] > s["max_canvas_length"]:
+            raise SettingsError(
+                f"min_canvas_length ({s['min_canvas_length']}) exceeds max_canvas_length "
+                f"({s['max_canvas_length']})"
+            )
+        if self.spec.vocab_size is None:
+            raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.noise = CanvasNoise(s["seed"])
+        self.images = None  # the processor's pixel values for the (single) prompt, if any
+        self.nfe = 0
+
+    def canvas_length(self, remaining: int) -> int:
+        s = self.s
+        return max(s["min_canvas_length"], min(remaining, s["max_canvas_length"]))
+
+    def run(self, prompts: Sequence[Sequence[int]]) -> Iterator[object]:
+        s, model = self.s, self.model
+        if self.images is not None and len(prompts) != 1:
+            raise SettingsError("images go with a single prompt; generate one prompt at a time")
+        longest = max(len(p) for p in prompts)
+        pads = [longest - len(p) for p in prompts]
+        tokens = [[0] * pad + [int(t) for t in p] for pad, p in zip(pads, prompts)]
+        tokens = mx.array(tokens, dtype=mx.int32)
+        valid = None
+        if any(pads):
+            valid = mx.arange(longest)[None, :] >= mx.array(pads)[:, None]
+        rows = list(range(len(prompts)))
+        cache = model.make_cache()
+        model.encode(tokens, cache, valid=valid, pixel_values=self.images)
+        mx.eval([(c.keys, c.values) for c in cache])
+        before = mx.zeros((len(rows), 0), dtype=mx.int32)  # finished canvases, for the live view
+        total = 0
+        while True:
+            length = self.canvas_length(s["max_tokens"] - total)
+            mask = model.padding_masks(valid, length) if valid is not None else None
+            argmax = yield from self._denoise(cache, rows, length, mask, before)
+            wanted = min(length, s["max_tokens"] - total)
+            emitted, hit, finished = [], [], []
+            for toks in argmax[:, :wanted].tolist():
+                cut = next((i for i, t in enumerate(toks) if t in self.eos), None)
+                hit.append(cut is not None)
+                emitted.append(toks if cut is None else toks[:cut])
+                finished.append(cut is not None or total + wanted >= s["max_tokens"])
+            yield BlockEvent(list(rows), emitted, hit, finished, self.nfe)
+            total += wanted
+            keep = [i for i, f in enumerate(finished) if not f]
+            if not keep:
+                return
+            if len(keep) < len(rows):
+                # Rows are independent: a finished one leaves the batch and its cache.
+                idx = mx.array(keep)
+                rows = [rows[i] for i in keep]
+                argmax, before = argmax[idx], before[idx]
+                valid = valid[idx] if valid is not None else None
+                cache = [_take_rows(c, idx) for c in cache]
+            if valid is not None:
+                valid = mx.concatenate([valid, mx.ones(argmax.shape, dtype=mx.bool_)], axis=1)
+            model.encode(argmax, cache, valid=valid)
+            mx.eval([(c.keys, c.values) for c in cache])
+            before = mx.concatenate([before, argmax], axis=1)
+
+    def _draw(self, draw, rows, done, *args):
+        """Draws for the rows still denoising; rows that stopped keep their streams untouched."""
+        live = [i for i, d in enumerate(done) if not d]
+        out = draw([rows[i] for i in live], *args)
+        if len(live) == len(rows):
+            return out
+        full = mx.zeros((len(rows),) + tuple(out.shape[1:]), dtype=out.dtype)
+        full[mx.array(live)] = out
+        return full
+
+    def _denoise(self, cache, rows: List[int], length: int, mask, before):
+        s, model, vocab = self.s, self.model, self.spec.vocab_size
+        steps = s["max_denoising_steps"]
+        threshold = s["sampler"] == "threshold"
+        B = len(rows)
+        done = [False] * B
+        stopped = mx.zeros((B,), dtype=mx.bool_)
+        canvas = self.noise.ids(rows, length, vocab)
+        argmax, self_cond, history = canvas, None, None
+        revealed = mx.zeros((B, length), dtype=mx.bool_)
+        start = before.shape[1]
+        all_positions = mx.ones((B, length), dtype=mx.bool_)
+        for remaining in range(steps, 0, -1):
+            temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
+            logits = model.decode(canvas, cache, self_cond, mask=mask)
+            self.nfe += 1
+            uniform = self._draw(self.noise.uniform, rows, done, length)
+            st = canvas_stats(logits, temperature, uniform)
+            if threshold:
+                candidates = ~revealed
+                if remaining == 1:
+                    accept = candidates  # the last step accepts whatever is left
+                else:
+                    accept = threshold_commit(st.confidence, candidates, s["threshold"])
+                keep = revealed | accept
+            else:
+                accept = keep = entropy_commit(st.entropy, all_positions, s["entropy_bound"])
+            accepted = mx.where(accept, st.sample, canvas)
+            fresh = self._draw(self.noise.ids, rows, done, length, vocab)
+            new_canvas = renoise(accepted, keep, fresh)
+            new_argmax, processed = st.argmax, st.processed
+            if any(done):
+                # A row that has stopped keeps its canvas, argmax and self-conditioning.
+                frozen = stopped[:, None]
+                new_argmax = mx.where(frozen, argmax, new_argmax)
+                new_canvas = mx.where(frozen, canvas, new_canvas)
+                processed = mx.where(frozen[..., None], self_cond, processed)
+                if threshold:
+                    keep = mx.where(frozen, revealed, keep)
+            stop, history = stable_and_confident(
+                history, new_argmax, st.entropy, s["stability_threshold"], s["confidence_threshold"]
+            )
+            if threshold:
+                stop = stop | keep.all(axis=-1)
+                revealed = keep
+            stopped = stopped | stop
+            canvas, argmax, self_cond = new_canvas, new_argmax, processed
+            state = (canvas, argmax, self_cond, stopped, revealed, history)
+            mx.eval([a for a in state if a is not None])
+            done = stopped.tolist()
+            pending = ~keep & ~stopped[:, None]  # a canvas that has stopped is final
+            pending = mx.concatenate([mx.zeros(before.shape, dtype=mx.bool_), pending], axis=1)
+            generated = mx.concatenate([before, argmax], axis=1)
+            yield CanvasStepEvent(list(rows), generated, (start, start + length), self.nfe, pending)
+            if all(done):
+                break
+        return argmax
+
+
+DECODERS["canvas"] = CanvasDecoder

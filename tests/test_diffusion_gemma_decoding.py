@@ -1,0 +1,530 @@
+"""DiffusionGemma canvas decoding: step-by-step parity with transformers' own
+`DiffusionGemmaForBlockDiffusion.generate`, settings, streaming, batching.
+
+The two implementations draw from different random generators, so both are fed one pre-drawn
+sequence: the initial canvas and every re-noising draw (transformers' `torch.randint`), and one
+uniform number per position for the categorical draw (transformers' `torch.multinomial`, replaced
+by the inverse CDF that the engine uses). Everything else is each side's own code.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures import diffusion_gemma as fx
+
+import mlx_dllm_models.backends.canvas as canvas_mod
+from mlx_dllm_models import load, stream_generate_diffusion
+from mlx_dllm_models.backends.canvas import CanvasDecoder, CanvasStepEvent
+from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
+from mlx_dllm_models.engine import BlockEvent
+from mlx_dllm_models.generate import _checkpoint_settings, stream_events
+from mlx_dllm_models.settings import SettingsError, resolve_settings
+
+C = fx.CANVAS_LENGTH
+PROMPT = [fx.BOS, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(fixture_dir):
+    path = fixture_dir / "diffusion_gemma"
+    if not (path / "config.json").exists():
+        fx.CHECKPOINTS["diffusion_gemma"](path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dg(checkpoint):
+    return load(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(checkpoint), dtype=torch.float32)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------ shared noise
+
+
+class Draws:
+    """One pre-drawn sequence of random draws, consumed in the same order by both sides."""
+
+    def __init__(self, seed, canvases, steps):
+        rng = np.random.default_rng(seed)
+        self.ids = [rng.integers(0, fx.VOCAB, size=(1, C)) for _ in range(canvases * (steps + 1))]
+        self.uniform = [rng.random((1, C), dtype=np.float32) for _ in range(canvases * steps)]
+
+    def engine_noise(self):
+        ids, uniform = list(self.ids), list(self.uniform)
+
+        class Noise:
+            def ids(self, rows, length, vocab):
+                assert len(rows) == 1 and length == C and vocab == fx.VOCAB
+                return mx.array(ids.pop(0)).astype(mx.int32)
+
+            def uniform(self, rows, length):
+                return mx.array(uniform.pop(0))
+
+        return Noise()
+
+    def patch_torch(self, monkeypatch):
+        import torch
+
+        ids, uniform = list(self.ids), list(self.uniform)
+
+        def randint(low, high, size, **kw):
+            assert (low, high, tuple(size)) == (0, fx.VOCAB, (1, C))
+            return torch.tensor(ids.pop(0))
+
+        def multinomial(probs, num_samples=1, **kw):
+            u = torch.tensor(uniform.pop(0)).reshape(-1, 1)
+            cdf = probs.float().cumsum(-1)
+            sample = (cdf <= u * cdf[:, -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
+            return sample[:, None]
+
+        monkeypatch.setattr(torch, "randint", randint)
+        monkeypatch.setattr(torch, "multinomial", multinomial)
+
+
+def run_engine(model, prompt, draws, eos, images=None, **settings):
+    """The engine's record: per step the canvas fed to the decoder, the accepted positions, the
+    argmax canvas and the temperature-scaled logits; and the tokens it returns."""
+    spec = model.diffusion_spec
+    settings = dict(max_tokens=2 * C, **settings)
+    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
+    decoder = CanvasDecoder(model, s, eos)
+    decoder.noise = draws.engine_noise()
+    decoder.images = images
+    rec = {"input": [], "accept": [], "argmax": [], "processed": []}
+    real_decode = model.decode
+    real_commit, real_stats = canvas_mod.entropy_commit, canvas_mod.canvas_stats
+
+    def decode(canvas, *a, **k):
+        rec["input"].append(np.array(canvas))
+        return real_decode(canvas, *a, **k)
+
+    def commit(*a, **k):
+        out = real_commit(*a, **k)
+        rec["accept"].append(np.array(out))
+        return out
+
+    def stats(*a, **k):
+        out = real_stats(*a, **k)
+        rec["processed"].append(np.array(out.processed))
+        return out
+
+    model.decode = decode
+    canvas_mod.entropy_commit, canvas_mod.canvas_stats = commit, stats
+    tokens, blocks = [], []
+    try:
+        for event in decoder.run([prompt]):
+            if isinstance(event, CanvasStepEvent):
+                rec["argmax"].append(np.array(event.generated[:, event.block[0] : event.block[1]]))
+            elif isinstance(event, BlockEvent):
+                tokens += event.tokens[0]
+                blocks.append(event)
+    finally:
+        del model.decode
+        canvas_mod.entropy_commit, canvas_mod.canvas_stats = real_commit, real_stats
+    return rec, tokens, blocks
+
+
+def run_transformers(ref, prompt, draws, eos, monkeypatch, steps=None, **kwargs):
+    """transformers' generate, recorded at its sampler and its draft streamer; returns the
+    record and the new tokens (with transformers' padding after an EOS)."""
+    import torch
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
+
+    rec = {"input": [], "accept": [], "argmax": [], "processed": []}
+    accept_canvas = gdg.EntropyBoundSampler.accept_canvas
+
+    def accept(self, current, denoised, logits, step):
+        out = accept_canvas(self, current, denoised, logits, step)
+        rec["input"].append(current.numpy().copy())
+        rec["accept"].append(self.accepted_token_mask.numpy().copy())
+        rec["processed"].append(logits.numpy().copy())
+        return out
+
+    class Streamer:
+        def put(self, value):
+            pass
+
+        def put_draft(self, value):
+            rec["argmax"].append(value.numpy().copy())
+
+        def end(self):
+            pass
+
+    draws.patch_torch(monkeypatch)
+    monkeypatch.setattr(gdg.EntropyBoundSampler, "accept_canvas", accept)
+    if steps is not None:
+        kwargs["max_denoising_steps"] = steps
+    out = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=2 * C, eos_token_id=list(eos), streamer=Streamer(),
+        **kwargs,
+    )
+    monkeypatch.undo()
+    return rec, out.sequences[0, len(prompt) :].tolist()
+
+
+def until_eos(tokens, eos):
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut]
+
+
+def assert_same_steps(ours, theirs):
+    assert len(ours["input"]) == len(theirs["input"]), "different numbers of denoising steps"
+    for name in ("input", "accept", "argmax"):
+        for step, (a, b) in enumerate(zip(ours[name], theirs[name])):
+            assert np.array_equal(a, b), f"{name} differs at step {step}"
+
+
+# Each case: (settings passed to both sides, EOS ids, seed of the shared draws).
+CASES = {
+    # The checkpoint's generation_config: 48 steps, stability 1, confidence 0.005; one of its EOS
+    # ids ends the output inside the second canvas.
+    "generation_config": ({}, fx.EOS_IDS, 11),
+    # Two canvases (the second one conditioned on the encoded first), each stopping early on the
+    # confidence rule.
+    "two_canvases_early_stop": (
+        dict(max_denoising_steps=16, stability_threshold=0, confidence_threshold=0.2),
+        [fx.VOCAB - 1],
+        3,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parity_runs(dg, reference):
+    model = dg[0]
+    out = {}
+    mp = pytest.MonkeyPatch()
+    for name, (settings, eos, seed) in CASES.items():
+        steps = settings.get("max_denoising_steps", 48)
+        draws = Draws(seed, 2, steps)
+        ours = run_engine(model, PROMPT, draws, eos, **settings)
+        theirs = run_transformers(reference, PROMPT, draws, eos, mp, **settings)
+        out[name] = (draws, ours, theirs)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generation_matches_transformers_step_by_step(parity_runs, case):
+    _, (rec, tokens, blocks), (ref_rec, ref_tokens) = parity_runs[case]
+    assert_same_steps(rec, ref_rec)
+    eos = CASES[case][1]
+    assert tokens == until_eos(ref_tokens, eos)
+    if case == "generation_config":
+        assert blocks[-1].eos[0] and C < len(tokens) < 2 * C, "the case no longer ends at an EOS"
+    else:
+        assert len(blocks) == 2 and len(tokens) == 2 * C
+        assert len(rec["input"]) < 2 * 16, "no canvas stopped early"
+    # Logits too: the temperature-scaled logits the samplers read.
+    pairs = zip(rec["processed"], ref_rec["processed"])
+    assert max(np.abs(a - b).max() / np.abs(b).max() for a, b in pairs) < 1e-4
+
+
+def _rising_temperature(mp, model):
+    rising = lambda r, n, lo, hi: linear_temperature(n + 1 - r, n, lo, hi)  # noqa: E731
+    mp.setattr(canvas_mod, "linear_temperature", rising)
+
+
+def _no_self_conditioning(mp, model):
+    real = type(model).decode
+    mp.setattr(type(model), "decode", lambda m, x, cache, sc, **k: real(m, x, cache, None, **k))
+
+
+def _no_renoise(mp, model):
+    mp.setattr(canvas_mod, "renoise", lambda canvas, keep, noise: canvas)
+
+
+def _entropy_without_temperature(mp, model):
+    real = canvas_mod.canvas_stats
+    mp.setattr(
+        canvas_mod, "canvas_stats",
+        lambda logits, t, u: real(logits, t, u)._replace(entropy=real(logits, 1.0, u).entropy),
+    )
+
+
+MISTAKES = {
+    "temperature_rising": _rising_temperature,
+    "no_self_conditioning": _no_self_conditioning,
+    "no_renoise": _no_renoise,
+    "entropy_without_temperature": _entropy_without_temperature,
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_the_parity_check_catches_mistakes(dg, parity_runs, mistake, monkeypatch):
+    draws, _, (ref_rec, ref_tokens) = parity_runs["two_canvases_early_stop"]
+    settings, eos, _ = CASES["two_canvases_early_stop"]
+    model = dg[0]
+    MISTAKES[mistake](monkeypatch, model)
+    rec, tokens, _ = run_engine(model, PROMPT, draws, eos, **settings)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):
+        assert_same_steps(rec, ref_rec)
+
+
+# ------------------------------------------------------------------------------- pure rules
+
+
+def test_stopping_rule_matches_transformers():
+    import torch
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        StableAndConfidentStoppingCriteria,
+    )
+
+    rng = np.random.default_rng(0)
+    for k in (0, 1, 2):
+        ref = StableAndConfidentStoppingCriteria(stability_threshold=k, confidence_threshold=0.7)
+        history = None
+        base = rng.integers(0, 5, size=(3, 6))
+        for step in range(6):
+            argmax = base.copy()
+            argmax[step % 3, step % 6] += step % 2  # some rows change, some stay put
+            logits = rng.standard_normal((3, 6, 8)).astype(np.float32) * (3 + step)
+            want = ref(torch.tensor(argmax), torch.tensor(logits)).numpy()
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            entropy = mx.array(-(p * np.log(p)).sum(-1))
+            got, history = stable_and_confident(history, mx.array(argmax), entropy, k, 0.7)
+            assert np.array_equal(np.array(got), want), (k, step)
+
+
+def test_temperature_schedule_matches_transformers():
+    import torch
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        LinearTemperatureScheduleLogitsProcessor,
+    )
+
+    ref = LinearTemperatureScheduleLogitsProcessor(t_min=0.4, t_max=0.8, max_denoising_steps=48)
+    ones = torch.ones(1)
+    for remaining in (48, 47, 24, 1):
+        t = float(1 / ref(None, ones, cur_step=remaining))
+        assert abs(linear_temperature(remaining, 48, 0.4, 0.8) - t) < 1e-6
+
+
+# ----------------------------------------------------------------------------------- settings
+
+
+def test_defaults_come_from_generation_config(dg):
+    model, proc = dg
+    s, _, decoder = stream_events(model, proc, [PROMPT])
+    assert isinstance(decoder, CanvasDecoder)
+    gen = fx.GENERATION_CONFIG
+    assert s["sampler"] == "entropy"
+    assert s["max_tokens"] == gen["max_new_tokens"]
+    assert s["entropy_bound"] == gen["sampler_config"]["entropy_bound"]
+    names = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+    for name in names:
+        assert s[name] == gen[name], name
+    assert s["min_canvas_length"] == s["max_canvas_length"] == C
+
+    # A checkpoint's own values, the nested one included, win over the family's.
+    saved = model.generation_config
+    nested = {"entropy_bound": 0.5}
+    model.generation_config = dict(saved, t_min=0.2, max_new_tokens=40, sampler_config=nested)
+    try:
+        s, _, _ = stream_events(model, proc, [PROMPT])
+    finally:
+        model.generation_config = saved
+    assert (s["t_min"], s["max_tokens"], s["entropy_bound"]) == (0.2, 40, 0.5)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(block_length=8), "block_length does not apply to the diffusion_gemma family"),
+        (dict(steps=8), "set max_denoising_steps"),
+        (dict(temperature=0.5), "t_max"),
+        (dict(top_p=0.9), "top_p does not apply"),
+        (dict(top_k=5), "top_k does not apply"),
+        (dict(factor=1.0), "factor does not apply"),
+        (dict(sampler="quota"), "unknown sampler 'quota'"),
+        (dict(threshold=0.5), "threshold only acts with sampler='threshold'"),
+        (dict(sampler="threshold", entropy_bound=0.5), "entropy_bound only acts with sampler="),
+        (dict(max_denoising_steps=0), "max_denoising_steps must be an integer >= 1"),
+        (dict(t_min=-1), "t_min must be a number >= 0"),
+        (dict(t_min=0.9, t_max=0.5), "t_max (0.5) is the first step's temperature"),
+        (dict(stability_threshold=-1), "stability_threshold must be an integer >= 0"),
+        (dict(confidence_threshold="x"), "confidence_threshold must be a number"),
+        (dict(min_canvas_length=0), "min_canvas_length must be an integer >= 1"),
+        (dict(min_canvas_length=9, max_canvas_length=8), "min_canvas_length (9) exceeds"),
+        (dict(canvas_length=8), "unknown setting(s) canvas_length"),
+    ],
+)
+def test_bad_settings_are_clear_errors(dg, settings, message):
+    model, proc = dg
+    with pytest.raises(SettingsError) as e:
+        stream_events(model, proc, [PROMPT], **settings)
+    assert message in str(e.value)
+
+
+# --------------------------------------------------------------------------------- behaviour
+
+
+@pytest.fixture
+def eos_ids(dg):
+    """Sets the model's EOS ids (config.json's and generation_config's) for one test; none by
+    default, so that lengths do not depend on whether the tiny model happens to emit one."""
+    model = dg[0]
+    saved = model.args.eos_token_id, model.generation_config
+
+    def set_eos(ids):
+        model.args.eos_token_id = list(ids)
+        model.generation_config = dict(saved[1], eos_token_id=list(ids))
+
+    set_eos([])
+    yield set_eos
+    model.args.eos_token_id, model.generation_config = saved
+
+
+def _spy_decode(model, monkeypatch):
+    lengths = []
+    real = model.decode
+
+    def decode(canvas, *a, **k):
+        lengths.append(canvas.shape[1])
+        return real(canvas, *a, **k)
+
+    monkeypatch.setattr(model, "decode", decode, raising=False)
+    return lengths
+
+
+def _generate(model, tok, prompt=PROMPT, **kw):
+    tokens, responses = [], []
+    for r in stream_generate_diffusion(model, tok, prompt, **kw):
+        tokens += r.tokens
+        responses.append(r)
+    return tokens, responses
+
+
+@pytest.mark.parametrize(
+    "max_tokens, canvases",
+    [(5, [5]), (2, [3]), (2 * C + 7, [C, C, 7])],
+)
+def test_short_answers_get_a_short_canvas(dg, eos_ids, monkeypatch, max_tokens, canvases):
+    model, proc = dg
+    lengths = _spy_decode(model, monkeypatch)
+    tokens, responses = _generate(
+        model, proc, max_tokens=max_tokens, min_canvas_length=3, max_denoising_steps=2, seed=1
+    )
+    assert [len(r.tokens) for r in responses] == [min(c, max_tokens) for c in canvases]
+    assert len(tokens) == max_tokens and responses[-1].finish_reason == "length"
+    assert lengths == [c for c in canvases for _ in range(2)]
+
+
+def test_stream_is_live_one_response_per_canvas(dg, eos_ids, monkeypatch):
+    """The first canvas is delivered before any forward of the second one runs, and before the
+    first canvas is even encoded."""
+    model, proc = dg
+    lengths = _spy_decode(model, monkeypatch)
+    encoded = []
+    real_encode = model.encode
+    def encode(x, *a, **k):
+        encoded.append(x.shape[1])
+        return real_encode(x, *a, **k)
+
+    monkeypatch.setattr(model, "encode", encode, raising=False)
+    stream = stream_generate_diffusion(model, proc, PROMPT, max_tokens=3 * C, max_denoising_steps=4)
+    first = next(stream)
+    assert len(first.tokens) == C and first.finish_reason is None and first.nfe == 4
+    assert len(lengths) == 4 and encoded == [len(PROMPT)]
+    second = next(stream)
+    assert second.nfe == 8 and encoded == [len(PROMPT), C]
+    rest = list(stream)
+    assert len(rest) == 1 and rest[0].finish_reason == "length" and rest[0].nfe == 12
+
+
+def test_eos_ends_the_output_and_is_not_returned(dg, eos_ids):
+    model, proc = dg
+    full, _ = _generate(model, proc, max_tokens=2 * C, max_denoising_steps=3)
+    first = next(i for i in range(C, 2 * C) if full[i] not in full[:i])  # new in the 2nd canvas
+    eos_ids([full[first]])
+    tokens, responses = _generate(model, proc, max_tokens=2 * C, max_denoising_steps=3)
+    assert tokens == full[:first]
+    assert responses[-1].finish_reason == "stop" and len(responses) == 2
+
+
+def test_seeded_runs_are_reproducible_and_the_seed_matters(dg):
+    model, proc = dg
+    a, _ = _generate(model, proc, max_tokens=C, max_denoising_steps=4, seed=5)
+    b, _ = _generate(model, proc, max_tokens=C, max_denoising_steps=4, seed=5)
+    c, _ = _generate(model, proc, max_tokens=C, max_denoising_steps=4, seed=6)
+    assert a == b and a != c
+
+
+def test_threshold_sampler_reveals_for_good_and_finishes_the_canvas(dg, monkeypatch):
+    model, proc = dg
+    s, ids, decoder = stream_events(
+        model, proc, [PROMPT], sampler="threshold", threshold=0.9, max_tokens=C,
+        max_denoising_steps=48,
+    )
+    pending = [np.array(e.pending) for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
+    assert not pending[-1].any(), "the canvas ended with positions never accepted"
+    for before, after in zip(pending, pending[1:]):
+        assert not (after & ~before).any(), "an accepted position went back to pending"
+    assert 1 < len(pending) < 48, "threshold 0.9 should accept several positions a step"
+    # Threshold 1.0: one position a step (the most confident) until the last step takes the rest.
+    s, ids, decoder = stream_events(
+        model, proc, [PROMPT], sampler="threshold", threshold=1.0, max_tokens=C,
+        max_denoising_steps=6,
+    )
+    events = [e for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
+    pending = [int(np.array(e.pending).sum()) for e in events]
+    assert pending == [C - 1, C - 2, C - 3, C - 4, C - 5, 0]
+
+
+def test_batch_equals_one_by_one(dg):
+    """Left-padded rows of different lengths decode as they would alone, each stopping at its own
+    EOS and leaving the batch."""
+    model, proc = dg
+    prompts = [PROMPT, [fx.BOS, 50, 51], [fx.BOS] + [60] * 14]
+    settings = dict(max_tokens=3 * C, max_denoising_steps=3, seed=2)
+    spec = model.diffusion_spec
+    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
+    events = CanvasDecoder(model, s, []).run([prompts[0]])
+    probe = [t for e in events if isinstance(e, BlockEvent) for t in e.tokens[0]]
+    eos = [probe[5]]  # row 0 stops in its first canvas; the others decide for themselves
+
+    def solo(prompt):
+        decoder = CanvasDecoder(model, dict(s), eos)
+        toks, hit = [], False
+        for e in decoder.run([prompt]):
+            if isinstance(e, BlockEvent):
+                toks += e.tokens[0]
+                hit = hit or e.eos[0]
+        return toks, hit
+
+    alone = [solo(p) for p in prompts]
+    batch = CanvasDecoder(model, dict(s), eos)
+    got = [[] for _ in prompts]
+    hits = [False] * len(prompts)
+    for e in batch.run(prompts):
+        if isinstance(e, BlockEvent):
+            for row, toks, hit in zip(e.rows, e.tokens, e.eos):
+                got[row] += toks
+                hits[row] = hits[row] or hit
+    assert got == [t for t, _ in alone]
+    assert hits == [h for _, h in alone]
+    assert hits[0] and len(got[0]) == 5
+    assert any(len(t) > C for t in got[1:]), "no row outlived the first one"
+
+
+def test_live_view_shades_pending_positions(dg):
+    from mlx_dllm_models.cli import _render
+
+    _, proc = dg
+    canvas = [104, 105, 33, fx.EOS, 65]
+    assert _render(proc, canvas, None, {fx.EOS}) == "hi!"
+    assert _render(proc, canvas, None, {fx.EOS}, pending=[0, 1, 0, 0, 0]) == "h░!"
+
+
+def test_spec_names_the_canvas_loop(dg):
+    spec = dg[0].diffusion_spec
+    assert spec.decoder == "canvas" and spec.vocab_size == fx.VOCAB
+    assert set(spec.unused_settings) >= {"block_length", "steps", "temperature", "top_p", "top_k"}
