@@ -253,7 +253,7 @@ print("RESULT", json.dumps(out))
 
 # Model types whose decoding loop is not in the engine yet: they convert and load, but generation
 # is not asserted. Keep this empty once every family decodes.
-DECODING_PENDING = {"nemotron_labs_diffusion", "diffusion_gemma", "sdar", "sdar_moe", "llada2_moe"}
+DECODING_PENDING = set()
 
 
 @pytest.mark.parametrize("name", sorted(all_checkpoints()))
