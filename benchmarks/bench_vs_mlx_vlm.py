@@ -34,8 +34,8 @@ def build_llada2(path):
     from fixtures import llada2 as fx
 
     cfg = fx.config(head_dim=64)
-    cfg.update(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-               intermediate_size=512, moe_intermediate_size=128, num_experts=8, n_group=4,
+    cfg.update(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=6,
+               intermediate_size=1024, moe_intermediate_size=256, num_experts=8, n_group=4,
                topk_group=2, num_experts_per_tok=2, rotary_dim=32, max_position_embeddings=4096)
     write_checkpoint(path, cfg, fx.tensors(cfg))
     _copy_tokenizer(fx, path)
@@ -53,7 +53,7 @@ def _copy_tokenizer(fx, path):
 def build_nemotron(path):
     from fixtures import nemotron as fx
 
-    for k, v in dict(HIDDEN=256, HEADS=4, KV_HEADS=2, HEAD_DIM=64, LAYERS=4, INTERMEDIATE=768,
+    for k, v in dict(HIDDEN=512, HEADS=8, KV_HEADS=2, HEAD_DIM=64, LAYERS=6, INTERMEDIATE=1536,
                      ORIGINAL_MAX=4096).items():
         setattr(fx, k, v)
     cfg = fx.config()
@@ -143,13 +143,14 @@ def main():
             if family == "llada2":
                 ours_kw = dict(max_tokens=args.max_tokens, block_length=32, steps=32,
                                sampler="threshold", threshold=0.95)
-                vlm_kw = dict(block_length=32, steps=32, gen_length=args.max_tokens, threshold=0.95)
+                vlm_kw = dict(block_length=32, steps=32, gen_length=args.max_tokens, threshold=0.95,
+                              eos_early_stop=True)
             else:
                 # the fixture's trained block size (mlx-vlm ignores the checkpoint's: pass it)
                 block = spec.trained_block_length
                 ours_kw = dict(max_tokens=args.max_tokens, block_length=block, steps=block)
                 vlm_kw = dict(block_length=block, steps=block, gen_length=args.max_tokens,
-                              threshold=None, sampler="native")
+                              threshold=None, sampler="native", eos_early_stop=True)
             a_tok, a_nfe, a_s = median_runs(lambda: run_ours(model, tok, prompt, ours_kw), args.runs)
             b_tok, b_nfe, b_s = median_runs(lambda: run_vlm(vlm, prompt, vlm_kw, eos), args.runs)
             n = max(len(a_tok), 1)
