@@ -25,7 +25,7 @@ SHARED_SETTINGS = (
 PACKAGE_DEFAULTS = {
     "max_tokens": 128,
     "block_length": 32,
-    "steps": 32,
+    "steps": None,  # = block_length
     "sampler": "quota",
     "threshold": 0.9,
     "factor": 1.0,
@@ -88,6 +88,10 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
     values.update(explicit)
     if values["block_length"] is None:
         values["block_length"] = values["max_tokens"]  # one block over the whole generation
+    if values["steps"] is None:
+        # As every reference's default: as many steps as a block has positions, one token per step
+        # for the quota sampler; so a new block_length alone keeps that rate.
+        values["steps"] = values["block_length"]
     _validate(spec, values, explicit)
     return values
 

@@ -131,3 +131,12 @@ def test_token_id_outside_vocabulary(loaded):
     model, tok = loaded
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate_diffusion(model, tok, [10, 10_000_000], max_tokens=8)
+
+
+def test_steps_follow_block_length_unless_set(loaded):
+    from mlx_dllm_models.settings import resolve_settings
+
+    spec = loaded[0].diffusion_spec
+    assert resolve_settings(spec, {})["steps"] == spec.defaults["block_length"]
+    assert resolve_settings(spec, {"block_length": 16})["steps"] == 16
+    assert resolve_settings(spec, {"block_length": 16, "steps": 4})["steps"] == 4

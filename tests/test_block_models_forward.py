@@ -120,7 +120,8 @@ def test_sdar_spec_and_mask_token_resolution(models):
     assert spec.mask_token_id == sdar_fixture.MASK
     # mlx-lm's load_config puts generation_config.json's eos list into the config.
     assert spec.eos_token_ids == (sdar_fixture.IM_END, sdar_fixture.ENDOFTEXT)
-    assert spec.trained_block_length == spec.defaults["block_length"] == spec.defaults["steps"] == 4
+    assert spec.trained_block_length == spec.defaults["block_length"] == 4
+    assert "steps" not in spec.defaults  # steps follow block_length
     assert spec.samplers == SHARED_SAMPLERS + ("sequential",)
     assert spec.confidence == "sampled" and spec.quota_base == "block"
     assert models("sdar_moe").diffusion_spec == spec

@@ -33,7 +33,6 @@ from mlx_dllm_models.spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
 # LLaDA generate.py / Fast-dLLM settings, in this package's vocabulary (steps are per block).
 REFERENCE_DEFAULTS = {
     "block_length": 32,
-    "steps": 32,
     "sampler": "quota",
     "temperature": 0.0,
     "threshold": 0.9,

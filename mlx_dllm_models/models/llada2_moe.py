@@ -231,7 +231,6 @@ class Model(bailing_moe.Model):
             # modeling_llada2_moe.generate defaults; LLaDA2.1 adds editing (off unless set).
             defaults={
                 "block_length": trained,
-                "steps": trained,
                 "sampler": "threshold",
                 "threshold": 0.95,
                 "temperature": 0.0,

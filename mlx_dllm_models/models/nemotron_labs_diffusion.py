@@ -212,7 +212,6 @@ class Model(nn.Module):
             # The HF reference denoises one token per step over a block of block_size.
             defaults={
                 "block_length": a.block_size,
-                "steps": a.block_size,
                 "sampler": "quota",
                 "threshold": 0.9,
                 "temperature": 0.0,

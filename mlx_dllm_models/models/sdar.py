@@ -101,7 +101,6 @@ def sdar_spec(args) -> DiffusionSpec:
         defaults={
             "block_length": block,
             # The reference splits a block over `denoising_steps`; README/TraDo use steps == block.
-            "steps": block,
             # generate.py's `low_confidence_dynamic` = threshold with the per-step quota as fallback.
             "sampler": "threshold",
             "threshold": SDAR_THRESHOLD,
