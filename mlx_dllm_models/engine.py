@@ -11,7 +11,7 @@ steps and for up to `max_post_steps` forwards after its last mask (token editing
 """
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx

@@ -26,11 +26,10 @@ from ..decoding.block import check_editing_threshold, check_max_post_steps
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from .sdar import (
     check_weight_names,
-    drop_unused_buffers,
     eos_token_ids,
+    masked_forward,
     resolve_mask_token_id,
-    run_layers,
-    select_rows,
+    sanitize_experts,
 )
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|> of the Ling tokenizer
@@ -174,21 +173,10 @@ class Model(bailing_moe.Model):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        h = run_layers(self, self.model.word_embeddings(inputs), cache, mask)
-        h = self.model.norm(select_rows(h, rows))
-        if self.args.tie_word_embeddings:
-            return self.model.word_embeddings.as_linear(h)
-        return self.lm_head(h)
+        return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, rows)
 
     def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        try:
-            weights = super().sanitize(weights)
-        except KeyError as e:
-            raise ValueError(
-                f"llada2_moe: expert weight {e} is missing; config.json says num_experts="
-                f"{self.args.num_experts}, the checkpoint has fewer."
-            ) from None
+        weights = sanitize_experts(super().sanitize, weights, "llada2_moe", self.args.num_experts)
         # Routing adds the bias to sigmoid scores in (0, 1): bfloat16 would reorder close experts.
         weights = {
             k: v.astype(mx.float32) if k.endswith("mlp.gate.expert_bias") else v

@@ -82,6 +82,28 @@ def select_rows(h: mx.array, rows) -> mx.array:
     return h if rows is None else h[:, rows[0] : rows[1]]
 
 
+def masked_forward(model, embed, inputs, cache, mask, rows) -> mx.array:
+    """The protocol's forward of the mlx-lm bodies reused here (qwen3, qwen3_moe, bailing_moe):
+    their layers under the caller's mask, the final norm and head over the requested rows only."""
+    h = run_layers(model, embed(inputs), cache, mask)
+    h = model.model.norm(select_rows(h, rows))
+    if model.args.tie_word_embeddings:
+        return embed.as_linear(h)
+    return model.lm_head(h)
+
+
+def sanitize_experts(parent_sanitize, weights, family: str, num_experts: int) -> dict:
+    """mlx-lm's sanitize of an MoE body (stacks per-expert weights), with a readable error for a
+    checkpoint that has fewer experts than its config says."""
+    try:
+        return parent_sanitize(drop_unused_buffers(weights))
+    except KeyError as e:
+        raise ValueError(
+            f"{family}: expert weight {e} is missing; config.json says num_experts="
+            f"{num_experts}, the checkpoint has fewer."
+        ) from None
+
+
 def sdar_spec(args) -> DiffusionSpec:
     block = int(args.block_size)
     return DiffusionSpec(
@@ -134,11 +156,7 @@ class Model(qwen3.Model):
     """SDARForCausalLM: qwen3.Model whose forward takes the attention mask from the caller."""
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        h = run_layers(self, self.model.embed_tokens(inputs), cache, mask)
-        h = self.model.norm(select_rows(h, rows))
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, rows)
 
     def sanitize(self, weights):
         weights = super().sanitize(drop_unused_buffers(weights))

@@ -14,11 +14,10 @@ from .sdar import (
     SDAR_BLOCK_SIZE,
     SDAR_MASK_TOKEN_ID,
     check_weight_names,
-    drop_unused_buffers,
+    masked_forward,
     resolve_mask_token_id,
-    run_layers,
+    sanitize_experts,
     sdar_spec,
-    select_rows,
 )
 
 
@@ -38,21 +37,10 @@ class Model(qwen3_moe.Model):
     """SDARMoeForCausalLM: qwen3_moe.Model whose forward takes the attention mask from the caller."""
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        h = run_layers(self, self.model.embed_tokens(inputs), cache, mask)
-        h = self.model.norm(select_rows(h, rows))
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, rows)
 
     def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        try:
-            weights = super().sanitize(weights)
-        except KeyError as e:
-            raise ValueError(
-                f"sdar_moe: expert weight {e} is missing; config.json says num_experts="
-                f"{self.args.num_experts}, the checkpoint has fewer."
-            ) from None
+        weights = sanitize_experts(super().sanitize, weights, "sdar_moe", self.args.num_experts)
         return check_weight_names(self, weights, "sdar_moe", "model.layers.0.mlp.experts.0.gate_proj.weight")
 
     @property
