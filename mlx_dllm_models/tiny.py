@@ -134,12 +134,12 @@ LLADA_SPECIAL_TOKENS = {
 }
 
 
-def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                     mlp_hidden_size: int = 128, head_scale: float = 12.0):
-    """A random LLaDA-8B-shaped checkpoint (LLaDAModelLM, OLMo key names) at toy size: the
-    package's offline stand-in when no trained default is available. Its output is not language."""
-    vocab = 264
-    config = {
+def llada_config(*, d_model: int, n_layers: int, n_heads: int, mlp_hidden_size: int,
+                 vocab_size: int, special_tokens: Mapping[str, int],
+                 max_sequence_length: int = 4096) -> dict:
+    """config.json of a LLaDAModelLM (LLaDA-8B's OLMo field names and values) at another size; the
+    special ids come from `special_tokens` (LLaDA's names)."""
+    return {
         "model_type": "llada",
         "architectures": ["LLaDAModelLM"],
         "d_model": d_model,
@@ -148,9 +148,9 @@ def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 
         "n_kv_heads": n_heads,
         "mlp_hidden_size": mlp_hidden_size,
         "mlp_ratio": 4,
-        "vocab_size": vocab,
-        "embedding_size": vocab,
-        "max_sequence_length": 1024,
+        "vocab_size": vocab_size,
+        "embedding_size": vocab_size,
+        "max_sequence_length": max_sequence_length,
         "rope": True,
         "rope_theta": 500000.0,
         "rope_full_precision": True,
@@ -167,14 +167,25 @@ def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 
         "weight_tying": False,
         "scale_logits": False,
         "input_emb_norm": False,
-        "mask_token_id": LLADA_SPECIAL_TOKENS["<|mdm_mask|>"],
-        "eos_token_id": LLADA_SPECIAL_TOKENS["<|endoftext|>"],
-        "pad_token_id": LLADA_SPECIAL_TOKENS["<|endoftext|>"],
-        "bos_token_id": LLADA_SPECIAL_TOKENS["<|startoftext|>"],
+        "mask_token_id": special_tokens["<|mdm_mask|>"],
+        "eos_token_id": special_tokens["<|endoftext|>"],
+        "pad_token_id": special_tokens["<|endoftext|>"],
+        "bos_token_id": special_tokens["<|startoftext|>"],
         "use_cache": False,
         "block_group_size": 1,
         "torch_dtype": "float32",
     }
+
+
+def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                     mlp_hidden_size: int = 128, head_scale: float = 12.0):
+    """A random LLaDA-8B-shaped checkpoint (LLaDAModelLM, OLMo key names) at toy size: the
+    package's offline stand-in when no trained default is available. Its output is not language."""
+    vocab = 264
+    config = llada_config(
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden_size=mlp_hidden_size,
+        vocab_size=vocab, special_tokens=LLADA_SPECIAL_TOKENS, max_sequence_length=1024,
+    )
     rng = np.random.default_rng(seed)
     d, f = d_model, mlp_hidden_size
     t = {
