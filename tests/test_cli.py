@@ -100,3 +100,13 @@ def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
                "--no-live")
     assert gen.returncode == 0, gen.stderr
     assert STATS.search(gen.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("fixtures").all_checkpoints()))
+def test_generate_runs_on_every_family(name, tmp_path):
+    from fixtures import all_checkpoints
+
+    path = all_checkpoints()[name](tmp_path / name)
+    out = _cli("generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "8", "--no-live")
+    assert out.returncode == 0, out.stderr
+    assert STATS.search(out.stdout), out.stdout
