@@ -323,7 +323,7 @@ class MaskedBlockDecoder:
                     top_k=s["top_k"],
                     top_p=s["top_p"],
                     key=None if greedy else k_stats,
-                    suppress_ids=(mask_id,),
+                    suppress_ids=(mask_id, *spec.suppressed_token_ids),
                     confidence=spec.confidence,
                     order=spec.sampling_order,
                     extras=getattr(self.rule, "stats_extras", ()),

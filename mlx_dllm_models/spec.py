@@ -23,6 +23,10 @@ class DiffusionSpec:
     attention: str
     mask_token_id: Optional[int]
     eos_token_ids: Tuple[int, ...] = ()
+    # Ids never proposed, besides the mask: LLaDA2.2's edit-control tokens (DELETE, SPLIT), whose
+    # insert/delete semantics this package does not implement, so that 2.2 decodes with
+    # substitution edits only.
+    suppressed_token_ids: Tuple[int, ...] = ()
     # 1 for Dream: the prediction for position i comes from hidden state i-1.
     logit_shift: int = 0
     # "raw": confidence is softmax of the unprocessed logits at the chosen token (LLaDA lineage,

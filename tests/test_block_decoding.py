@@ -476,3 +476,29 @@ def test_untrained_block_length_is_allowed_and_logged_once(family, caplog):
             run(model, tok, [[1, 2, 3]], max_tokens=8, block_length=8, steps=8)
     warnings = [r for r in caplog.records if "block_length=8 differs from the block size 4" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_llada22_edit_control_tokens_are_never_proposed(family, tmp_path):
+    """LLaDA2.2 decodes with substitution edits only: its DELETE / SPLIT tokens (insert/delete
+    editing, out of scope) are never proposed, whether as a fill or as an edit."""
+    import json
+    import shutil
+    from collections import Counter
+
+    path, model, tok = family("llada2_moe")
+    kw = dict(max_tokens=64, threshold=0.7, editing_threshold=0.6, max_post_steps=4)
+    prompts = [tokens(9, 5), tokens(20, 6)]
+    plain, _, _ = run(model, tok, prompts, **kw)
+    common = [t for t, _ in Counter(t for row in plain for t in row).most_common(2)]
+    assert len(common) == 2, "the fixture's output is too uniform for this test"
+
+    v22 = tmp_path / "llada22"
+    shutil.copytree(path, v22)
+    cfg = json.loads((v22 / "config.json").read_text())
+    cfg.update(delete_token_id=common[0], split_token_id=common[1])
+    (v22 / "config.json").write_text(json.dumps(cfg))
+    model22, tok22 = load_fixture(v22)
+    assert set(model22.diffusion_spec.suppressed_token_ids) == set(common)
+    out, _, decoder = run(model22, tok22, prompts, **kw)
+    assert not set(common) & {t for row in out for t in row}
+    assert all(len(row) > 0 for row in out)

@@ -47,6 +47,9 @@ class ModelArgs(bailing_moe.ModelArgs):
     eos_token_id: Union[int, List[int], None] = None
     pad_token_id: Optional[int] = None
     block_length: Optional[int] = None
+    # LLaDA2.2 (Levenshtein editing) edit-control tokens; absent from 2.0 / 2.1 configs.
+    delete_token_id: Optional[int] = None
+    split_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -205,6 +208,10 @@ class Model(bailing_moe.Model):
             quota_base="block",
             # generate: tokens with probability > threshold, the step's quota as the fallback.
             strict_threshold=True,
+            # LLaDA2.2: substitution editing only (the 2.1 rule); DELETE / SPLIT never proposed.
+            suppressed_token_ids=tuple(
+                t for t in (args.delete_token_id, args.split_token_id) if t is not None
+            ),
             # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
