@@ -1,15 +1,25 @@
-"""The embedded default checkpoint of the CLI.
+"""The embedded default checkpoint of the CLI, and the task it was trained on.
 
-A trained model shipped inside the package (assets/default) when present; otherwise a tiny random
-LLaDA checkpoint the package builds offline into the user cache, which proves the plumbing only.
+A small LLaDA model (LLaDAModelLM layout, byte-level tokenizer, LLaDA chat template) shipped inside
+the package under assets/default, trained by examples/train_default.py with
+mlx_dllm_models.training on a task whose answers can be checked: adding two two-digit numbers whose
+sum has three digits ("What is 47+85?" -> "132"). When the
+asset is missing (a trimmed install), a tiny random LLaDA checkpoint is built offline into the user
+cache instead; it proves the plumbing only.
+
+Kept free of heavy imports: the CLI imports it at start-up.
 """
 
 import os
+import random
 from pathlib import Path
+from typing import List, Tuple
 
-DEFAULT_PROMPT = "Write one short sentence about the sea."
+DEFAULT_PROMPT = "What is 47+85?"
 
 _ASSET = Path(__file__).parent / "assets" / "default"
+
+OPERANDS = (10, 99)
 
 
 def default_checkpoint() -> str:
@@ -22,3 +32,53 @@ def default_checkpoint() -> str:
     if not (path / "config.json").exists() or not (path / "tokenizer_config.json").exists():
         build_tiny_llada(path)
     return str(path)
+
+
+# ------------------------------------------------------------------------------------- the task
+
+
+def addition_prompt(a: int, b: int) -> str:
+    return f"What is {a}+{b}?"
+
+
+def in_addition_task(a: int, b: int) -> bool:
+    # A three-digit sum puts every digit of the answer at a fixed canvas position.
+    lo, hi = OPERANDS
+    return lo <= a <= hi and lo <= b <= hi and a + b >= 100
+
+
+def held_out_problems(n: int = 200) -> List[Tuple[str, str]]:
+    """A fixed list of (user message, answer) that training never sees, DEFAULT_PROMPT first; the
+    first n of the same list for any n <= 250."""
+    if not 0 < n <= 250:
+        raise ValueError(f"n must be in 1..250, got {n}")
+    return [(addition_prompt(a, b), str(a + b)) for a, b in _held_out_pairs()[:n]]
+
+
+def _held_out_pairs():
+    rng = random.Random(20240607)
+    pairs = [(47, 85)]
+    seen = {(47, 85), (85, 47)}
+    while len(pairs) < 250:
+        a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
+        # Both orders are held out: commutativity is not a free answer.
+        if in_addition_task(a, b) and (a, b) not in seen:
+            pairs.append((a, b))
+            seen.update({(a, b), (b, a)})
+    return pairs
+
+
+def held_out_pairs():
+    """What training must exclude: the held-out (a, b), in both orders."""
+    return {p for a, b in _held_out_pairs() for p in ((a, b), (b, a))}
+
+
+def is_correct(answer: str, expected: str) -> bool:
+    return answer.strip() == expected
+
+
+def chat_prompt(tokenizer, message: str) -> str:
+    """`message` as `mlx_dllm generate` sends it: one user turn through the chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )

@@ -39,6 +39,7 @@ PACKAGE_DEFAULTS = {
 
 # generation_config.json keys read for every family (family specs may add more).
 GENERATION_CONFIG_KEYS = {
+    "max_new_tokens": "max_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
