@@ -190,7 +190,11 @@ def test_lora_trains_only_the_adapters(tmp_path):
     path = save_checkpoint(tmp_path / "fused", model, _config(tmp_path / "llada"), tokenizer=tok)
     again, _ = load_fixture(path)
     got = np.array(again(x))
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-5  # fusing reorders sums
+    # Fusing reassociates float32 sums (W x + s B A x against (W + s B A) x), and the trained
+    # adapters of this sharpened fixture amplify that through the layers: about 1e-4 of the largest
+    # logit, varying with the BLAS threads' summation order. A fusing bug (scale, transpose, a
+    # missing adapter) moves logits by whole units.
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
 def _config(path):
