@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mlx_dllm_models.backends.block_cache import PrefixCache  # noqa: E402
+from mlx_dllm_models.engine.block_cache import PrefixCache  # noqa: E402
 from mlx_dllm_models.engine import FullRecompute, MaskedBlockDecoder  # noqa: E402
 from mlx_dllm_models.models import sdar  # noqa: E402
 from mlx_dllm_models.settings import resolve_settings  # noqa: E402

@@ -2,10 +2,10 @@
 
     python benchmarks/bench_quality.py [--model PATH] [--problems 200] [--markdown]
 
-Runs the fixed held-out set of mlx_dllm_models.default (two-digit additions and word reversals the
-model never saw) one prompt at a time through the chat template, as `mlx_dllm generate` does, for
+Runs the fixed held-out set of mlx_dllm_models.default (additions of two-digit numbers the model
+never saw) one prompt at a time through the chat template, as `mlx_dllm generate` does, for
 each sampler at several settings (quota at several step counts, threshold, factor, entropy bound)
-and each cache the family offers (model.diffusion_spec.caches). Greedy (temperature 0).
+and each cache the family offers (engine.cache_choices). Greedy (temperature 0).
 
 Columns: accuracy (exact answer), forwards per generated token (model forwards / answer tokens,
 EOS excluded; lower is faster), mean forwards per problem, and tokens per second (wall clock: the
@@ -71,25 +71,36 @@ def main():
 
     from mlx_dllm_models import load
     from mlx_dllm_models.default import default_checkpoint, held_out_problems
+    from mlx_dllm_models.engine import cache_choices
+    from mlx_dllm_models.generate import checkpoint_settings
+    from mlx_dllm_models.settings import resolve_settings
 
     path = args.model or default_checkpoint()
     model, tokenizer = load(path)
     spec = model.diffusion_spec
     problems = held_out_problems(args.problems)
     base = dict(max_tokens=args.max_tokens, block_length=args.block_length, temperature=0.0)
-    caches = list(spec.caches)
+    caches = list(cache_choices(spec.attention)[1:])
     print(f"model: {path} ({spec.family}); {len(problems)} held-out problems; "
           f"max_tokens={args.max_tokens}, block_length={args.block_length}, greedy; "
           f"caches offered by the family: {', '.join(caches)}")
     rows = []
-    # What `mlx_dllm generate` runs: the family's defaults (128 new tokens, blocks of 32, one token
-    # per step), a canvas eight times longer than the answer needs.
-    cli = run(model, tokenizer, problems, {})
-    d = spec.defaults
-    rows.append((f"CLI defaults: max_tokens={d.get('max_tokens')}, block_length={d.get('block_length')}, "
-                 f"sampler={d.get('sampler')}, steps={d.get('steps')}", cli))
-    if not args.markdown:
-        print(f"{rows[-1][0]:44s} acc {cli['accuracy']:.3f}  fwd/token {cli['fwd_per_token']:.2f}", flush=True)
+    # What `mlx_dllm generate` runs (the checkpoint's generation_config over the family's defaults),
+    # then the family's defaults alone: LLaDA's long canvas, far longer than the answers.
+    d = resolve_settings(spec, {}, checkpoint_settings(model, spec))
+    f = resolve_settings(spec, {}, {})
+    for name, settings in (
+        (f"CLI defaults: max_tokens={d['max_tokens']}, block_length={d['block_length']}, "
+         f"sampler={d['sampler']}, steps={d['steps']}", {}),
+        (f"family defaults: max_tokens={f['max_tokens']}, block_length={f['block_length']}, "
+         f"sampler={f['sampler']}, steps={f['steps']}",
+         {k: f[k] for k in ("max_tokens", "block_length", "sampler", "steps")}),
+    ):
+        r = run(model, tokenizer, problems, settings)
+        rows.append((name, r))
+        if not args.markdown:
+            print(f"{name}\n{'':44s} acc {r['accuracy']:.3f}  fwd/token {r['fwd_per_token']:.2f}  "
+                  f"fwd/problem {r['fwd_per_problem']:.2f}  tok/s {r['tps']:.0f}", flush=True)
     for cache in caches:
         for grid in sampler_grid(args.block_length):
             settings = dict(base, cache=cache, **grid)

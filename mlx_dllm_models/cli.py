@@ -10,22 +10,7 @@ import shutil
 import sys
 import time
 
-_FLAGS = {
-    # flag: (type, help)
-    "max_tokens": (int, "new tokens at most (EOS may end earlier)"),
-    "block_length": (int, "positions per block"),
-    "steps": (int, "denoising steps per block"),
-    "sampler": (str, "quota | threshold | factor | entropy (a family may add its own)"),
-    "threshold": (float, "confidence threshold of the threshold sampler, in (0, 1]"),
-    "factor": (float, "factor of the factor sampler (Fast-dLLM)"),
-    "entropy_bound": (float, "entropy budget of the entropy sampler (EB-Sampler), in nats"),
-    "temperature": (float, "0 is greedy"),
-    "top_p": (float, "nucleus filtering"),
-    "top_k": (int, "top-k filtering"),
-    "seed": (int, "PRNG seed"),
-    "cache": (str, "auto | none | a cache the family offers"),
-}
-
+from .settings import SETTINGS
 
 def _parse_value(text):
     try:
@@ -37,10 +22,10 @@ def _parse_value(text):
 def _generate_parser():
     p = argparse.ArgumentParser(
         prog="mlx_dllm generate",
-        description="Generate text with a diffusion language model. Family-specific settings are "
-        "passed as --name VALUE too (e.g. --alg entropy for Dream).",
-        # Family settings pass through as unknown flags; abbreviations would swallow them
-        # (`--mode` would be taken for `--model`).
+        description="Generate text with a diffusion language model. Settings that name a family "
+        "apply to that family only.",
+        # Abbreviations would take one flag for another (`--mode` for `--model`), and an unknown
+        # flag passes through to the settings layer, whose error lists what the family knows.
         allow_abbrev=False,
     )
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
@@ -60,14 +45,15 @@ def _generate_parser():
         metavar="PATH",
         help="an image for the prompt (repeatable; checkpoints with a vision tower)",
     )
-    for name, (typ, help_) in _FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    for setting in SETTINGS:
+        flag = "--" + setting.name.replace("_", "-")
+        p.add_argument(flag, dest=setting.name, type=setting.cli_type, default=None, help=setting.help)
     return p
 
 
 def _extra_settings(unknown):
-    """Turn leftover `--some-name VALUE` pairs into settings; the settings layer rejects names the
-    family does not know, so nothing passed here is silently ignored."""
+    """Turn leftover `--some-name VALUE` pairs into settings: the settings layer rejects them with
+    the names the family understands, so nothing passed here is silently ignored."""
     extra, i = {}, 0
     while i < len(unknown):
         tok = unknown[i]
@@ -127,12 +113,13 @@ class _LiveView:
 
 
 def generate_main(argv):
-    from .generate import _stats_line, load, responses, stream_events
+    from .generate import responses, stats_line, stream_events
+    from .loader import load
     from .vision import is_processor, text_tokenizer
 
     parser = _generate_parser()
     args, unknown = parser.parse_known_args(argv)
-    settings = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    settings = {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None}
     settings.update(_extra_settings(unknown))
 
     model_path = args.model
@@ -190,7 +177,7 @@ def generate_main(argv):
         print()
     stats = last
     print("=" * 10)
-    print(_stats_line(stats))
+    print(stats_line(stats))
     return 0
 
 

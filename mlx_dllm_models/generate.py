@@ -1,23 +1,18 @@
-"""Public API: load, generate_diffusion, stream_generate_diffusion, batch_generate_diffusion.
+"""Public API: generate_diffusion, stream_generate_diffusion, batch_generate_diffusion (and load,
+from loader.py).
 
 Mirrors mlx-lm's generate / stream_generate: a prompt is text (tokenized as mlx-lm does, no chat
 template) or a list of token ids; generation stops at an EOS, which is not returned
 (finish_reason "stop"), else at max_tokens (finish_reason "length").
 """
 
-import contextlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
-
-from .engine import BlockEvent, select_decoder
-from .registry import MODEL_TYPES
+from .engine import BlockEvent, make_decoder
 from .settings import GENERATION_CONFIG_KEYS, SettingsError, resolve_settings
 from .vision import encode_prompt, is_processor, text_tokenizer
 
@@ -51,108 +46,11 @@ class BatchResponse:
     peak_memory: float
 
 
-# ----------------------------------------------------------------------------------------- load
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def _check_checkpoint(path: Path):
-    if not path.exists():
-        raise CheckpointError(
-            f"no checkpoint at {path}: give a local folder holding config.json and *.safetensors "
-            "(this package does not download; convert a Hugging Face checkpoint with "
-            "`python -m mlx_lm convert --hf-path DIR --mlx-path OUT`)"
-        )
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{path} has no config.json: is it a Hugging Face / MLX checkpoint folder?")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-download the file") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise CheckpointError(f"{cfg_file} has no model_type field; it is not a model config")
-    if config["model_type"] not in MODEL_TYPES:
-        raise CheckpointError(
-            f"model_type {config['model_type']!r} in {cfg_file} is not a diffusion model this package "
-            f"provides; supported: {', '.join(sorted(set(MODEL_TYPES)))}. For autoregressive models "
-            "use mlx_lm.load"
-        )
-    if not list(path.glob("*.safetensors")):
-        raise CheckpointError(
-            f"{path} has a config.json but no *.safetensors weight files; copy the weights there "
-            "(a PyTorch .bin checkpoint must be converted to safetensors first)"
-        )
-    return config
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """AutoTokenizer reads config.json and warns that it does not know our model types: noise."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        yield
-        return
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def load(path, **kwargs):
-    """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
-    checkpoint checked first, and its generation_config.json attached as `model.generation_config`.
-
-    For a checkpoint with a vision tower (DiffusionGemma), (model, processor) as mlx_vlm.load
-    returns it: mlx-vlm's processor, which places images in a prompt and serves text-only prompts
-    too (`generate_diffusion(model, processor, prompt, image=[...])`)."""
-    from mlx_lm.utils import load as mlx_load
-
-    path = Path(path)
-    _check_checkpoint(path)
-    # Real checkpoints carry an auto_map to remote code; transformers would stop and ask on stdin
-    # whether to run it. The tokenizers of the supported families do not need it, so say no unless
-    # the caller opts in.
-    tokenizer_config = dict(kwargs.pop("tokenizer_config", None) or {})
-    tokenizer_config.setdefault("trust_remote_code", False)
-    try:
-        with _quiet_transformers():
-            model, tokenizer = mlx_load(str(path), tokenizer_config=tokenizer_config, **kwargs)
-    except ValueError as e:
-        msg = str(e)
-        if "trust_remote_code" in msg:
-            raise CheckpointError(
-                f"the tokenizer in {path} needs the checkpoint's own Python code; after reviewing "
-                "the .py files there, pass tokenizer_config={'trust_remote_code': True} "
-                "(CLI: --trust-remote-code)"
-            ) from None
-        if "parameters not in model" in msg or "Missing" in msg or "shape" in msg:
-            raise CheckpointError(
-                f"the weights in {path} do not match the model its config.json describes: {msg}. "
-                "Check that config.json belongs to these weights (sizes, number of layers, experts)"
-            ) from None
-        raise
-    gen_file = path / "generation_config.json"
-    model.generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-    if getattr(model, "vision_tower", None) is not None:
-        from .vision import load_processor, vision_config_of
-
-        with _quiet_transformers():
-            tokenizer = load_processor(
-                path, tokenizer_config["trust_remote_code"], vision_config_of(path)
-            )
-    return model, tokenizer
-
-
 # ------------------------------------------------------------------------------------ settings
 
 
-def _checkpoint_settings(model, spec):
+def checkpoint_settings(model, spec):
+    """The settings a checkpoint's generation_config.json sets for this family."""
     gen = getattr(model, "generation_config", None) or {}
     keys = dict(GENERATION_CONFIG_KEYS)
     for key in spec.ignored_generation_config_keys:
@@ -204,7 +102,7 @@ def _prepare(model, tokenizer, prompts, settings, images=None):
             f"{type(model).__module__}.{type(model).__name__} is not a diffusion model of this "
             "package (it has no diffusion_spec); load it with mlx_dllm_models.load"
         )
-    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
+    s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
     pixel_values = None
     if images is not None:
         ids, pixel_values = _encode_with_images(model, tokenizer, prompts, images)
@@ -275,19 +173,13 @@ class _Detokenizer:
         return new
 
 
-def _decoder_for(model, settings, eos):
-    return select_decoder(model.diffusion_spec, settings)(model, settings, eos)
-
-
 def stream_events(model, tokenizer, prompts: Sequence[Prompt], images=None, **settings):
     """Low-level stream of engine events (StepEvent, BlockEvent) for a batch; used by the CLI's
     live view. `images` (paths, PIL images or arrays) go with a single text prompt and need the
     processor that `load` returns for a multimodal checkpoint. Returns (settings, prompt_ids,
     decoder); `decoder.run(prompt_ids)` yields the events."""
     spec, s, ids, pixel_values = _prepare(model, tokenizer, prompts, settings, images)
-    decoder = _decoder_for(model, s, _eos_ids(model, tokenizer, spec))
-    if pixel_values is not None:
-        decoder.images = pixel_values
+    decoder = make_decoder(model, s, _eos_ids(model, tokenizer, spec), images=pixel_values)
     return s, ids, decoder
 
 
@@ -365,11 +257,12 @@ def generate_diffusion(
     if verbose and last is not None:
         print()
         print("=" * 10)
-        print(_stats_line(last))
+        print(stats_line(last))
     return text
 
 
-def _stats_line(r: DiffusionResponse) -> str:
+def stats_line(r: DiffusionResponse) -> str:
+    """mlx-lm's closing statistics line, with the diffusion statistics."""
     return (
         f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens-per-sec | "
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens-per-sec | "

@@ -1,41 +1,237 @@
 """Decoding settings: one vocabulary across families, defaults from the checkpoint, clear errors.
 
+`SETTINGS` is the one table of the vocabulary: which settings exist, which family, sampler or mode
+each belongs to, its package default, its validator and its CLI flag. The shared names, the package
+defaults, the CLI's flags and each family's extra settings are all read from it.
+
 Resolution order: explicit arguments, then the checkpoint (generation_config.json, config.json),
 then the family's reference defaults (its DiffusionSpec), then the package defaults below.
 """
 
 import math
-from typing import Any, Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-SHARED_SETTINGS = (
-    "max_tokens",
-    "block_length",
-    "steps",
-    "sampler",
-    "threshold",
-    "factor",
-    "entropy_bound",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "cache",
+
+class SettingsError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------------------------ validators
+# A validator takes (name, value) and returns an error message, or None when the value is valid.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_at_least(least: int, what: str = ""):
+    def check(name, v):
+        if _is_int(v) and v >= least:
+            return None
+        return f"{name} must be an integer >= {least}{what}, got {v!r}"
+
+    return check
+
+
+def _number(low=None, high=None, low_open=False, high_open=False, what="", finite=False):
+    """A number in [low, high] (either end open or absent)."""
+
+    def check(name, v):
+        ok = _is_number(v) and v == v and (not finite or math.isfinite(v))
+        ok = ok and (low is None or (v > low if low_open else v >= low))
+        ok = ok and (high is None or (v < high if high_open else v <= high))
+        if ok:
+            return None
+        if high is None:
+            span = f"a {'finite ' if finite else ''}number {'>' if low_open else '>='} {low}"
+        else:
+            span = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        return f"{name} must be {span}{what}, got {v!r}"
+
+    return check
+
+
+def _optional(check):
+    def optional(name, v):
+        return None if v is None else check(name, v)
+
+    return optional
+
+
+def _choice(options: Tuple[str, ...], context: str):
+    def check(name, v):
+        if v in options:
+            return None
+        return f"unknown {name} {v!r}{context}; choose one of: {', '.join(options)}"
+
+    return check
+
+
+def _positive_int(name, v):
+    return None if _is_int(v) and v >= 1 else f"{name} must be a positive integer, got {v!r}"
+
+
+def _seed(name, v):
+    return None if _is_int(v) else f"{name} must be an integer, got {v!r}"
+
+
+def _cli_optional_float(text: str):
+    """CLI values of settings that may be unset: 'none' / 'null' unset them."""
+    return None if text.lower() in ("none", "null") else float(text)
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any  # package default (None: unset, or set by the family's spec)
+    help: str  # CLI help
+    cli_type: Callable[[str], Any]  # argparse type of the CLI flag
+    check: Optional[Callable[[Any], Optional[str]]] = None
+    # Families whose decoders read it; empty for a shared setting of every family.
+    families: Tuple[str, ...] = ()
+    # Samplers it acts with; empty for any. Passing it with another sampler is an error.
+    samplers: Tuple[str, ...] = ()
+    # Values of a family's `mode` setting it acts in (for families that have one); empty for any.
+    modes: Tuple[str, ...] = ()
+    # Another setting it only acts with (e.g. max_post_steps needs editing_threshold).
+    requires: Optional[str] = None
+    # Families whose decoder has no use for this shared setting -> why, and what to set instead.
+    unused: Mapping[str, str] = field(default_factory=dict)
+
+
+_DIFFUSION = ("diffusion",)  # Nemotron: the samplers act in diffusion mode, not self-speculation
+_WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
+_CANVAS = ("diffusion_gemma",)
+
+SETTINGS: Tuple[Setting, ...] = (
+    Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, _positive_int),
+    Setting(
+        "block_length", 32, "positions per block", int, _positive_int,
+        unused={"diffusion_gemma": "each canvas is a block; set min_canvas_length / max_canvas_length"},
+    ),
+    Setting(
+        "steps", None, "denoising steps per block (default: block_length)", int,
+        _int_at_least(1, " (denoising steps per block)"), modes=_DIFFUSION,
+        unused={
+            "diffusion_gemma": "set max_denoising_steps (an upper bound per canvas: a canvas stops "
+            "once its argmax is stable and confident)"
+        },
+    ),
+    Setting(
+        "sampler", "quota", "quota | threshold | factor | entropy (a family may add its own)", str,
+        modes=_DIFFUSION,
+    ),
+    Setting(
+        "threshold", 0.9, "confidence threshold of the threshold sampler, in (0, 1]", float,
+        _number(0, 1, low_open=True), samplers=("threshold",), modes=_DIFFUSION,
+    ),
+    Setting(
+        "factor", 1.0, "factor of the factor sampler (Fast-dLLM)", float,
+        _number(0, low_open=True), samplers=("factor",), modes=_DIFFUSION,
+        unused={"diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)"},
+    ),
+    Setting(
+        "entropy_bound", 0.1, "entropy budget of the entropy sampler (EB-Sampler), in nats", float,
+        _number(0, what=" (nats)"), samplers=("entropy",), modes=_DIFFUSION,
+    ),
+    Setting(
+        "temperature", 0.0, "sampling temperature; 0 is greedy", float, _number(0, finite=True),
+        unused={
+            "diffusion_gemma": "the temperature follows a schedule from t_max (first step) to t_min; "
+            "set those"
+        },
+    ),
+    Setting(
+        "top_p", None, "nucleus filtering", _cli_optional_float,
+        _optional(_number(0, 1, low_open=True)), unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
+    ),
+    Setting(
+        "top_k", None, "top-k filtering", int, _optional(_int_at_least(0)),
+        unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
+    ),
+    Setting("seed", 0, "PRNG seed", int, _seed),
+    # Validated against the backend table of the family's attention layout (engine.registry).
+    Setting("cache", "auto", "auto | none | a cache the family's attention layout offers", str),
+    # Dream's diffusion_generate.
+    Setting(
+        "alg", None, "Dream: origin | maskgit_plus | topk_margin | entropy", str,
+        _choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
+        families=("dream",), samplers=("dream",),
+    ),
+    Setting(
+        "alg_temp", None, "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
+        _cli_optional_float, _optional(_number(0, what=" (0 or null ranks greedily)")),
+        families=("dream",), samplers=("dream",),
+    ),
+    Setting(
+        "eps", None, "Dream: the last timestep of its schedule, in (0, 1)", float,
+        _number(0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"),
+        families=("dream",), samplers=("dream",),
+    ),
+    # LLaDA2.1 token editing.
+    Setting(
+        "editing_threshold", None,
+        "LLaDA2.1: rewrite a committed token when another is proposed above this probability "
+        "(none: editing off)",
+        _cli_optional_float,
+        _optional(_number(0, 1, what=" (a committed token is rewritten when the model proposes another "
+                          "one with a probability above it) or None to turn editing off")),
+        families=("llada2",),
+    ),
+    Setting(
+        "max_post_steps", None, "LLaDA2.1: editing forwards after a block has no masks left", int,
+        _int_at_least(0, " (editing forwards after a block has no masks left)"),
+        families=("llada2",), requires="editing_threshold",
+    ),
+    # Nemotron-Labs-Diffusion.
+    Setting(
+        "mode", None, "Nemotron: diffusion | self_spec (lossless self-speculation)", str,
+        _choice(("diffusion", "self_spec"), " for the nemotron family"), families=("nemotron",),
+    ),
+    # DiffusionGemma's canvas decoder.
+    Setting("max_denoising_steps", None, "DiffusionGemma: denoising steps per canvas at most", int,
+            _int_at_least(1), families=_CANVAS),
+    Setting("t_min", None, "DiffusionGemma: temperature of the last step", float, _number(0),
+            families=_CANVAS),
+    Setting("t_max", None, "DiffusionGemma: temperature of the first step", float,
+            _number(0, low_open=True), families=_CANVAS),
+    Setting("stability_threshold", None,
+            "DiffusionGemma: steps the argmax must stay unchanged to stop a canvas", int,
+            _int_at_least(0), families=_CANVAS),
+    Setting("confidence_threshold", None,
+            "DiffusionGemma: mean entropy below which a stable canvas stops", float, _number(0),
+            families=_CANVAS),
+    Setting("min_canvas_length", None, "DiffusionGemma: shortest canvas", int, _int_at_least(1),
+            families=_CANVAS),
+    Setting("max_canvas_length", None, "DiffusionGemma: longest canvas (the trained length)", int,
+            _int_at_least(1), families=_CANVAS),
 )
 
-PACKAGE_DEFAULTS = {
-    "max_tokens": 128,
-    "block_length": 32,
-    "steps": None,  # = block_length
-    "sampler": "quota",
-    "threshold": 0.9,
-    "factor": 1.0,
-    "entropy_bound": 0.1,
-    "temperature": 0.0,
-    "top_p": None,
-    "top_k": None,
-    "seed": 0,
-    "cache": "auto",
-}
+BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+SHARED_SETTINGS = tuple(s.name for s in SETTINGS if not s.families)
+PACKAGE_DEFAULTS = {s.name: s.default for s in SETTINGS if not s.families}
+
+
+def family_settings(family: str) -> Tuple[str, ...]:
+    """The settings a family understands beyond the shared vocabulary."""
+    return tuple(s.name for s in SETTINGS if family in s.families)
+
+
+# Pairs of settings that must agree: (first, second, holds(first, second), message).
+_RELATIONS = (
+    ("t_min", "t_max", lambda lo, hi: hi >= lo,
+     "t_max ({t_max}) is the first step's temperature and must be >= t_min ({t_min}), the last step's"),
+    ("min_canvas_length", "max_canvas_length", lambda lo, hi: lo <= hi,
+     "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})"),
+)
 
 # generation_config.json keys read for every family (family specs may add more).
 GENERATION_CONFIG_KEYS = {
@@ -47,23 +243,12 @@ GENERATION_CONFIG_KEYS = {
     "threshold": "threshold",
 }
 
-# Which samplers a sampler-specific setting acts on: passing it with another sampler is an error,
-# never a silently ignored setting.
-SAMPLER_SETTINGS = {
-    "threshold": ("threshold",),
-    "factor": ("factor",),
-    "entropy_bound": ("entropy",),
-}
-
-
-class SettingsError(ValueError):
-    pass
-
 
 def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
     """Merge and validate settings for a family. Returns a plain dict with every shared setting and
     every extra setting of the family."""
-    allowed = set(SHARED_SETTINGS) | set(spec.extra_settings)
+    extras = family_settings(spec.family)
+    allowed = set(SHARED_SETTINGS) | set(extras)
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise SettingsError(
@@ -71,17 +256,15 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
             f"it understands: {', '.join(sorted(allowed))}"
         )
     explicit = {k: v for k, v in overrides.items() if v is not None}
-    unused = [k for k in explicit if k in spec.unused_settings]
-    if unused:
-        name = unused[0]
-        raise SettingsError(
-            f"{name} does not apply to the {spec.family} family: {spec.unused_settings[name]}"
-        )
+    for name in explicit:
+        why = BY_NAME[name].unused.get(spec.family)
+        if why:
+            raise SettingsError(f"{name} does not apply to the {spec.family} family: {why}")
     from_checkpoint = {
         k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
     }
     values: Dict[str, Any] = dict(PACKAGE_DEFAULTS)
-    values.update({k: None for k in spec.extra_settings if k not in values})
+    values.update({k: None for k in extras})
     values.update(spec.defaults)
     sampler = explicit.get("sampler", from_checkpoint.get("sampler", values["sampler"]))
     values.update(spec.sampler_defaults.get(sampler, {}))
@@ -97,90 +280,44 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
     return values
 
 
-def _check(cond, msg):
-    if not cond:
-        raise SettingsError(msg)
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _validate(spec, s, explicit):
-    _check(
-        _is_int(s["max_tokens"]) and s["max_tokens"] >= 1,
-        f"max_tokens must be a positive integer, got {s['max_tokens']!r}",
-    )
-    _check(
-        _is_int(s["block_length"]) and s["block_length"] > 0,
-        f"block_length must be a positive integer, got {s['block_length']!r}",
-    )
-    _check(
-        _is_int(s["steps"]) and s["steps"] >= 1,
-        f"steps must be an integer >= 1 (denoising steps per block), got {s['steps']!r}",
-    )
-    _check(
-        s["sampler"] in spec.samplers,
-        f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
-        f"choose one of: {', '.join(spec.samplers)}",
-    )
-    _check(
-        isinstance(s["threshold"], (int, float)) and 0 < s["threshold"] <= 1,
-        f"threshold must be in (0, 1], got {s['threshold']!r}",
-    )
-    _check(
-        isinstance(s["factor"], (int, float)) and s["factor"] > 0,
-        f"factor must be > 0, got {s['factor']!r}",
-    )
-    _check(
-        isinstance(s["entropy_bound"], (int, float)) and s["entropy_bound"] >= 0,
-        f"entropy_bound must be >= 0 (nats), got {s['entropy_bound']!r}",
-    )
-    t = s["temperature"]
-    _check(
-        isinstance(t, (int, float)) and t >= 0 and math.isfinite(t),
-        f"temperature must be a finite number >= 0, got {t!r}",
-    )
-    if s["top_p"] is not None:
-        _check(
-            isinstance(s["top_p"], (int, float)) and 0 < s["top_p"] <= 1,
-            f"top_p must be in (0, 1], got {s['top_p']!r}",
+    if s["sampler"] not in spec.samplers:
+        raise SettingsError(
+            f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
+            f"choose one of: {', '.join(spec.samplers)}"
         )
-    if s["top_k"] is not None:
-        _check(
-            _is_int(s["top_k"]) and s["top_k"] >= 0,
-            f"top_k must be an integer >= 0, got {s['top_k']!r}",
-        )
-    _check(_is_int(s["seed"]), f"seed must be an integer, got {s['seed']!r}")
-    caches = ("auto",) + tuple(spec.caches)
-    _check(
-        s["cache"] in caches,
-        f"cache={s['cache']!r} is not available for the {spec.family} family "
-        f"({spec.attention} attention); choose one of: {', '.join(caches)}",
-    )
-    for name, modes in spec.mode_settings.items():
-        if name in explicit and s.get("mode") not in modes:
+    has_modes = "mode" in s
+    for name in SHARED_SETTINGS + family_settings(spec.family):
+        row = BY_NAME[name]
+        given = name in explicit
+        if row.modes and has_modes and s["mode"] not in row.modes:
+            if given:
+                raise SettingsError(
+                    f"{name} only acts with mode={row.modes[0]!r}, but mode is {s['mode']!r}; "
+                    f"pass mode={row.modes[0]!r} or drop {name}"
+                )
+            continue
+        if row.requires and given and s.get(row.requires) is None:
             raise SettingsError(
-                f"{name} only acts with mode={modes[0]!r}, but mode is {s.get('mode')!r}; "
-                f"pass mode={modes[0]!r} or drop {name}"
+                f"{name} only acts when {row.requires} is set; pass {row.requires} or drop {name}"
             )
-    for name, needed in spec.setting_requires.items():
-        if name in explicit and s.get(needed) is None:
-            raise SettingsError(f"{name} only acts when {needed} is set; pass {needed} or drop {name}")
-    scoped = dict(SAMPLER_SETTINGS)
-    scoped.update(spec.sampler_settings)
-    for name, samplers in scoped.items():
-        if name in explicit and s["sampler"] not in samplers:
-            raise SettingsError(
-                f"{name} only acts with sampler={samplers[0]!r}, but sampler is {s['sampler']!r}; "
-                f"pass sampler={samplers[0]!r} or drop {name}"
-            )
-    for name, check in spec.setting_checks.items():
-        if name in explicit or s["sampler"] in scoped.get(name, (s["sampler"],)):
-            msg = check(s[name])
-            if msg:
-                raise SettingsError(msg)
-    if spec.confidence == "raw" and t == 0:
+        if row.samplers and s["sampler"] not in row.samplers:
+            if given:
+                raise SettingsError(
+                    f"{name} only acts with sampler={row.samplers[0]!r}, but sampler is "
+                    f"{s['sampler']!r}; pass sampler={row.samplers[0]!r} or drop {name}"
+                )
+            continue
+        if row.unused.get(spec.family) or row.check is None:
+            continue
+        msg = row.check(name, s[name])
+        if msg:
+            raise SettingsError(msg)
+    for first, second, holds, message in _RELATIONS:
+        if s.get(first) is not None and s.get(second) is not None:
+            if not holds(s[first], s[second]):
+                raise SettingsError(message.format(**s))
+    if spec.confidence == "raw" and s["temperature"] == 0:
         for name in ("top_p", "top_k"):
             if name in explicit:
                 raise SettingsError(

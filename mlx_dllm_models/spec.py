@@ -1,12 +1,14 @@
 """What a model family declares to the decoding engine.
 
-A family's differences (noise, mask id, attention layout, logit shift, how confidence is read,
-which samplers and caches it can honour, its reference defaults) live in one `DiffusionSpec` that the
-model exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type.
+A family's decoding facts (noise, mask id, attention layout, logit shift, how confidence is read,
+which samplers it can honour, its reference defaults) live in one `DiffusionSpec` that the model
+exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type. Which
+settings exist and whom they belong to is the settings table's (settings.SETTINGS); which caches a
+layout offers is the backend table's (engine.registry.BACKENDS).
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 # Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
 BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
@@ -41,9 +43,6 @@ class DiffusionSpec:
     samplers: Tuple[str, ...] = SHARED_SAMPLERS
     # The decoding loop (engine.DECODERS): "masked" block decoding, or a family's own loop.
     decoder: str = "masked"
-    caches: Tuple[str, ...] = ("none",)
-    # Settings the family understands beyond the shared vocabulary (e.g. Dream's alg, eps).
-    extra_settings: Tuple[str, ...] = ()
     # Reference defaults of the family; the checkpoint's config / generation_config override them.
     defaults: Mapping[str, Any] = field(default_factory=dict)
     # The block size the checkpoint was trained with, for block-causal families (warn when changed).
@@ -57,24 +56,8 @@ class DiffusionSpec:
     # The reference's order of logits processing before sampling (decoding.stats.token_stats):
     # Dream divides by the temperature first, then filters top-p, then top-k.
     sampling_order: Tuple[str, ...] = ("top_k", "top_p", "temperature")
-    # Extra settings that act only with some samplers (setting -> samplers), on top of
-    # settings.SAMPLER_SETTINGS: passing one with another sampler is an error.
-    sampler_settings: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     # Defaults that come with a sampler (sampler -> {setting: value}), over `defaults`, under the
     # checkpoint and explicit settings. block_length None means one block over max_tokens.
     sampler_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Checks of extra settings (setting -> f(value) returning an error message, or None if valid),
-    # run when the chosen sampler acts on the setting.
-    setting_checks: Mapping[str, Callable[[Any], Optional[str]]] = field(default_factory=dict)
-    # Shared settings that mean nothing to the family's decoder (setting -> why, and what to use
-    # instead): passing one explicitly is an error, never a silently ignored setting.
-    unused_settings: Mapping[str, str] = field(default_factory=dict)
     # Vocabulary size, for decoders that draw token ids (uniform-noise canvases).
     vocab_size: Optional[int] = None
-    # Settings that act only when another one is set (setting -> the one it needs), e.g. LLaDA2's
-    # max_post_steps needs editing_threshold: passing it without is an error.
-    setting_requires: Mapping[str, str] = field(default_factory=dict)
-    # Settings that act only in some values of the family's `mode` setting (setting -> modes), e.g.
-    # the samplers of masked decoding under Nemotron's self-speculation: passing one in another
-    # mode is an error.
-    mode_settings: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)

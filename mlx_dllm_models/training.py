@@ -226,39 +226,15 @@ def train(
 # ------------------------------------------------------------------------------------------ save
 
 
-def _llada_hf_names(model, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """This module's names -> LLaDA 8B's HF (OLMo) names: the inverse of `llada.Model.sanitize`."""
-    from .models.llada import _BLOCK_NAMES, _OLMO_PREFIX, _TOP_NAMES
-
-    if model.args.is_moe:
-        return weights  # LLaDA-MoE: converted (stacked-expert) names, which sanitize accepts
-    block = {v: k for k, v in _BLOCK_NAMES.items()}
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    out = {}
-    for key, value in weights.items():
-        module, _, leaf = key.rpartition(".")
-        if module.startswith("model.layers."):
-            _, _, i, rest = module.split(".", 3)
-            out[f"{_OLMO_PREFIX}blocks.{i}.{block[rest]}.{leaf}"] = value
-        elif module in top:
-            out[f"{_OLMO_PREFIX}{top[module]}.{leaf}"] = value
-        else:
-            raise ValueError(f"no HF LLaDA name for weight {key!r}")
-    return out
-
-
-# Families whose HF layout differs from this package's names. The others are saved under the
-# names mlx-lm's convert writes, which their `sanitize` loads as well.
-_HF_NAMES = {"llada": _llada_hf_names}
-
-
 def hf_weights(model: nn.Module) -> Dict[str, mx.array]:
     """The model's weights under its checkpoint's Hugging Face names (LoRA must be fused first)."""
     weights = dict(tree_flatten(model.parameters()))
     if any("lora_" in k for k in weights):
         raise ValueError("the model still has LoRA adapters; call fuse_lora(model) first")
-    to_hf = _HF_NAMES.get(model.diffusion_spec.family)
-    out = to_hf(model, weights) if to_hf else weights
+    # Families whose checkpoint names differ from this package's say so with `to_hf_weights`; the
+    # others are saved under the names mlx-lm's convert writes, which their `sanitize` reads too.
+    to_hf = getattr(model, "to_hf_weights", None)
+    out = to_hf(weights) if to_hf is not None else weights
     # The loader must map the saved names back onto exactly these parameters.
     back = model.sanitize(dict(out))
     if set(back) != set(weights):

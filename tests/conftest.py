@@ -1,3 +1,4 @@
+import contextlib
 import sys
 from pathlib import Path
 
@@ -21,3 +22,26 @@ def load_fixture(path):
 def fixture_dir(tmp_path_factory):
     """A session-wide folder; `fixture_dir / name` holds a built checkpoint."""
     return tmp_path_factory.mktemp("checkpoints")
+
+
+@contextlib.contextmanager
+def spy_forwards(model, record):
+    """`record(inputs, cache, mask, head_span)` sees every forward of `model` (other instances of
+    its class run as usual); the class's own `__call__` is restored afterwards."""
+    cls = type(model)
+    real = cls.__call__
+    own = "__call__" in cls.__dict__
+
+    def spy(self, inputs, cache=None, mask=None, head_span=None):
+        if self is model:
+            record(inputs, cache, mask, head_span)
+        return real(self, inputs, cache=cache, mask=mask, head_span=head_span)
+
+    cls.__call__ = spy
+    try:
+        yield
+    finally:
+        if own:
+            cls.__call__ = real
+        else:
+            del cls.__call__

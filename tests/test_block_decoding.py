@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
+from conftest import load_fixture, spy_forwards
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
-from mlx_dllm_models.backends.block_cache import PrefixCache
+from mlx_dllm_models.engine.block_cache import PrefixCache
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.decoding.block import sequential_commit
 from mlx_dllm_models.engine import BlockEvent, FullRecompute, Layout, StepContext, StepEvent, select_backend
@@ -147,18 +147,14 @@ def test_cache_logits_match_the_full_window(family):
 
 def test_commit_is_folded_into_the_next_blocks_first_forward(family):
     path, model, tok = family("sdar")
-    cls, seen = type(model), []
+    seen = []
 
-    def spy(self, inputs, cache=None, mask=None, rows=None):
-        seen.append((inputs.shape[1], cache.start, cache.committed, rows))
-        return cls.__call__(self, inputs, cache=cache, mask=mask, rows=rows)
+    def record(inputs, cache, mask, head_span):
+        seen.append((inputs.shape[1], cache.start, cache.committed, head_span))
 
-    model.__class__ = type("Spy", (cls,), {"__call__": spy})
-    try:
+    with spy_forwards(model, record):
         prompt = tokens(10, 3)  # two whole prompt blocks, a tail of 2 in the first open block
         out, _, dec = run(model, tok, [prompt], max_tokens=14, sampler="quota")
-    finally:
-        model.__class__ = cls
     backend = dec.backend
     assert seen[0] == (8, 0, 0, (7, 8))  # prefill: the whole blocks, the LM head over one row
     starts = [start for _, start, _, _ in seen[1:]]
@@ -175,7 +171,7 @@ def test_commit_is_folded_into_the_next_blocks_first_forward(family):
 
 
 def test_long_prompts_are_prefilled_in_chunks_of_whole_blocks(family, monkeypatch):
-    from mlx_dllm_models.backends import block_cache
+    from mlx_dllm_models.engine import block_cache
 
     _, model, tok = family("sdar")
     monkeypatch.setattr(block_cache, "PREFILL_TOKENS", 9)  # two blocks of 4 a chunk
@@ -465,7 +461,7 @@ def test_bad_editing_settings(family):
 
 
 def test_untrained_block_length_is_allowed_and_logged_once(family, caplog):
-    from mlx_dllm_models import engine
+    from mlx_dllm_models.engine import masked as engine
 
     _, model, tok = family("sdar")
     engine._WARNED_BLOCK_LENGTHS.clear()

@@ -11,6 +11,7 @@ import pytest
 from conftest import load_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.masks import block_causal_mask, causal_mask
 from mlx_dllm_models.models import llada2_moe, sdar, sdar_moe
 from mlx_dllm_models.spec import BLOCK_CAUSAL, SHARED_SAMPLERS
@@ -106,7 +107,7 @@ def test_rows_and_prefix_cache_follow_the_protocol(models, name):
     length, prefix = 3 * block - 1, 2 * block
     ids = mx.array(canvas(1, length, prefix + 1, model.diffusion_spec.mask_token_id, seed=3))
     full = model(ids, mask=block_causal_mask(length, block))
-    assert_close(model(ids, mask=block_causal_mask(length, block), rows=(prefix, length)), full[:, prefix:])
+    assert_close(model(ids, mask=block_causal_mask(length, block), head_span=(prefix, length)), full[:, prefix:])
     # Finished blocks in a KV cache, then the open block at absolute positions prefix..length-1.
     cache = make_prompt_cache(model)
     model(ids[:, :prefix], cache=cache, mask=block_causal_mask(prefix, block))
@@ -212,7 +213,7 @@ def test_llada2_spec(models):
     assert (spec.mask_token_id, spec.eos_token_ids) == (llada2_fixture.MASK, (llada2_fixture.EOS,))
     assert spec.trained_block_length == spec.defaults["block_length"] == 32
     assert spec.defaults["threshold"] == 0.95 and spec.defaults["max_post_steps"] == 16
-    assert spec.extra_settings == ("editing_threshold", "max_post_steps")
+    assert family_settings(spec.family) == ("editing_threshold", "max_post_steps")
     cfg = llada2_fixture.config()
     cfg["block_length"] = 16
     args = llada2_moe.ModelArgs.from_dict(cfg)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from fixtures import diffusion_gemma as fx
 
-import mlx_dllm_models.backends.canvas as canvas_mod
+import mlx_dllm_models.engine.canvas as canvas_mod
 from mlx_dllm_models import load, stream_generate_diffusion
-from mlx_dllm_models.backends.canvas import CanvasDecoder, CanvasStepEvent
+from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
 from mlx_dllm_models.engine import BlockEvent
-from mlx_dllm_models.generate import _checkpoint_settings, stream_events
+from mlx_dllm_models.generate import checkpoint_settings, stream_events
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 
 C = fx.CANVAS_LENGTH
@@ -94,10 +94,9 @@ def run_engine(model, prompt, draws, eos, images=None, **settings):
     argmax canvas and the temperature-scaled logits; and the tokens it returns."""
     spec = model.diffusion_spec
     settings = dict(max_tokens=2 * C, **settings)
-    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
-    decoder = CanvasDecoder(model, s, eos)
+    s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
+    decoder = CanvasDecoder(model, s, eos, images=images)
     decoder.noise = draws.engine_noise()
-    decoder.images = images
     rec = {"input": [], "accept": [], "argmax": [], "processed": []}
     real_decode = model.decode
     real_commit, real_stats = canvas_mod.entropy_commit, canvas_mod.canvas_stats
@@ -486,7 +485,7 @@ def test_batch_equals_one_by_one(dg):
     prompts = [PROMPT, [fx.BOS, 50, 51], [fx.BOS] + [60] * 14]
     settings = dict(max_tokens=3 * C, max_denoising_steps=3, seed=2)
     spec = model.diffusion_spec
-    s = resolve_settings(spec, settings, _checkpoint_settings(model, spec))
+    s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
     events = CanvasDecoder(model, s, []).run([prompts[0]])
     probe = [t for e in events if isinstance(e, BlockEvent) for t in e.tokens[0]]
     eos = [probe[5]]  # row 0 stops in its first canvas; the others decide for themselves
@@ -527,4 +526,6 @@ def test_live_view_shades_pending_positions(dg):
 def test_spec_names_the_canvas_loop(dg):
     spec = dg[0].diffusion_spec
     assert spec.decoder == "canvas" and spec.vocab_size == fx.VOCAB
-    assert set(spec.unused_settings) >= {"block_length", "steps", "temperature", "top_p", "top_k"}
+    for name, value in dict(block_length=8, steps=4, temperature=0.5, top_p=0.9, top_k=5).items():
+        with pytest.raises(SettingsError, match=f"{name} does not apply to the diffusion_gemma"):
+            resolve_settings(spec, {name: value})

@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, load_fixture
 from fixtures import diffusion_gemma as fx
 
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.models.diffusion_gemma import Model, ModelArgs
 from mlx_dllm_models.spec import ENCODER_CANVAS
 
@@ -177,7 +178,7 @@ def test_protocol_call_is_the_decoder_without_self_conditioning(model):
     alone = model.decode(canvas, None)
     assert np.array_equal(np.array(model(canvas)), np.array(alone))
     assert_close(model.decode(canvas, model.make_cache()), alone)
-    assert_close(model(canvas, rows=(3, 9)), alone[:, 3:9])
+    assert_close(model(canvas, head_span=(3, 9)), alone[:, 3:9])
     out = _run(model)
     assert_close(model(canvas, cache=out["cache"]), out["first"])
 
@@ -335,7 +336,7 @@ def test_diffusion_spec_comes_from_config_and_generation_config(model):
     }
     for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold",
                  "confidence_threshold", "min_canvas_length", "max_canvas_length"):
-        assert name in spec.extra_settings
+        assert name in family_settings(spec.family)
 
 
 def test_make_cache_windows_sliding_layers(model):

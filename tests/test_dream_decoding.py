@@ -16,8 +16,8 @@ from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule
-from mlx_dllm_models.engine import BlockEvent, MaskedBlockDecoder, StepEvent
-from mlx_dllm_models.generate import _checkpoint_settings, _eos_ids
+from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
+from mlx_dllm_models.generate import checkpoint_settings, _eos_ids
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 from reference.dream_torch import dream_generate, reference_forward
 
@@ -43,12 +43,12 @@ def prompt(n, seed):
 
 def settings_for(model, **kw):
     spec = model.diffusion_spec
-    return resolve_settings(spec, kw, _checkpoint_settings(model, spec))
+    return resolve_settings(spec, kw, checkpoint_settings(model, spec))
 
 
 def ours(model, prompts, **kw):
     """Full canvases (no EOS cut) and the forward count of the engine."""
-    decoder = MaskedBlockDecoder(model, settings_for(model, **kw), eos_token_ids=())
+    decoder = make_decoder(model, settings_for(model, **kw), eos_token_ids=())
     out = [[] for _ in prompts]
     for event in decoder.run(prompts):
         if isinstance(event, BlockEvent):
@@ -168,13 +168,12 @@ def test_parity_checks_can_fail(dream, ckpt):
     model, _ = dream
     p = prompt(7, 0)
     want = reference(ckpt, p, 8, 8, alg="maskgit_plus")
-    cls = type(model)
-    spec = dataclasses.replace(model.diffusion_spec, logit_shift=0)
-    model.__class__ = type("NoShift", (cls,), {"diffusion_spec": property(lambda s: spec)})
+    spec = model.diffusion_spec
+    model.diffusion_spec = dataclasses.replace(spec, logit_shift=0)
     try:
         unshifted, _ = ours(model, [p], max_tokens=8, steps=8, alg="maskgit_plus")
     finally:
-        model.__class__ = cls
+        model.diffusion_spec = spec
     assert unshifted[0] != want
     dream_counts = np.array(dream_rules.dream_schedule(mx.array([8]), 8, {"alg": "maskgit_plus", "eps": 1e-3}))
     engine_counts = np.array(transfer_schedule(mx.array([8]), 8))
@@ -245,7 +244,7 @@ def test_batch_generate_equals_one_by_one(dream, kw):
 )
 def test_shared_samplers_run_block_wise_and_never_leak_masks(dream, kw):
     model, _ = dream
-    decoder = MaskedBlockDecoder(model, settings_for(model, max_tokens=12, block_length=4, **kw), ())
+    decoder = make_decoder(model, settings_for(model, max_tokens=12, block_length=4, **kw), ())
     blocks, tokens = [], []
     for event in decoder.run([prompt(5, 30)]):
         if isinstance(event, StepEvent):

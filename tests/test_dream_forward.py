@@ -8,6 +8,7 @@ import pytest
 
 from conftest import load_fixture
 from fixtures.dream import ENDOFTEXT, MASK, build
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models import dream
@@ -66,7 +67,7 @@ def test_causal_mask_argument_matches_causal_reference(model, ckpt):
 def test_rows_slice_hidden_states_before_the_head(model):
     ids = mx.array(canvas(2, 20, 8, seed=4))
     full = model(ids)
-    part = model(ids, rows=(7, 15))
+    part = model(ids, head_span=(7, 15))
     assert part.shape == (2, 8, full.shape[-1])
     assert_close(part, full[:, 7:15])
 
@@ -113,7 +114,7 @@ def test_diffusion_spec_from_config(model, ckpt):
     assert spec.eos_token_ids == (ENDOFTEXT,)
     assert spec.logit_shift == 1 and spec.confidence == "sampled" and spec.quota_base == "masks"
     assert spec.samplers == ("dream", "quota", "threshold", "factor", "entropy")
-    assert set(spec.extra_settings) == {"alg", "alg_temp", "eps"}
+    assert set(family_settings(spec.family)) == {"alg", "alg_temp", "eps"}
     assert spec.defaults["alg"] == "origin" and spec.defaults["eps"] == 1e-3
     assert spec.max_position_embeddings == cfg["max_position_embeddings"]
 

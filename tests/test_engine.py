@@ -1,11 +1,10 @@
 """Behaviour of the masked block engine and the public API on a tiny LLaDA checkpoint."""
 
-import threading
+import dataclasses
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
+from conftest import spy_forwards
 from mlx_dllm_models import (
     batch_generate_diffusion,
     generate_diffusion,
@@ -88,25 +87,13 @@ def test_stream_is_live(llada):
     """A consumer receives block 1 before block 2 is computed."""
     model, tok = llada
     calls = []
-    real_call = type(model).__call__
-
-    class Spy(type(model)):
-        pass
-
-    def spy(self, *a, **k):
-        calls.append(1)
-        return real_call(self, *a, **k)
-
-    model.__class__ = type("Spy", (type(model),), {"__call__": spy})
-    try:
+    with spy_forwards(model, lambda *a: calls.append(1)):
         stream = stream_generate_diffusion(model, tok, PROMPT, max_tokens=24, block_length=8, steps=4)
         first = next(stream)
         assert len(first.tokens) > 0 and first.nfe == 4
         assert len(calls) == 4, "the second block was computed before the first was delivered"
         rest = list(stream)
         assert len(calls) == 12 and rest[-1].finish_reason is not None
-    finally:
-        model.__class__ = type(model).__mro__[1]
 
 
 def test_stop_at_eos_is_not_returned(llada):
@@ -115,15 +102,11 @@ def test_stop_at_eos_is_not_returned(llada):
     eos_tok = full[10]
     # Declare a token the model produces in block 2 as an EOS: output is cut right before it.
     spec = model.diffusion_spec
-    import dataclasses
-
-    model.__dict__["_spec_override"] = dataclasses.replace(spec, eos_token_ids=(eos_tok,))
-    cls = type(model)
-    model.__class__ = type("EosModel", (cls,), {"diffusion_spec": property(lambda s: s.__dict__["_spec_override"])})
+    model.diffusion_spec = dataclasses.replace(spec, eos_token_ids=(eos_tok,))
     try:
         toks, last = _tokens(model, tok, max_tokens=24, block_length=8, steps=8)
     finally:
-        model.__class__ = cls
+        model.diffusion_spec = spec
     first = full.index(eos_tok)
     assert toks == full[:first]
     assert last.finish_reason == "stop"
@@ -154,16 +137,7 @@ def test_text_prompt_and_generate_string(llada):
 def test_head_runs_only_over_the_block(llada):
     model, tok = llada
     seen = []
-    cls = type(model)
-
-    def spy(self, inputs, cache=None, mask=None, rows=None):
-        seen.append((inputs.shape[1], rows))
-        return cls.__call__(self, inputs, cache=cache, mask=mask, rows=rows)
-
-    model.__class__ = type("RowSpy", (cls,), {"__call__": spy})
-    try:
+    with spy_forwards(model, lambda inputs, c, m, head_span: seen.append((inputs.shape[1], head_span))):
         _tokens(model, tok, max_tokens=16, block_length=8, steps=2)
-    finally:
-        model.__class__ = cls
     P = len(PROMPT)
     assert seen == [(P + 16, (P, P + 8))] * 2 + [(P + 16, (P + 8, P + 16))] * 2

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import load_fixture
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
+from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import causal_mask, padding_mask
 from mlx_dllm_models.models import llada
@@ -106,7 +107,7 @@ def test_rows_is_a_slice_of_the_full_logits(models, name):
     ids = canvas(model, 20, seed=3)
     full = logits(model, ids)
     for rows in [(0, 20), (10, 20), (4, 9), (19, 20)]:
-        part = logits(model, ids, rows=rows)
+        part = logits(model, ids, head_span=rows)
         assert part.shape == (2, rows[1] - rows[0], full.shape[-1])
         np.testing.assert_allclose(part, full[:, rows[0] : rows[1]], rtol=1e-5, atol=1e-5)
 
@@ -116,7 +117,8 @@ def test_spec_reads_the_config(models):
     assert spec.family == "llada" and spec.attention == BIDIRECTIONAL and spec.logit_shift == 0
     assert spec.mask_token_id == LLADA_TOKENS["<|mdm_mask|>"]
     assert spec.eos_token_ids == (LLADA_TOKENS["<|endoftext|>"],)
-    assert spec.confidence == "raw" and spec.quota_base == "masks" and spec.caches == ("none",)
+    assert spec.confidence == "raw" and spec.quota_base == "masks"
+    assert cache_choices(spec.attention) == ("auto", "none")  # no exact cache for bidirectional
     assert spec.defaults["block_length"] == 32 and "steps" not in spec.defaults
     assert spec.max_position_embeddings == 4096
     moe = models["llada_moe"]

@@ -16,13 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import load_fixture
+from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
 from mlx_lm.generate import generate_step
 from reference.nemotron_reference import VlmForward, hf_generate
 
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
-from mlx_dllm_models.backends.causal_prefix import speculative_accept
+from mlx_dllm_models.engine.self_spec import speculative_accept
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
 
@@ -158,18 +158,9 @@ def test_forwards_of_the_cache(loaded):
     step runs over the block only, the finished block gets one causal forward, the last none."""
     model, tok = loaded
     seen = []
-    cls = type(model)
-
-    def spy(self, inputs, cache=None, mask=None, rows=None):
-        seen.append(inputs.shape[1])
-        return cls.__call__(self, inputs, cache=cache, mask=mask, rows=rows)
-
     prompt = PROMPTS[0]
-    model.__class__ = type("Spy", (cls,), {"__call__": spy})
-    try:
+    with spy_forwards(model, lambda inputs, *_: seen.append(inputs.shape[1])):
         _, responses = _ours(model, tok, prompt, max_tokens=3 * L)
-    finally:
-        model.__class__ = cls
     per_block = [L] * (L - 1)  # one token per step; position 0 is the AR seed
     assert seen == [len(prompt)] + per_block + [L] + per_block + [L] + per_block
     assert responses[-1].nfe == len(seen)
@@ -203,9 +194,9 @@ class OracleDrafts:
         target[list(wrong)] = (target[list(wrong)] + 1) % fx.VOCAB
         self.target = mx.array(target)
 
-    def __call__(self, inputs, cache=None, mask=None, rows=None):
-        logits = self.model(inputs, cache=cache, mask=mask, rows=rows)
-        lo = rows[0] if rows is not None else 0
+    def __call__(self, inputs, cache=None, mask=None, head_span=None):
+        logits = self.model(inputs, cache=cache, mask=mask, head_span=head_span)
+        lo = head_span[0] if head_span is not None else 0
         first = (0 if cache is None else int(cache[0].offset)) + lo
         cols = mx.minimum(mx.arange(first, first + logits.shape[1]), self.target.shape[0] - 1)
         oracle = 20.0 * (mx.arange(fx.VOCAB)[None, :] == self.target[cols][:, None])

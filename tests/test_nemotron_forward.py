@@ -14,6 +14,7 @@ from conftest import load_fixture
 from fixtures import nemotron as fx
 from mlx_lm.models.cache import KVCache
 
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models.nemotron_labs_diffusion import Model, ModelArgs
@@ -130,7 +131,7 @@ def test_causal_prefix_then_bidirectional_block(loaded):
     keep = (k <= q) | ((q >= PROMPT_LEN) & (k >= PROMPT_LEN))
     sequence = mx.concatenate([prompt, block], axis=1)
     causal = model(sequence, mask="causal")[:, PROMPT_LEN:]
-    assert_close(ours, model(sequence, mask=keep, rows=(PROMPT_LEN, n)))
+    assert_close(ours, model(sequence, mask=keep, head_span=(PROMPT_LEN, n)))
     assert not _close(ours, causal)[0]
 
     # Commit: a causal forward over the finished block extends the cache exactly.
@@ -168,8 +169,8 @@ def test_left_padded_batch_equals_single_rows(loaded):
 def test_rows_slice_the_head(loaded):
     model, _, _ = loaded
     ids = _ids(24)
-    assert model(ids, rows=(20, 24)).shape[1] == 4
-    assert_close(model(ids, rows=(20, 24)), model(ids)[:, 20:24])
+    assert model(ids, head_span=(20, 24)).shape[1] == 4
+    assert_close(model(ids, head_span=(20, 24)), model(ids)[:, 20:24])
 
 
 def test_tied_checkpoint_has_no_stray_head(fixture_dir):
@@ -213,7 +214,7 @@ def test_diffusion_spec(loaded):
     assert (spec.logit_shift, spec.confidence, spec.quota_base) == (0, "raw", "masks")
     assert spec.trained_block_length == fx.BLOCK_SIZE
     assert spec.defaults["block_length"] == fx.BLOCK_SIZE and "steps" not in spec.defaults
-    assert spec.defaults["sampler"] == "quota" and spec.extra_settings == ("mode",)
+    assert spec.defaults["sampler"] == "quota" and family_settings(spec.family) == ("mode",)
 
     for missing in ({}, {"mask_token_id": -1}):
         cfg = {**fx.config(), **missing}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from mlx.utils import tree_flatten
 
-from conftest import load_fixture
+from conftest import load_fixture, spy_forwards
 from fixtures.dream import build as build_dream
 from fixtures.llada import build_llada, build_llada_moe
 from mlx_dllm_models.training import (
@@ -125,17 +125,8 @@ def test_sft_never_masks_the_prompt(llada):
 
     # And inside the loop, over random draws: the model never sees a masked prompt position.
     seen = []
-    cls = type(model)
-
-    def spy(self, inputs, *a, **k):
-        seen.append(np.array(inputs))
-        return cls.__call__(self, inputs, *a, **k)
-
-    model.__class__ = type("Spy", (cls,), {"__call__": spy})
-    try:
+    with spy_forwards(model, lambda inputs, *_: seen.append(np.array(inputs))):
         train(model, [(tokens, plen)] * 3, optimizer=optim.SGD(learning_rate=0.0), seed=5)
-    finally:
-        model.__class__ = cls
     assert len(seen) == 3 and any((s == mask).any() for s in seen)
     for s in seen:
         for row, p in enumerate(plen):

@@ -1,6 +1,6 @@
 """Uniform-noise canvas rules (DiffusionGemma): temperature schedule, per-position statistics,
 acceptance, re-noising, stopping. Pure functions on (B, C) / (B, C, V) arrays; the loop lives in
-mlx_dllm_models.backends.canvas.
+mlx_dllm_models.engine.canvas.
 
 Reproduces transformers' `models/diffusion_gemma/generation_diffusion_gemma.py`
 (LinearTemperatureScheduleLogitsProcessor, EntropyBoundSampler, StableAndConfidentStoppingCriteria).

@@ -24,16 +24,15 @@ from typing import List
 import mlx.core as mx
 
 from ..cache import PrefixKVCache
-from ..engine import BACKENDS, FullRecompute
 from ..masks import block_causal_mask
-from ..spec import BLOCK_CAUSAL
+from .base import replaced
 
 # Prompt blocks per prefill forward: about this many tokens, rounded down to whole blocks.
 PREFILL_TOKENS = 512
 
 
 class PrefixCache:
-    """Backend of the masked block engine (see engine.FullRecompute for the interface)."""
+    """Backend of the masked block engine (see masked.FullRecompute for the interface)."""
 
     def __init__(self, model, spec, layout, settings):
         if not layout.aligned:
@@ -50,10 +49,10 @@ class PrefixCache:
         self.commits_folded = 0  # finished blocks whose K/V came with the next block's forward
         self.commits_saved = 0  # commit forwards avoided: one per finished block
 
-    def _forward(self, x, start, stop, rows):
+    def _forward(self, x, start, stop, head_span):
         self.nfe += 1
         mask = block_causal_mask(stop - start, self.block, offset=start, left_padding=self.pads)
-        return self.model(x[:, start:stop], cache=self.cache.at(start), mask=mask, rows=rows)
+        return self.model(x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span)
 
     def prefill(self, x):
         chunk = max(1, PREFILL_TOKENS // self.block) * self.block
@@ -61,7 +60,7 @@ class PrefixCache:
             stop = min(start + chunk, self.prefix)
             # Only the K/V are wanted: the head runs over one row (not zero rows: mlx's
             # quantized matmul dies with SIGFPE on an empty input, as a 4-bit head would get).
-            out = self._forward(x, start, stop, rows=(stop - start - 1, stop - start))
+            out = self._forward(x, start, stop, head_span=(stop - start - 1, stop - start))
             mx.eval(out, [(c.keys, c.values) for c in self.cache])
             self.prefill_forwards += 1
             self.cache.commit(stop)
@@ -74,7 +73,7 @@ class PrefixCache:
         block_stop = min(block_start + self.block, self.width)
         # Every finished block not yet committed rides along with this forward.
         first = self.cache.committed
-        logits = self._forward(x, first, block_stop, rows=(start - first, stop - first))
+        logits = self._forward(x, first, block_stop, head_span=(start - first, stop - first))
         if first < block_start:
             self.commits_folded += (block_start - first) // self.block
             self.cache.commit(block_start)
@@ -84,13 +83,5 @@ class PrefixCache:
         self.commits_saved += 1
 
     def select(self, layout, idx: List[int]):
-        out = object.__new__(type(self))
-        out.__dict__.update(self.__dict__)
-        out.pads = list(layout.pads) if any(layout.pads) else None
-        out.cache = self.cache.select(idx, out.pads)
-        return out
-
-
-BACKENDS[(BLOCK_CAUSAL, "auto")] = PrefixCache
-BACKENDS[(BLOCK_CAUSAL, "prefix")] = PrefixCache
-BACKENDS[(BLOCK_CAUSAL, "none")] = FullRecompute
+        pads = list(layout.pads) if any(layout.pads) else None
+        return replaced(self, pads=pads, cache=self.cache.select(idx, pads))

@@ -1,4 +1,4 @@
-"""Uniform-noise canvas decoding (DiffusionGemma), the engine's second loop: DECODERS["canvas"].
+"""Uniform-noise canvas decoding (DiffusionGemma), the engine's second loop (registry: "canvas").
 
 Reproduces the generation loop of transformers'
 `models/diffusion_gemma/generation_diffusion_gemma.py` (DiffusionGemmaGenerationMixin.generate):
@@ -31,8 +31,8 @@ from ..decoding import (
     stable_and_confident,
     threshold_commit,
 )
-from ..engine import DECODERS, BlockEvent, StepEvent
 from ..settings import SettingsError
+from .base import StepEvent, block_event
 
 
 @dataclass
@@ -82,25 +82,16 @@ def _take_rows(cache, idx):
 class CanvasDecoder:
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int]):
+    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None,
+                 images=None):
         self.model = model
         self.spec = model.diffusion_spec
-        self.s = s = settings
-        if s["t_max"] < s["t_min"]:
-            raise SettingsError(
-                f"t_max ({s['t_max']}) is the first step's temperature and must be >= t_min "
-                f"({s['t_min']}), the last step's"
-            )
-        if s["min_canvas_length"] > s["max_canvas_length"]:
-            raise SettingsError(
-                f"min_canvas_length ({s['min_canvas_length']}) exceeds max_canvas_length "
-                f"({s['max_canvas_length']})"
-            )
+        self.s = settings
         if self.spec.vocab_size is None:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
         self.eos = set(int(e) for e in eos_token_ids)
-        self.noise = CanvasNoise(s["seed"])
-        self.images = None  # the processor's pixel values for the (single) prompt, if any
+        self.noise = CanvasNoise(settings["seed"])
+        self.images = images  # the processor's pixel values for the (single) prompt, if any
         self.nfe = 0
 
     def canvas_length(self, remaining: int) -> int:
@@ -129,15 +120,12 @@ class CanvasDecoder:
             mask = model.padding_masks(valid, length) if valid is not None else None
             argmax = yield from self._denoise(cache, rows, length, mask, before)
             wanted = min(length, s["max_tokens"] - total)
-            emitted, hit, finished = [], [], []
-            for toks in argmax[:, :wanted].tolist():
-                cut = next((i for i, t in enumerate(toks) if t in self.eos), None)
-                hit.append(cut is not None)
-                emitted.append(toks if cut is None else toks[:cut])
-                finished.append(cut is not None or total + wanted >= s["max_tokens"])
-            yield BlockEvent(list(rows), emitted, hit, finished, self.nfe)
+            new = argmax[:, :wanted].tolist()
+            event = block_event(rows, new, [total + wanted >= s["max_tokens"]] * len(rows), self.eos,
+                                self.nfe)
+            yield event
             total += wanted
-            keep = [i for i, f in enumerate(finished) if not f]
+            keep = [i for i, f in enumerate(event.finished) if not f]
             if not keep:
                 return
             if len(keep) < len(rows):
@@ -220,6 +208,3 @@ class CanvasDecoder:
             if all(done):
                 break
         return argmax
-
-
-DECODERS["canvas"] = CanvasDecoder

@@ -1,5 +1,6 @@
-"""The decoding loops. The engine owns state; rules (decoding/) are pure; families differ only
-through their DiffusionSpec.
+"""Masked block decoding, the engine's main loop, with its layout and its reference backend (full
+recompute). The loop owns state; rules (decoding/) are pure; families differ only through their
+DiffusionSpec and the backend the registry picks for their attention layout and `cache` setting.
 
 Masked block decoding (LLaDA, LLaDA-MoE, Dream, and the block-causal families through their
 backend): the generated region starts as mask tokens and is decoded block by block; each step
@@ -16,8 +17,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import Positions
-from .decoding import (
+from ..cache import Positions
+from ..decoding import (
     block_ranges,
     entropy_commit,
     factor_commit,
@@ -26,37 +27,11 @@ from .decoding import (
     token_stats,
     transfer_schedule,
 )
-from .decoding.block import sequential_commit, token_edits
-from .decoding.dream import dream_commit
-from .masks import block_causal_mask, padding_mask
-from .spec import BLOCK_CAUSAL
-
-
-@dataclass
-class StepEvent:
-    """One denoising step: the current generated region of every active row (masks included)."""
-
-    rows: List[int]
-    generated: mx.array  # (B, max_tokens), lazy: only evaluated by a consumer that looks
-    block: tuple
-    nfe: int
-
-    @property
-    def canvas(self) -> List[List[int]]:
-        return self.generated.tolist()
-
-
-@dataclass
-class BlockEvent:
-    """A block was committed. `tokens[i]` are row `rows[i]`'s new tokens (cut before its EOS);
-    `eos[i]` says the row met an EOS in this block; `finished[i]` that the row is done (EOS, or
-    max_tokens reached)."""
-
-    rows: List[int]
-    tokens: List[List[int]]
-    eos: List[bool]
-    finished: List[bool]
-    nfe: int
+from ..decoding.block import sequential_commit, token_edits
+from ..decoding.dream import dream_commit
+from ..masks import block_causal_mask, padding_mask
+from ..spec import BLOCK_CAUSAL
+from .base import StepEvent, block_event, replaced
 
 
 @dataclass
@@ -176,12 +151,12 @@ class Layout:
                             aligned=self.aligned)
 
     def select(self, idx: List[int]):
-        out = object.__new__(Layout)
-        out.__dict__.update(self.__dict__)
-        out.pads = [self.pads[i] for i in idx]
-        out.starts = [self.starts[i] for i in idx]
-        out.generated = self.generated[mx.array(idx)]
-        return out
+        return replaced(
+            self,
+            pads=[self.pads[i] for i in idx],
+            starts=[self.starts[i] for i in idx],
+            generated=self.generated[mx.array(idx)],
+        )
 
 
 class FullRecompute:
@@ -212,8 +187,8 @@ class FullRecompute:
 
     def block_logits(self, x, start, stop):
         self.nfe += 1
-        rows = (start - self.shift, stop - self.shift)
-        return self.model(x, cache=self.cache, mask=self.mask, rows=rows)
+        span = (start - self.shift, stop - self.shift)
+        return self.model(x, cache=self.cache, mask=self.mask, head_span=span)
 
     def end_block(self, x, start, stop):
         pass
@@ -224,40 +199,18 @@ class FullRecompute:
         return fresh
 
 
-# (attention layout, cache setting) -> backend class. "auto" picks the exact cache of the layout
-# where one is registered, else full recompute. Backends of other layouts register themselves
-# here from their own modules (imported by mlx_dllm_models.backends).
-BACKENDS: Dict[tuple, type] = {}
-
-
-def select_backend(spec, settings):
-    from . import backends  # noqa: F401  (registers the cache backends)
-
-    cache = settings.get("cache", "auto")
-    if cache in ("auto", None):
-        return BACKENDS.get((spec.attention, "auto"), FullRecompute)
-    if cache == "none":
-        return BACKENDS.get((spec.attention, "none"), FullRecompute)
-    found = BACKENDS.get((spec.attention, cache))
-    if found is None:
-        raise ValueError(
-            f"cache={cache!r} has no implementation for {spec.attention} attention yet; "
-            "use cache='none' or 'auto'"
-        )
-    return found
-
-
 class MaskedBlockDecoder:
     """Masked block decoding for a batch of prompts (B >= 1). The loop is the same for every
     family; what differs (how logits of a block are computed, caches, block seeding) lives in the
-    backend, chosen from the spec's attention layout and the `cache` setting."""
+    backend, a class that engine.registry picks from the spec's attention layout and the `cache`
+    setting."""
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
+    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend):
         self.model = model
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
-        self.backend_cls = backend or select_backend(self.spec, settings)
+        self.backend_cls = backend
         self.backend = None
         rule = COMMIT_RULES.get(settings["sampler"])
         if rule is None:
@@ -342,17 +295,14 @@ class MaskedBlockDecoder:
                 yield StepEvent(rows, x[:, first:], (start - first, stop - first), self.nfe)
             assert not cand.any().item(), "a block left masks after its step budget"
             backend.end_block(x, start, stop)
-            new = x[:, start:stop].tolist()
-            gen_rows = gen.tolist()
-            hit, emitted, finished = [], [], []
-            for r, (toks, g) in enumerate(zip(new, gen_rows)):
-                toks = [t for t, keep in zip(toks, g) if keep]
-                cut = next((i for i, t in enumerate(toks) if t in self.eos), None)
-                hit.append(cut is not None)
-                emitted.append(toks if cut is None else toks[:cut])
-                finished.append(cut is not None or stop >= layout.starts[r] + layout.n_gen)
-            yield BlockEvent(list(rows), emitted, hit, finished, self.nfe)
-            keep = [i for i, f in enumerate(finished) if not f]
+            new = [
+                [t for t, keep in zip(toks, g) if keep]
+                for toks, g in zip(x[:, start:stop].tolist(), gen.tolist())
+            ]
+            at_limit = [stop >= s0 + layout.n_gen for s0 in layout.starts]
+            event = block_event(rows, new, at_limit, self.eos, self.nfe)
+            yield event
+            keep = [i for i, f in enumerate(event.finished) if not f]
             if not keep:
                 return
             if len(keep) < len(rows):
@@ -361,20 +311,3 @@ class MaskedBlockDecoder:
                 rows = [rows[i] for i in keep]
                 layout = layout.select(keep)
                 backend = self.backend = backend.select(layout, keep)
-
-
-# Decoding loops by name. A family's spec names its default (`DiffusionSpec.decoder`); a `mode`
-# setting, where the family has one, can pick another (e.g. Nemotron's self-speculation).
-DECODERS: Dict[str, type] = {"masked": MaskedBlockDecoder, "diffusion": MaskedBlockDecoder}
-
-
-def select_decoder(spec, settings):
-    from . import backends  # noqa: F401  (registers other decoders too)
-
-    name = settings.get("mode") or spec.decoder
-    if name not in DECODERS:
-        raise ValueError(
-            f"mode {name!r} is not available for the {spec.family} family; "
-            f"choose one of: {', '.join(sorted(DECODERS))}"
-        )
-    return DECODERS[name]

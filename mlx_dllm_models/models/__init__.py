@@ -4,15 +4,15 @@ The protocol every module follows (the engine relies on nothing else):
 
 * `ModelArgs(BaseModelArgs)` reads config.json (real HF field names), `Model(nn.Module)` with
   `sanitize(weights)` mapping HF key names, and optionally `quant_predicate`, as in mlx-lm.
-* `Model.__call__(inputs, cache=None, mask=None, rows=None) -> logits (B, R, V)` where
+* `Model.__call__(inputs, cache=None, mask=None, head_span=None) -> logits (B, R, V)` where
   - `inputs`: (B, L) int token ids;
   - `cache`: None, or a list (one per layer) of objects with mlx-lm's protocol: `offset` (int or a
     (B,) array of per-row RoPE positions of the first input row) and `update_and_fetch(k, v)`;
   - `mask`: None (attend to every key, i.e. bidirectional), "causal", or a boolean keep-mask / additive
     mask broadcastable to (B, n_heads, L, n_keys);
-  - `rows`: None, or a `(start, stop)` slice of the L positions: the hidden states are sliced before
-    the LM head, so that the head (the most expensive matmul at large vocabularies) only runs over rows
-    whose logits are needed.
+  - `head_span`: None, or a `(start, stop)` span of the L positions: the hidden states are sliced
+    before the LM head, so that the head (the most expensive matmul at large vocabularies) only runs
+    over the positions whose logits are needed.
 * `Model.diffusion_spec` -> `mlx_dllm_models.spec.DiffusionSpec`, built from the config.
 * `Model.layers` (list of layers, for cache creation) and `Model.args`.
 """

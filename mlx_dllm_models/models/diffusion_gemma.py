@@ -26,7 +26,7 @@ puts the image features where the prompt holds the image token and, as transform
 `use_bidirectional_attention="vision"`, lets each run of image tokens attend to itself both ways.
 Without a `vision_config` the vision weights are dropped and `Model.vision_tower` is None.
 
-Decoding: the engine's canvas loop (mlx_dllm_models.backends.canvas, `DiffusionSpec.decoder` =
+Decoding: the engine's canvas loop (mlx_dllm_models.engine.canvas, `DiffusionSpec.decoder` =
 "canvas").
 """
 
@@ -35,13 +35,13 @@ from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import vision
 from ..spec import ENCODER_CANVAS, DiffusionSpec
+from .common import cached_spec, check_token_ids, check_weights, eos_token_ids, select_span
 
 _NAME = "diffusion_gemma"
 
@@ -73,45 +73,9 @@ GENERATION_CONFIG_KEYS = {
     "confidence_threshold": "confidence_threshold",
 }
 
-# Shared settings that DiffusionGemma's sampler has no use for: an error when given.
-UNUSED_SETTINGS = {
-    "block_length": "each canvas is a block; set min_canvas_length / max_canvas_length",
-    "steps": "set max_denoising_steps (an upper bound per canvas: a canvas stops once its argmax "
-    "is stable and confident)",
-    "temperature": "the temperature follows a schedule from t_max (first step) to t_min; set those",
-    "top_p": "the sampler draws from the whole temperature-scaled distribution",
-    "top_k": "the sampler draws from the whole temperature-scaled distribution",
-    "factor": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)",
-}
-
-
-def _int_at_least(name, least):
-    def check(v):
-        ok = isinstance(v, int) and not isinstance(v, bool) and v >= least
-        return None if ok else f"{name} must be an integer >= {least}, got {v!r}"
-
-    return check
-
-
-def _number_at_least(name, least, strict=False):
-    def check(v):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-        ok = ok and (v > least if strict else v >= least)
-        relation = ">" if strict else ">="
-        return None if ok else f"{name} must be a number {relation} {least}, got {v!r}"
-
-    return check
-
-
-_SETTING_CHECKS = {
-    "max_denoising_steps": _int_at_least("max_denoising_steps", 1),
-    "t_min": _number_at_least("t_min", 0),
-    "t_max": _number_at_least("t_max", 0, strict=True),
-    "stability_threshold": _int_at_least("stability_threshold", 0),
-    "confidence_threshold": _number_at_least("confidence_threshold", 0),
-    "min_canvas_length": _int_at_least("min_canvas_length", 1),
-    "max_canvas_length": _int_at_least("max_canvas_length", 1),
-}
+# Shared generation_config keys that DiffusionGemma's decoder does not read (its temperature follows
+# a schedule, its sampler draws from the whole distribution, each canvas is a block).
+UNREAD_GENERATION_CONFIG_KEYS = ("block_length", "temperature", "top_p", "top_k")
 
 # Kept at 8 bits when the rest is quantized lower: the always-active, precision-sensitive parts.
 _EIGHT_BIT = {"group_size": 64, "bits": 8, "mode": "affine"}
@@ -202,6 +166,13 @@ class TextConfig(BaseModelArgs):
                 f"{_NAME}: use_bidirectional_attention='all' (bidirectional encoder) is not "
                 "supported; the released checkpoints use 'vision'."
             )
+        ids = ("pad_token_id", "eos_token_id", "bos_token_id")
+        check_token_ids(
+            _NAME,
+            self.vocab_size,
+            {f"text_config.{k}": getattr(self, k) for k in ids},
+            vocab_key="text_config.vocab_size",
+        )
 
     def _resolve_full_layer_shapes(self):
         full = [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
@@ -283,6 +254,14 @@ class ModelArgs(BaseModelArgs):
                 f"{_NAME}: tie_word_embeddings=false (separate encoder, decoder and head weights) "
                 "is not supported; the released checkpoints tie them."
             )
+        # The image ids index the embedding table when a prompt holds an image.
+        ids = ("image_token_id", "boi_token_id", "eoi_token_id", "eos_token_id")
+        check_token_ids(
+            _NAME,
+            self.text_config.vocab_size,
+            {k: getattr(self, k) for k in ids},
+            vocab_key="text_config.vocab_size",
+        )
 
 
 class DiffusionGemmaLayer(gemma4_text.DecoderLayer):
@@ -521,7 +500,7 @@ class Model(nn.Module):
         cache: Optional[List[Any]] = None,
         self_cond_logits: Optional[mx.array] = None,
         mask=None,
-        rows=None,
+        head_span=None,
     ) -> mx.array:
         """Denoiser logits (float32, softcapped) for `canvas` (B, C) after the encoded prefix in
         `cache`, which is read but not written. `self_cond_logits` (B, C, V) are the previous step's
@@ -529,9 +508,7 @@ class Model(nn.Module):
         mask over [prefix ; canvas] keys, or a dict of them by layer type (sliding layers see a
         shorter prefix)."""
         h = self.model.decode(canvas, cache, self_cond_logits, mask)
-        if rows is not None:
-            h = h[:, rows[0] : rows[1]]
-        return self.logits(h)
+        return self.logits(select_span(h, head_span))
 
     def logits(self, h: mx.array) -> mx.array:
         out = self.model.embed_tokens.as_linear(h).astype(mx.float32)
@@ -539,10 +516,10 @@ class Model(nn.Module):
             out = gemma4_text.logit_softcap(self.final_logit_softcapping, out)
         return out
 
-    def __call__(self, inputs, cache=None, mask=None, rows=None):
+    def __call__(self, inputs, cache=None, mask=None, head_span=None):
         """The model protocol: the decoder without self-conditioning, over `cache` read as an
         encoded prefix (an empty one when None)."""
-        return self.decode(inputs, cache, None, mask, rows)
+        return self.decode(inputs, cache, None, mask, head_span)
 
     def make_cache(self):
         w = self.args.text_config.sliding_window
@@ -599,8 +576,15 @@ class Model(nn.Module):
                 out[f"{base}.switch_glu.up_proj.weight"] = up
             else:
                 out[f"{base}.switch_glu.down_proj.weight"] = value
-        self._check_names_and_shapes(out)
-        return out
+        layout = (
+            "transformers' DiffusionGemmaForBlockDiffusion layout (model.decoder.*, "
+            "model.encoder.language_model.*, model.encoder.vision_tower.*, lm_head.weight)"
+        )
+        keys = (
+            "text_config (num_hidden_layers, layer_types, hidden_size, head_dim, global_head_dim, "
+            "head counts, num_experts, moe_intermediate_size, vocab_size) and vision_config"
+        )
+        return check_weights(self, out, _NAME, layout, keys)
 
     def _sanitize_vision(self, key, value):
         """transformers' `model.encoder.{vision_tower,embed_vision}.*` -> `model.*`; dropped for a
@@ -610,31 +594,6 @@ class Model(nn.Module):
         if not vision.keeps_vision_weight(key, self.args.vision_config):
             return None
         return "model." + key[len("model.encoder.") :], value
-
-    def _check_names_and_shapes(self, weights):
-        params = dict(tree_flatten(self.parameters()))
-        unknown = [
-            k
-            for k in weights
-            if k not in params
-            and not (
-                k.endswith((".scales", ".biases")) and k.rsplit(".", 1)[0] + ".weight" in params
-            )
-        ]
-        if unknown:
-            raise ValueError(
-                f"{_NAME}: unexpected weights {sorted(unknown)[:8]}; expected transformers' "
-                "DiffusionGemmaForBlockDiffusion layout (model.decoder.*, "
-                "model.encoder.language_model.*, lm_head.weight)."
-            )
-        for k, v in weights.items():
-            p = params.get(k)
-            if p is not None and v.dtype != mx.uint32 and v.shape != p.shape:
-                raise ValueError(
-                    f"{_NAME}: {k} has shape {tuple(v.shape)}, config.json implies "
-                    f"{tuple(p.shape)}; check text_config (hidden_size, head_dim, global_head_dim, "
-                    "head counts, num_experts, moe_intermediate_size, vocab_size)."
-                )
 
     @property
     def quant_predicate(self):
@@ -652,11 +611,10 @@ class Model(nn.Module):
 
     # -- decoding ----------------------------------------------------------------------------------
 
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a, t = self.args, self.args.text_config
-        eos = a.eos_token_id if a.eos_token_id is not None else t.eos_token_id
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        eos = eos_token_ids(a.eos_token_id if a.eos_token_id is not None else t.eos_token_id)
         defaults = dict(
             FAMILY_DEFAULTS,
             min_canvas_length=min(MIN_CANVAS_LENGTH, a.canvas_length),
@@ -677,13 +635,9 @@ class Model(nn.Module):
             confidence="sampled",  # entropy / probability of the temperature-scheduled logits
             samplers=("entropy", "threshold"),
             decoder="canvas",
-            caches=("auto",),
-            extra_settings=tuple(_SETTING_CHECKS),
             defaults=defaults,
             generation_config_keys=GENERATION_CONFIG_KEYS,
-            ignored_generation_config_keys=tuple(UNUSED_SETTINGS),
-            setting_checks=_SETTING_CHECKS,
-            unused_settings=UNUSED_SETTINGS,
+            ignored_generation_config_keys=UNREAD_GENERATION_CONFIG_KEYS,
             vocab_size=t.vocab_size,
             max_position_embeddings=t.max_position_embeddings,
         )

@@ -16,8 +16,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
 
-from ..decoding.dream import DREAM_ALGS, check_alg, check_alg_temp, check_eps  # noqa: F401
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    drop_tied_head,
+    drop_unused_buffers,
+    masked_forward,
+)
 
 # Dream-v0-Instruct-7B generation_config.json (alg, alg_temp, eps, steps, temperature, top_p, top_k).
 # The reference pairs steps=512 with max_new_tokens=512; max_tokens keeps the package-wide 128.
@@ -53,6 +61,8 @@ class ModelArgs(qwen2.ModelArgs):
                 f"config.json: head_dim={self.head_dim} but hidden_size / num_attention_heads = "
                 f"{self.hidden_size} / {self.num_attention_heads}; Dream requires them to agree."
             )
+        # A missing mask id is an error only when decoding asks for it (diffusion_spec).
+        check_special_ids(self, mask_absent=(None,))
 
 
 def shift_logits(logits: mx.array) -> mx.array:
@@ -61,26 +71,13 @@ def shift_logits(logits: mx.array) -> mx.array:
     return mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
 
 
-class DreamModel(qwen2.Qwen2Model):
-    """Qwen2's layers with the attention mask supplied by the caller (None = every key)."""
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None):
-        h = self.embed_tokens(inputs)
-        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-            mask = mask.astype(h.dtype)  # SDPA wants an additive mask in the activation dtype
-        if cache is None:
-            cache = [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
-
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = DreamModel(args)
+        # Qwen2's weights and layers; the forward below runs them under the caller's mask.
+        self.model = qwen2.Qwen2Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -89,75 +86,37 @@ class Model(nn.Module):
         inputs: mx.array,
         cache=None,
         mask=None,
-        rows: Optional[Tuple[int, int]] = None,
+        head_span: Optional[Tuple[int, int]] = None,
     ) -> mx.array:
-        h = self.model(inputs, cache, mask)
-        if rows is not None:
-            h = h[:, rows[0] : rows[1]]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
 
     def sanitize(self, weights):
-        weights = {k: v for k, v in weights.items() if "self_attn.rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        elif "lm_head.weight" not in weights:
-            raise ValueError(
-                "Dream checkpoint has no lm_head.weight but config.json says tie_word_embeddings=false; "
-                "add the head's weights or set tie_word_embeddings=true."
-            )
-        embed = weights.get("model.embed_tokens.weight")
-        if embed is not None and embed.shape[0] != self.args.vocab_size:
-            raise ValueError(
-                f"model.embed_tokens.weight has {embed.shape[0]} rows but config.json vocab_size is "
-                f"{self.args.vocab_size}; the config does not belong to these weights."
-            )
-        if "model.layers.0.self_attn.q_proj.weight" in weights:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                if f"model.layers.0.self_attn.{name}.bias" not in weights:
-                    raise ValueError(
-                        f"model.layers.0.self_attn.{name}.bias is missing: Dream (Qwen2 layout) has "
-                        "biases on q/k/v; these weights are not a Dream checkpoint."
-                    )
-        return weights
+        weights = drop_unused_buffers(weights)
+        drop_tied_head(weights, "dream", self.args.tie_word_embeddings)
+        # q/k/v biases are what tells a Qwen2 (Dream) checkpoint from a Llama-like one.
+        layout = "Qwen2's layout, with q/k/v biases (e.g. 'model.layers.0.self_attn.k_proj.bias')"
+        keys = "num_hidden_layers, hidden_size, intermediate_size, head counts, vocab_size"
+        return check_weights(self, weights, "dream", layout, keys)
 
     @property
     def layers(self):
         return self.model.layers
 
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
-        args = self.args
-        if args.mask_token_id is None:
-            raise ValueError(
-                "config.json has no mask_token_id; Dream checkpoints declare it (151666, <|mask|>, "
-                "for Dream-v0-*-7B). Add it to config.json."
-            )
-        eos = args.eos_token_id
-        if eos is None:
-            eos = ()
-        elif isinstance(eos, int):
-            eos = (eos,)
-        dream_only = ("dream",)
-        return DiffusionSpec(
-            family="dream",
-            attention=BIDIRECTIONAL,
-            mask_token_id=int(args.mask_token_id),
-            eos_token_ids=tuple(int(e) for e in eos),
+        return build_spec(
+            self.args,
+            "dream",
+            BIDIRECTIONAL,
+            "add it to config.json (151666, <|mask|>, for Dream-v0-*-7B).",
             logit_shift=1,
             confidence="sampled",
             quota_base="masks",
             # "dream" is diffusion_generate (its `alg` picks origin / maskgit_plus / topk_margin /
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
             samplers=("dream",) + SHARED_SAMPLERS,
-            caches=("none", "prefix", "dual"),
-            extra_settings=("alg", "alg_temp", "eps"),
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg": "alg", "alg_temp": "alg_temp", "eps": "eps", "steps": "steps"},
             sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
-            sampler_settings={"alg": dream_only, "alg_temp": dream_only, "eps": dream_only},
             sampler_defaults={"dream": {"block_length": None}},  # the whole canvas is one block
-            setting_checks={"alg": check_alg, "alg_temp": check_alg_temp, "eps": check_eps},
-            max_position_embeddings=args.max_position_embeddings,
         )

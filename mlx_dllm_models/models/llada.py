@@ -21,14 +21,20 @@ from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.qwen3_moe import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_dllm_models.spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    masked_forward,
+)
 
 # LLaDA generate.py / Fast-dLLM settings, in this package's vocabulary (steps are per block).
 REFERENCE_DEFAULTS = {
@@ -97,7 +103,10 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         if self.mask_token_id is None:
-            raise ValueError("checkpoint has no mask_token_id; add it to config.json")
+            raise ValueError(
+                f"{self.model_type}: checkpoint has no mask_token_id; add it to config.json "
+                "(126336, <|mdm_mask|>, for LLaDA-8B; 156895, <|mask|>, for LLaDA-MoE)"
+            )
         archs = self.architectures or ()
         if isinstance(archs, str):
             archs = (archs,)
@@ -107,6 +116,7 @@ class ModelArgs(BaseModelArgs):
             self._check_moe()
         else:
             self._check_dense()
+        check_special_ids(self)
 
     def _require(self, names, variant):
         missing = [n for n in names if getattr(self, n) is None]
@@ -317,16 +327,6 @@ class LLaDABody(nn.Module):
             self.layers = [_dense_block(args) for _ in range(args.num_layers)]
         self.norm = nn.RMSNorm(args.dims, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs, cache=None, mask=None, rows=None):
-        h = self.embed_tokens(inputs)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        if rows is not None:
-            h = h[:, rows[0] : rows[1]]
-        return self.norm(h)
-
 
 # HF LLaDA 8B names -> this module's names.
 _BLOCK_NAMES = {
@@ -365,14 +365,8 @@ class Model(nn.Module):
             head_bias = args.include_bias and not args.is_moe
             self.lm_head = nn.Linear(args.dims, args.rows_of_vocab, bias=head_bias)
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        if isinstance(rows, slice):
-            rows = (rows.start, rows.stop)
-        h = self.model(inputs, cache, mask, rows)
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        logits = masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
         if self.args.scale_logits and not self.args.is_moe:
             logits = logits * (self.args.d_model**-0.5)
         return logits
@@ -388,8 +382,38 @@ class Model(nn.Module):
             weights.pop("lm_head.weight", None)
         if self.args.is_moe:
             self._stack_experts(weights, origin)
-        self._check_names_and_shapes(weights, origin)
-        return weights
+            layout = "LLaDAMoEModelLM's layout (e.g. 'model.layers.1.mlp.experts.0.up_proj.weight')"
+            keys = (
+                "num_hidden_layers, moe_layer_freq, num_experts, *_intermediate_size, "
+                "moe_router_enable_expert_bias, hidden_size, head counts, vocab_size"
+            )
+        else:
+            layout = "LLaDAModelLM's OLMo layout (e.g. 'model.transformer.blocks.0.ff_proj.weight')"
+            keys = (
+                "n_layers, d_model, n_heads, n_kv_heads, mlp_hidden_size, include_bias, "
+                "include_qkv_bias, weight_tying, vocab_size / embedding_size"
+            )
+        return check_weights(self, weights, "llada", layout, keys, origin)
+
+    def to_hf_weights(self, weights):
+        """This module's names -> the checkpoint's, the inverse of `sanitize`, to save a trained
+        model in its family's layout: LLaDA 8B's OLMo names. LLaDA-MoE keeps the converted
+        (stacked-expert) names, which `sanitize` reads as well."""
+        if self.args.is_moe:
+            return dict(weights)
+        block = {v: k for k, v in _BLOCK_NAMES.items()}
+        top = {v: k for k, v in _TOP_NAMES.items()}
+        out = {}
+        for key, value in weights.items():
+            module, _, leaf = key.rpartition(".")
+            if module.startswith("model.layers."):
+                _, _, i, rest = module.split(".", 3)
+                out[f"{_OLMO_PREFIX}blocks.{i}.{block[rest]}.{leaf}"] = value
+            elif module in top:
+                out[f"{_OLMO_PREFIX}{top[module]}.{leaf}"] = value
+            else:
+                raise ValueError(f"llada: no LLaDA 8B (OLMo) name for weight {key!r}")
+        return out
 
     def _stack_experts(self, weights, origin):
         n_experts = self.args.num_experts
@@ -410,44 +434,20 @@ class Model(nn.Module):
                 weights[stacked] = mx.stack([weights.pop(k) for k in keys])
                 origin[stacked] = f"{prefix}.experts.*.{name}.weight"
 
-    def _check_names_and_shapes(self, weights, origin):
-        expected = dict(tree_flatten(self.parameters()))
-        quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
-        variant = "LLaDAMoEModelLM" if self.args.is_moe else "LLaDAModelLM"
-        for key, value in weights.items():
-            module, _, leaf = key.rpartition(".")
-            name = origin.get(key, key)
-            if key in expected:
-                if module not in quantized and tuple(value.shape) != tuple(expected[key].shape):
-                    raise ValueError(
-                        f"weight {name!r} has shape {tuple(value.shape)} but config.json implies "
-                        f"{tuple(expected[key].shape)}; config.json and the weights disagree"
-                    )
-            elif not (leaf in ("scales", "biases") and f"{module}.weight" in expected):
-                raise ValueError(
-                    f"unexpected weight {name!r} for a {variant} checkpoint: it is neither an HF "
-                    f"LLaDA name nor one of this model's, or config.json does not ask for it "
-                    f"(e.g. a bias, expert bias or shared expert the config leaves out)"
-                )
-
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a = self.args
-        eos = a.eos_token_id
-        eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
         max_pos = a.max_position_embeddings
         if not a.is_moe:
             max_pos = a.max_sequence_length or max_pos
-        return DiffusionSpec(
-            family="llada",
-            attention=BIDIRECTIONAL,
-            mask_token_id=int(a.mask_token_id),
-            eos_token_ids=eos,
+        return build_spec(
+            a,
+            "llada",
+            BIDIRECTIONAL,
             logit_shift=0,
             confidence="raw",
             quota_base="masks",
             samplers=SHARED_SAMPLERS,
-            caches=("none",),
             defaults=dict(REFERENCE_DEFAULTS),
             max_position_embeddings=max_pos,
         )

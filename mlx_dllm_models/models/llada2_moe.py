@@ -22,13 +22,13 @@ import mlx.nn as nn
 from mlx_lm.models import bailing_moe
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..decoding.block import check_editing_threshold, check_max_post_steps
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
-from .sdar import (
-    check_weight_names,
-    eos_token_ids,
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
     masked_forward,
-    resolve_mask_token_id,
     sanitize_experts,
 )
 
@@ -61,10 +61,9 @@ class ModelArgs(bailing_moe.ModelArgs):
             raise ValueError(
                 f"llada2_moe: num_experts {self.num_experts} is not divisible by n_group {self.n_group}."
             )
-        self.mask_token_id = resolve_mask_token_id(
-            self.mask_token_id, LLADA2_MASK_TOKEN_ID, self.vocab_size, self.model_type
-        )
-        if self.eos_token_id is None:
+        ids = ("eos_token_id", "pad_token_id", "delete_token_id", "split_token_id")
+        check_special_ids(self, ids, mask_default=LLADA2_MASK_TOKEN_ID)
+        if self.eos_token_id is None and self.pad_token_id != -1:
             # Ling uses <|endoftext|> as both pad and EOS; HF generate's eos_id default is that id.
             self.eos_token_id = self.pad_token_id
 
@@ -175,8 +174,8 @@ class Model(bailing_moe.Model):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, rows)
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, head_span)
 
     def sanitize(self, weights):
         weights = sanitize_experts(super().sanitize, weights, "llada2_moe", self.args.num_experts)
@@ -185,7 +184,13 @@ class Model(bailing_moe.Model):
             k: v.astype(mx.float32) if k.endswith("mlp.gate.expert_bias") else v
             for k, v in weights.items()
         }
-        return check_weight_names(self, weights, "llada2_moe", "model.layers.1.mlp.gate.expert_bias")
+        layout = "Ling 2.0's layout (e.g. 'model.layers.1.mlp.gate.expert_bias')"
+        keys = (
+            "num_hidden_layers, first_k_dense_replace, num_experts, num_shared_experts, "
+            "hidden_size, intermediate_size, moe_intermediate_size, head counts, head_dim, "
+            "vocab_size"
+        )
+        return check_weights(self, weights, "llada2_moe", layout, keys)
 
     @property
     def quant_predicate(self):
@@ -195,15 +200,14 @@ class Model(bailing_moe.Model):
 
         return predicate
 
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         args = self.args
         trained = int(args.block_length or LLADA2_BLOCK_LENGTH)
-        return DiffusionSpec(
-            family="llada2",
-            attention=BLOCK_CAUSAL,
-            mask_token_id=args.mask_token_id,
-            eos_token_ids=eos_token_ids(args.eos_token_id),
+        return build_spec(
+            args,
+            "llada2",
+            BLOCK_CAUSAL,
             confidence="sampled",
             quota_base="block",
             # generate: tokens with probability > threshold, the step's quota as the fallback.
@@ -215,15 +219,8 @@ class Model(bailing_moe.Model):
             # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
-            caches=("none", "prefix"),
-            # LLaDA2.1 token editing (engine.MaskedBlockDecoder); editing_threshold None = 2.0.
-            extra_settings=("editing_threshold", "max_post_steps"),
-            setting_checks={
-                "editing_threshold": check_editing_threshold,
-                "max_post_steps": check_max_post_steps,
-            },
-            setting_requires={"max_post_steps": "editing_threshold"},
-            # modeling_llada2_moe.generate defaults; LLaDA2.1 adds editing (off unless set).
+            # modeling_llada2_moe.generate defaults; LLaDA2.1 adds token editing (engine), off
+            # unless editing_threshold is set (None = 2.0 decoding).
             defaults={
                 "block_length": trained,
                 "sampler": "threshold",
@@ -234,5 +231,4 @@ class Model(bailing_moe.Model):
                 "max_tokens": 128,
             },
             trained_block_length=trained,
-            max_position_embeddings=args.max_position_embeddings,
         )

@@ -19,11 +19,20 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import ministral3
 from mlx_lm.models.base import create_attention_mask
 
 from ..spec import CAUSAL_PREFIX, DiffusionSpec
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    drop_tied_head,
+    drop_unused_buffers,
+    project,
+    run_layers,
+)
 
 
 @dataclass
@@ -38,10 +47,13 @@ class ModelArgs(ministral3.ModelArgs):
     mask_token_id: Optional[int] = None
     bos_token_id: Optional[int] = 1
     eos_token_id: Any = 2
+    pad_token_id: Optional[int] = None
     block_size: int = 32
 
     def __post_init__(self):
         super().__post_init__()
+        # No mask id (null or -1) leaves an AR-only checkpoint; diffusion_spec says so when asked.
+        check_special_ids(self, mask_absent=(None, -1))
         if self.attention_bias or self.mlp_bias or self.hidden_act != "silu":
             raise ValueError(
                 "nemotron_labs_diffusion: only bias-free SiLU checkpoints are supported "
@@ -79,16 +91,7 @@ def query_scale(length: int, offset, beta: float, original_max: int) -> mx.array
     return scale[:, None, :, None] if scale.ndim == 2 else scale[:, None]
 
 
-# Values of the `mode` setting: the masked block engine (AR-seeded blocks over a causal prefix), or
-# lossless self-speculation (a bidirectional draft verified by a causal pass); both live in
-# mlx_dllm_models.backends.causal_prefix.
-MODES = ("diffusion", "self_spec")
-
-
-def _check_mode(value) -> Optional[str]:
-    if value not in MODES:
-        return f"unknown mode {value!r} for the nemotron family; choose one of: {', '.join(MODES)}"
-    return None
+_NAME = "nemotron_labs_diffusion"
 
 
 def _is_mlx_lm_cache(c) -> bool:
@@ -112,7 +115,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.diffusion_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         h = self.encoder.embed_tokens(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
@@ -132,83 +135,38 @@ class Model(nn.Module):
             rope["llama_4_scaling_beta"],
             rope["original_max_position_embeddings"],
         ).astype(h.dtype)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, q_scale, mask, c)
-        h = self.encoder.norm(h)
-
-        if rows is not None:
-            h = h[:, rows[0] : rows[1]]
-        if self.args.tie_word_embeddings:
-            return self.encoder.embed_tokens.as_linear(h)
-        return self.diffusion_head(h)
+        h = run_layers(self.layers, h, cache, mask, q_scale)
+        head = None if self.args.tie_word_embeddings else self.diffusion_head
+        return project(h, head_span, self.encoder.norm, self.encoder.embed_tokens, head)
 
     def sanitize(self, weights):
         weights = {
             k: v
-            for k, v in weights.items()
-            if "rotary_emb.inv_freq" not in k
-            and not k.endswith((".self_attn.k_scale", ".self_attn.v_scale"))
+            for k, v in drop_unused_buffers(weights).items()
+            if not k.endswith((".self_attn.k_scale", ".self_attn.v_scale"))
         }
-        if self.args.tie_word_embeddings:
-            # A tied checkpoint may still carry the head's copy; the embedding is the head.
-            weights.pop("diffusion_head.weight", None)
-        elif "encoder.embed_tokens.weight" in weights and "diffusion_head.weight" not in weights:
-            raise ValueError(
-                "nemotron_labs_diffusion: config.json has tie_word_embeddings=false but the "
-                "checkpoint has no diffusion_head.weight; set tie_word_embeddings to true if the "
-                "head shares the embedding."
-            )
+        drop_tied_head(weights, _NAME, self.args.tie_word_embeddings, "diffusion_head.weight")
         # FP8 checkpoints: ministral3 folds weight_scale_inv into the weights.
         weights = ministral3.Model.sanitize(self, weights)
-        self._check_names_and_shapes(weights)
-        return weights
-
-    def _check_names_and_shapes(self, weights):
-        params = dict(tree_flatten(self.parameters()))
-
-        def known(k):
-            # Quantized checkpoints add scales / biases next to a known weight.
-            base = k.rsplit(".", 1)[0] + ".weight"
-            return k in params or (k.endswith((".scales", ".biases")) and base in params)
-
-        unknown = [k for k in weights if not known(k)]
-        if unknown:
-            raise ValueError(
-                f"nemotron_labs_diffusion: unexpected weights {sorted(unknown)[:8]}; "
-                "expected the HF layout encoder.* and diffusion_head.weight."
-            )
-        for k, v in weights.items():
-            p = params.get(k)
-            if p is not None and v.dtype != mx.uint32 and v.shape != p.shape:
-                raise ValueError(
-                    f"nemotron_labs_diffusion: {k} has shape {tuple(v.shape)}, config.json implies "
-                    f"{tuple(p.shape)}; check vocab_size, hidden_size, head_dim and head counts."
-                )
+        layout = "the HF layout encoder.* and diffusion_head.weight"
+        keys = "num_hidden_layers, vocab_size, hidden_size, intermediate_size, head_dim, heads"
+        return check_weights(self, weights, _NAME, layout, keys)
 
     @property
     def layers(self):
         return self.encoder.layers
 
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a = self.args
-        if a.mask_token_id is None or a.mask_token_id < 0:
-            raise ValueError(
-                "nemotron_labs_diffusion: config.json has no mask_token_id (or -1), so the "
-                "checkpoint cannot be decoded by diffusion; set mask_token_id (100 in NVIDIA's "
-                "checkpoints) or use it as an AR model with mlx_lm.generate."
-            )
-        eos = a.eos_token_id
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        return DiffusionSpec(
-            family="nemotron",
-            attention=CAUSAL_PREFIX,
-            mask_token_id=a.mask_token_id,
-            eos_token_ids=eos,
+        return build_spec(
+            a,
+            "nemotron",
+            CAUSAL_PREFIX,
+            "set mask_token_id (100 in NVIDIA's checkpoints; -1 counts as none), or use the "
+            "checkpoint as an AR model with mlx_lm.generate.",
             confidence="raw",
             quota_base="masks",
-            caches=("none", "prefix"),
-            extra_settings=("mode",),
             # The HF reference denoises one token per step over a block of block_size.
             defaults={
                 "block_length": a.block_size,
@@ -218,13 +176,5 @@ class Model(nn.Module):
                 "max_tokens": 128,
                 "mode": "diffusion",
             },
-            setting_checks={"mode": _check_mode},
-            # Self-speculation drafts a whole window in one forward and keeps what the causal pass
-            # agrees with: the denoising samplers have nothing to act on there.
-            mode_settings={
-                name: ("diffusion",)
-                for name in ("steps", "sampler", "threshold", "factor", "entropy_bound")
-            },
             trained_block_length=a.block_size,
-            max_position_embeddings=a.max_position_embeddings,
         )

@@ -10,13 +10,12 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
 from ..spec import DiffusionSpec
+from .common import cached_spec, check_special_ids, check_weights, masked_forward, sanitize_experts
 from .sdar import (
     SDAR_BLOCK_SIZE,
+    SDAR_CONFIG_KEYS,
     SDAR_MASK_TOKEN_ID,
-    check_weight_names,
-    masked_forward,
-    resolve_mask_token_id,
-    sanitize_experts,
+    SDAR_SPECIAL_IDS,
     sdar_spec,
 )
 
@@ -26,23 +25,24 @@ class ModelArgs(qwen3_moe.ModelArgs):
     block_size: int = SDAR_BLOCK_SIZE
     mask_token_id: Optional[int] = None
     eos_token_id: Union[int, List[int], None] = None
+    pad_token_id: Optional[int] = None
 
     def __post_init__(self):
-        self.mask_token_id = resolve_mask_token_id(
-            self.mask_token_id, SDAR_MASK_TOKEN_ID, self.vocab_size, self.model_type
-        )
+        check_special_ids(self, SDAR_SPECIAL_IDS, mask_default=SDAR_MASK_TOKEN_ID)
 
 
 class Model(qwen3_moe.Model):
     """SDARMoeForCausalLM: qwen3_moe.Model whose forward takes the attention mask from the caller."""
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, rows=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, rows)
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
 
     def sanitize(self, weights):
         weights = sanitize_experts(super().sanitize, weights, "sdar_moe", self.args.num_experts)
-        return check_weight_names(self, weights, "sdar_moe", "model.layers.0.mlp.experts.0.gate_proj.weight")
+        layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
+        keys = f"{SDAR_CONFIG_KEYS}, num_experts, moe_intermediate_size"
+        return check_weights(self, weights, "sdar_moe", layout, keys)
 
-    @property
+    @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         return sdar_spec(self.args)

@@ -1,0 +1,61 @@
+"""What every decoding loop shares: the events it yields and how a row's new tokens become one."""
+
+import copy
+from dataclasses import dataclass
+from typing import AbstractSet, List, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class StepEvent:
+    """One denoising step: the current generated region of every active row (masks included)."""
+
+    rows: List[int]
+    generated: mx.array  # (B, max_tokens), lazy: only evaluated by a consumer that looks
+    block: tuple
+    nfe: int
+
+    @property
+    def canvas(self) -> List[List[int]]:
+        return self.generated.tolist()
+
+
+@dataclass
+class BlockEvent:
+    """A block was committed. `tokens[i]` are row `rows[i]`'s new tokens (cut before its EOS);
+    `eos[i]` says the row met an EOS in this block; `finished[i]` that the row is done (EOS, or
+    max_tokens reached)."""
+
+    rows: List[int]
+    tokens: List[List[int]]
+    eos: List[bool]
+    finished: List[bool]
+    nfe: int
+
+
+def block_event(
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    at_limit: Sequence[bool],
+    eos: AbstractSet[int],
+    nfe: int,
+) -> BlockEvent:
+    """The event of a committed block: each row's new `tokens` cut before its first EOS; a row is
+    finished when it met an EOS or, with these tokens, reached max_tokens (`at_limit`)."""
+    emitted, hit, finished = [], [], []
+    for toks, limit in zip(tokens, at_limit):
+        cut = next((i for i, t in enumerate(toks) if t in eos), None)
+        hit.append(cut is not None)
+        emitted.append(list(toks) if cut is None else list(toks[:cut]))
+        finished.append(cut is not None or bool(limit))
+    return BlockEvent(list(rows), emitted, hit, finished, nfe)
+
+
+def replaced(obj, **fields):
+    """A shallow copy of `obj` with some attributes replaced: how a layout or a backend keeps only
+    the surviving rows of a batch (the fields given are the per-row ones, already selected)."""
+    out = copy.copy(obj)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out

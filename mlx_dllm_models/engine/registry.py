@@ -1,0 +1,73 @@
+"""The engine's two tables, as plain literals: which backend computes a block's logits for an
+attention layout and a `cache` setting, and which decoding loop a family (or its `mode`) runs.
+
+"auto" is a layout's first cache: the exact cache where the layout allows one, else full recompute.
+A layout's cache choices are exactly its rows here, so validation, the error message and the
+decoders read one truth.
+"""
+
+from typing import Dict, Tuple
+
+from ..settings import SettingsError
+from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, ENCODER_CANVAS
+from .block_cache import PrefixCache
+from .canvas import CanvasDecoder
+from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
+from .masked import FullRecompute, MaskedBlockDecoder
+from .self_spec import SelfSpeculativeDecoder
+
+# attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
+BACKENDS: Dict[str, Dict[str, type]] = {
+    BIDIRECTIONAL: {"none": FullRecompute},
+    BLOCK_CAUSAL: {"prefix": PrefixCache, "none": FullRecompute},
+    CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},
+    # The canvas decoder keeps its encoder's KV cache itself: nothing to choose.
+    ENCODER_CANVAS: {},
+}
+
+# Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`
+# setting, where it has one, can pick another (Nemotron's self-speculation).
+DECODERS: Dict[str, type] = {
+    "masked": MaskedBlockDecoder,
+    "diffusion": MaskedBlockDecoder,
+    "self_spec": SelfSpeculativeDecoder,
+    "canvas": CanvasDecoder,
+}
+
+
+def cache_choices(attention: str) -> Tuple[str, ...]:
+    return ("auto",) + tuple(sorted(BACKENDS[attention]))
+
+
+def select_backend(spec, settings):
+    """The backend class for the spec's layout and the `cache` setting (None for a layout whose
+    decoder keeps its own cache)."""
+    table = BACKENDS[spec.attention]
+    cache = settings.get("cache") or "auto"
+    if cache == "auto":
+        return next(iter(table.values()), None)
+    if cache not in table:
+        raise SettingsError(
+            f"cache={cache!r} is not available for the {spec.family} family "
+            f"({spec.attention} attention); choose one of: {', '.join(cache_choices(spec.attention))}"
+        )
+    return table[cache]
+
+
+def select_decoder(spec, settings):
+    name = settings.get("mode") or spec.decoder
+    if name not in DECODERS:
+        raise SettingsError(
+            f"mode {name!r} is not available for the {spec.family} family; "
+            f"choose one of: {', '.join(sorted(DECODERS))}"
+        )
+    return DECODERS[name]
+
+
+def make_decoder(model, settings, eos_token_ids, images=None):
+    """The decoding loop for a model and resolved settings, with its backend; `images` (the
+    processor's pixel values) go to the decoder of a family that reads them."""
+    spec = model.diffusion_spec
+    decoder = select_decoder(spec, settings)
+    extra = {} if images is None else {"images": images}
+    return decoder(model, settings, eos_token_ids, backend=select_backend(spec, settings), **extra)

@@ -1,0 +1,146 @@
+"""Lossless self-speculation (Nemotron-Labs-Diffusion's `mode="self_spec"`, the HF
+`linear_spec_generate`): a window of masks after the confirmed tokens is drafted bidirectionally, one
+causal pass verifies the drafts, the longest prefix that the causal model agrees with is kept plus
+its own next token, and the cache is cut back to what was kept. The next window is drafted in the
+same forward as the verify (see SelfSpeculativeDecoder). At temperature 0 the output is greedy AR
+decoding, token for token; above it, drafts are accepted by speculative sampling (keep d with
+probability min(1, p(d)/q(d)), else resample from max(0, p - q)), so the output keeps the AR model's
+distribution, which the reference's comparison of two samples does not.
+"""
+
+from typing import List, Sequence
+
+import mlx.core as mx
+
+from ..decoding import filter_logits
+from .base import block_event
+from .causal_prefix import next_key, sample_tokens
+
+
+
+def _probs(logits, settings, spec, suppress=()):
+    """The processed distribution that `sample_tokens` draws from (float32, (..., V))."""
+    scores = logits.astype(mx.float32)
+    for op in spec.sampling_order:
+        if op == "temperature":
+            scores = scores / settings["temperature"]
+        elif op == "top_k":
+            scores = filter_logits(scores, top_k=settings["top_k"])
+        elif op == "top_p":
+            scores = filter_logits(scores, top_p=settings["top_p"])
+    if suppress:  # after the filters, as token_stats does
+        scores[..., mx.array(list(suppress))] = float("-inf")
+    return mx.softmax(scores, axis=-1)
+
+
+def _draw(weights, key):
+    """A token drawn in proportion to non-negative `weights` (zero weight: never drawn)."""
+    logw = mx.where(weights > 0, mx.log(mx.maximum(weights, 1e-38)), float("-inf"))
+    return mx.random.categorical(logw, key=key)
+
+
+def speculative_accept(p, q, drafts, key) -> List[int]:
+    """Speculative sampling of one row (Leviathan et al. 2023; Chen et al. 2023): `drafts` (k,)
+    were drawn from q (k, V); p (k + 1, V) are the target's distributions at the draft positions
+    and one past. Returns a prefix of the drafts, each kept with probability min(1, p/q), then one
+    token from the residual max(0, p - q) at the first rejection, or from p[k] when every draft is
+    kept: every returned token is distributed as the target's."""
+    k = len(drafts)
+    k_u, k_tok = mx.random.split(key)
+    n = k
+    if k:
+        d = mx.array(drafts)[:, None]
+        pd = mx.take_along_axis(p[:k], d, axis=-1)[:, 0]
+        qd = mx.take_along_axis(q, d, axis=-1)[:, 0]
+        u = mx.random.uniform(shape=(k,), key=k_u)
+        n = next((i for i, ok in enumerate((u * qd < pd).tolist()) if not ok), k)
+    last = _draw(mx.maximum(p[n] - q[n], 0.0), k_tok) if n < k else _draw(p[k], k_tok)
+    return list(drafts[:n]) + [int(last.item())]
+
+
+class SelfSpeculativeDecoder:
+    """`mode="self_spec"`: lossless self-speculative decoding (the HF `linear_spec_generate`), one
+    prompt at a time.
+
+    Every forward has two parts. A causal part over the tokens whose K/V are not final yet (the
+    last confirmed token, then the pending drafts) verifies the drafts: those the causal model
+    agrees with are kept, plus its own next token, and the cache keeps the K/V of what was kept. A
+    window of block_length masks after them, attending bidirectionally to everything before it and
+    to itself, drafts the next round's tokens. Those drafts assume that every pending draft is kept;
+    when one is rejected they are dropped, and the next forward verifies nothing and drafts afresh
+    after the corrected token. The reference spends one draft forward and one verify forward per
+    round; folding the next draft into the verify gives at least one token per forward (as AR
+    decoding does) and the accepted drafts on top.
+
+    Rows of a batch run one after another: their accepted lengths differ every round, so their
+    caches would not stay aligned.
+    """
+
+    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
+        self.model = model
+        self.spec = model.diffusion_spec
+        self.s = settings
+        self.eos = set(int(e) for e in eos_token_ids)
+        # The causal-prefix backend the registry picked for the `cache` setting brings its forwards
+        # (a KV cache, or full recompute).
+        self.forwards = backend.forwards
+        self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
+        self.nfe = 0
+        self.drafted = 0  # drafts verified
+        self.accepted = 0  # drafts kept
+
+    def run(self, prompts: Sequence[Sequence[int]]):
+        for row, prompt in enumerate(prompts):
+            yield from self._run_row(row, [int(t) for t in prompt])
+
+    def _tokens(self, logits, suppress=()):
+        return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
+
+    def _run_row(self, row, prompt):
+        s, spec = self.s, self.spec
+        mask_id, max_tokens, window = spec.mask_token_id, s["max_tokens"], s["block_length"]
+        greedy = s["temperature"] == 0
+        x = mx.array([prompt + [mask_id] * max_tokens], dtype=mx.int32)
+        run = self.forwards(self.model, x.shape[1], None)
+        committed = 0  # columns before it have final K/V
+        known = len(prompt)  # columns before it hold confirmed tokens
+        drafts, q = [], None  # drafts of the columns from `known` on, and their distributions
+        made = 0
+        while made < max_tokens:
+            left = max_tokens - made
+            drafts = drafts[: left - 1]  # a round returns the kept drafts and one token more
+            k = len(drafts)
+            w = min(window, left - k - 1)  # the next round's column of t, then its drafts
+            w = w if w >= 2 else 0
+            split, stop = known + k, known + k + w
+            if k:
+                x[:, known:split] = mx.array(drafts, dtype=mx.int32)
+            if w:
+                x[:, split:stop] = mask_id
+            self.nfe += 1
+            rows = (known - 1 - committed, stop - committed)
+            logits = run.mixed(x, committed, split, stop, head_span=rows)[0]
+            verify, window_logits = logits[: k + 1], logits[k + 2 :]
+            if greedy:
+                ar = self._tokens(verify)
+                n = next((i for i in range(k) if ar[i] != drafts[i]), k)
+                new = drafts[:n] + [ar[n]]
+            else:
+                p = _probs(verify, s, spec)
+                new = speculative_accept(p, q, drafts, next_key(self))
+                n = len(new) - 1
+            self.drafted += k
+            self.accepted += n
+            x[:, known + n] = new[-1]
+            committed, known = known + n, known + n + 1
+            run.keep(committed)
+            if n == k and w:
+                drafts = self._tokens(window_logits, suppress=(mask_id,))
+                q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
+            else:
+                drafts, q = [], None
+            made += len(new)
+            event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
+            yield event
+            if event.finished[0]:
+                return
