@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mlx_dllm_models.engine.block_cache import PrefixCache  # noqa: E402
 from mlx_dllm_models.engine import FullRecompute, MaskedBlockDecoder  # noqa: E402
+from mlx_dllm_models.engine.block_cache import PrefixCache  # noqa: E402
 from mlx_dllm_models.models import sdar  # noqa: E402
 from mlx_dllm_models.settings import resolve_settings  # noqa: E402
 
@@ -61,7 +61,11 @@ def timed(backend_cls):
             tic = time.perf_counter()
             out = super().block_logits(x, start, stop)
             mx.eval(out)
-            tokens = x.shape[1] if backend_cls is FullRecompute else -(-stop // self.block) * self.block - committed
+            tokens = (
+                x.shape[1]
+                if backend_cls is FullRecompute
+                else -(-stop // self.block) * self.block - committed
+            )
             self.times.append((tokens, time.perf_counter() - tic))
             return out
 
@@ -98,7 +102,9 @@ def median_of(runs, key):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -119,12 +125,16 @@ def main():
         f"mlx {mx.__version__}, device {mx.default_device()}"
     )
     print()
-    print("| sampler | mode | ms / step | speed-up | forwards / block | tokens / forward | prefill ms | total s | commit forwards saved |")
+    print(
+        "| sampler | mode | ms / step | speed-up | forwards / block | tokens / forward | prefill ms | total s | commit forwards saved |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     detail = []
     modes = (("full recompute", FullRecompute), ("prefix cache", PrefixCache))
     for label, extra in samplers:
-        settings = resolve_settings(model.diffusion_spec, dict(max_tokens=args.max_tokens, block_length=args.block, **extra))
+        settings = resolve_settings(
+            model.diffusion_spec, dict(max_tokens=args.max_tokens, block_length=args.block, **extra)
+        )
         for _, cls in modes:
             run_once(model, prompt, settings, cls)  # warm-up
         # Alternate the modes so that the shared machine's load hits both alike.
@@ -142,10 +152,19 @@ def main():
                 f"{median_of(runs[mode], 'wall'):.2f} | {r['saved']} |"
             )
         cached = runs["prefix cache"]
-        detail.append((label, median_of(cached, "single_ms"), median_of(cached, "folded_ms"),
-                       cached[-1]["folds"], cached[-1]["saved"]))
+        detail.append(
+            (
+                label,
+                median_of(cached, "single_ms"),
+                median_of(cached, "folded_ms"),
+                cached[-1]["folds"],
+                cached[-1]["saved"],
+            )
+        )
     print()
-    print("| sampler | ms / one-block step | ms / folded step (finished block + open block) | folds | commit forwards saved |")
+    print(
+        "| sampler | ms / one-block step | ms / folded step (finished block + open block) | folds | commit forwards saved |"
+    )
     print("|---|---:|---:|---:|---:|")
     for label, single, folded, folds, saved in detail:
         print(f"| {label} | {single:.1f} | {folded:.1f} | {folds} | {saved} |")

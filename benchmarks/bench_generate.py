@@ -55,13 +55,16 @@ def run_once(model, tokenizer, prompt, settings):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompt", default="Explain why the sky is blue in two sentences.")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--config", action="append", default=None,
-                    help="comma-separated settings, repeatable")
+    ap.add_argument(
+        "--config", action="append", default=None, help="comma-separated settings, repeatable"
+    )
     args = ap.parse_args()
 
     from mlx_dllm_models import load
@@ -74,8 +77,10 @@ def main():
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-    print(f"model: {path}  ({model.diffusion_spec.family}), max_tokens={args.max_tokens}, "
-          f"runs={args.runs} (median after 1 warm-up)")
+    print(
+        f"model: {path}  ({model.diffusion_spec.family}), max_tokens={args.max_tokens}, "
+        f"runs={args.runs} (median after 1 warm-up)"
+    )
     header = f"{'settings':44s} {'NFE':>5s} {'tokens':>6s} {'tok/fwd':>7s} {'tok/s':>8s} {'ms/fwd':>7s} {'peak GB':>8s}"
     print(header)
     print("-" * len(header))
@@ -84,8 +89,10 @@ def main():
         run_once(model, tokenizer, prompt, settings)
         runs = [run_once(model, tokenizer, prompt, settings) for _ in range(args.runs)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{cfg:44s} {med['nfe']:5.0f} {med['tokens']:6.0f} {med['tpf']:7.2f} {med['tps']:8.1f} "
-              f"{med['ms_per_forward']:7.2f} {med['peak_gb']:8.3f}")
+        print(
+            f"{cfg:44s} {med['nfe']:5.0f} {med['tokens']:6.0f} {med['tpf']:7.2f} {med['tps']:8.1f} "
+            f"{med['ms_per_forward']:7.2f} {med['peak_gb']:8.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def run(model, tokenizer, problems, settings):
     tic = time.perf_counter()
     for message, answer in problems:
         text, last = "", None
-        for last in stream_generate_diffusion(model, tokenizer, chat_prompt(tokenizer, message), **settings):
+        for last in stream_generate_diffusion(
+            model, tokenizer, chat_prompt(tokenizer, message), **settings
+        ):
             text += last.text
         correct += is_correct(text, answer)
         nfe += last.nfe
@@ -61,7 +63,9 @@ def label(settings):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     ap.add_argument("--problems", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
@@ -81,26 +85,36 @@ def main():
     problems = held_out_problems(args.problems)
     base = dict(max_tokens=args.max_tokens, block_length=args.block_length, temperature=0.0)
     caches = list(cache_choices(spec.attention)[1:])
-    print(f"model: {path} ({spec.family}); {len(problems)} held-out problems; "
-          f"max_tokens={args.max_tokens}, block_length={args.block_length}, greedy; "
-          f"caches offered by the family: {', '.join(caches)}")
+    print(
+        f"model: {path} ({spec.family}); {len(problems)} held-out problems; "
+        f"max_tokens={args.max_tokens}, block_length={args.block_length}, greedy; "
+        f"caches offered by the family: {', '.join(caches)}"
+    )
     rows = []
     # What `mlx_dllm generate` runs (the checkpoint's generation_config over the family's defaults),
     # then the family's defaults alone: LLaDA's long canvas, far longer than the answers.
     d = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     f = resolve_settings(spec, {}, {})
     for name, settings in (
-        (f"CLI defaults: max_tokens={d['max_tokens']}, block_length={d['block_length']}, "
-         f"sampler={d['sampler']}, steps={d['steps']}", {}),
-        (f"family defaults: max_tokens={f['max_tokens']}, block_length={f['block_length']}, "
-         f"sampler={f['sampler']}, steps={f['steps']}",
-         {k: f[k] for k in ("max_tokens", "block_length", "sampler", "steps")}),
+        (
+            f"CLI defaults: max_tokens={d['max_tokens']}, block_length={d['block_length']}, "
+            f"sampler={d['sampler']}, steps={d['steps']}",
+            {},
+        ),
+        (
+            f"family defaults: max_tokens={f['max_tokens']}, block_length={f['block_length']}, "
+            f"sampler={f['sampler']}, steps={f['steps']}",
+            {k: f[k] for k in ("max_tokens", "block_length", "sampler", "steps")},
+        ),
     ):
         r = run(model, tokenizer, problems, settings)
         rows.append((name, r))
         if not args.markdown:
-            print(f"{name}\n{'':44s} acc {r['accuracy']:.3f}  fwd/token {r['fwd_per_token']:.2f}  "
-                  f"fwd/problem {r['fwd_per_problem']:.2f}  tok/s {r['tps']:.0f}", flush=True)
+            print(
+                f"{name}\n{'':44s} acc {r['accuracy']:.3f}  fwd/token {r['fwd_per_token']:.2f}  "
+                f"fwd/problem {r['fwd_per_problem']:.2f}  tok/s {r['tps']:.0f}",
+                flush=True,
+            )
     for cache in caches:
         for grid in sampler_grid(args.block_length):
             settings = dict(base, cache=cache, **grid)
@@ -108,15 +122,20 @@ def main():
             r = run(model, tokenizer, problems, settings)
             rows.append((label(dict(grid, cache=cache)), r))
             if not args.markdown:
-                print(f"{rows[-1][0]:44s} acc {r['accuracy']:.3f}  fwd/token {r['fwd_per_token']:.2f}  "
-                      f"fwd/problem {r['fwd_per_problem']:.2f}  tok/s {r['tps']:.0f}", flush=True)
+                print(
+                    f"{rows[-1][0]:44s} acc {r['accuracy']:.3f}  fwd/token {r['fwd_per_token']:.2f}  "
+                    f"fwd/problem {r['fwd_per_problem']:.2f}  tok/s {r['tps']:.0f}",
+                    flush=True,
+                )
     if args.markdown:
         print()
         print("| settings | accuracy | forwards / token | forwards / problem | tok/s |")
         print("|---|---:|---:|---:|---:|")
         for name, r in rows:
-            print(f"| {name} | {r['accuracy']:.3f} | {r['fwd_per_token']:.2f} | "
-                  f"{r['fwd_per_problem']:.2f} | {r['tps']:.0f} |")
+            print(
+                f"| {name} | {r['accuracy']:.3f} | {r['fwd_per_token']:.2f} | "
+                f"{r['fwd_per_problem']:.2f} | {r['tps']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,20 @@ def build_llada2(path):
     from fixtures import llada2 as fx
 
     cfg = fx.config(head_dim=64)
-    cfg.update(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=6,
-               intermediate_size=1024, moe_intermediate_size=256, num_experts=8, n_group=4,
-               topk_group=2, num_experts_per_tok=2, rotary_dim=32, max_position_embeddings=4096)
+    cfg.update(
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=6,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        rotary_dim=32,
+        max_position_embeddings=4096,
+    )
     write_checkpoint(path, cfg, soften_head(fx.tensors(cfg), "lm_head.weight"))
     _copy_tokenizer(fx, path)
     return path, cfg
@@ -61,8 +72,9 @@ def _copy_tokenizer(fx, path):
 def build_nemotron(path):
     from fixtures import nemotron as fx
 
-    for k, v in dict(HIDDEN=512, HEADS=8, KV_HEADS=2, HEAD_DIM=64, LAYERS=6, INTERMEDIATE=1536,
-                     ORIGINAL_MAX=4096).items():
+    for k, v in dict(
+        HIDDEN=512, HEADS=8, KV_HEADS=2, HEAD_DIM=64, LAYERS=6, INTERMEDIATE=1536, ORIGINAL_MAX=4096
+    ).items():
         setattr(fx, k, v)
     cfg = fx.config()
     write_checkpoint(path, cfg, soften_head(fx.tensors(), "diffusion_head.weight"))
@@ -125,19 +137,29 @@ def run_vlm(model, prompt, kw, eos):
 def median_runs(fn, runs):
     fn()
     results = [fn() for _ in range(runs)]
-    return results[0][0], statistics.median(r[1] or 0 for r in results), statistics.median(r[2] for r in results)
+    return (
+        results[0][0],
+        statistics.median(r[1] or 0 for r in results),
+        statistics.median(r[2] for r in results),
+    )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    print(f"prompt {args.prompt} tokens, max_tokens {args.max_tokens}, temperature 0, "
-          f"batch 1; medians of {args.runs} runs after a warm-up")
-    print(f"{'family / engine':40s} {'NFE':>5s} {'tokens':>6s} {'tok/fwd':>7s} {'tok/s':>8s} {'ratio':>6s} same")
+    print(
+        f"prompt {args.prompt} tokens, max_tokens {args.max_tokens}, temperature 0, "
+        f"batch 1; medians of {args.runs} runs after a warm-up"
+    )
+    print(
+        f"{'family / engine':40s} {'NFE':>5s} {'tokens':>6s} {'tok/fwd':>7s} {'tok/s':>8s} {'ratio':>6s} same"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for family, builder in (("llada2", build_llada2), ("nemotron", build_nemotron)):
             path, cfg = builder(Path(tmp) / family)
@@ -149,28 +171,52 @@ def main():
             prompt = [int(t) for t in rng.integers(10, 250, size=args.prompt)]
             eos = set(spec.eos_token_ids)
             if family == "llada2":
-                ours_kw = dict(max_tokens=args.max_tokens, block_length=32, steps=32,
-                               sampler="threshold", threshold=0.95)
-                vlm_kw = dict(block_length=32, steps=32, gen_length=args.max_tokens, threshold=0.95,
-                              eos_early_stop=True)
+                ours_kw = dict(
+                    max_tokens=args.max_tokens,
+                    block_length=32,
+                    steps=32,
+                    sampler="threshold",
+                    threshold=0.95,
+                )
+                vlm_kw = dict(
+                    block_length=32,
+                    steps=32,
+                    gen_length=args.max_tokens,
+                    threshold=0.95,
+                    eos_early_stop=True,
+                )
             else:
                 # the fixture's trained block size (mlx-vlm ignores the checkpoint's: pass it)
                 block = spec.trained_block_length
                 ours_kw = dict(max_tokens=args.max_tokens, block_length=block, steps=block)
-                vlm_kw = dict(block_length=block, steps=block, gen_length=args.max_tokens,
-                              threshold=None, sampler="native", eos_early_stop=True)
-            a_tok, a_nfe, a_s = median_runs(lambda: run_ours(model, tok, prompt, ours_kw), args.runs)
+                vlm_kw = dict(
+                    block_length=block,
+                    steps=block,
+                    gen_length=args.max_tokens,
+                    threshold=None,
+                    sampler="native",
+                    eos_early_stop=True,
+                )
+            a_tok, a_nfe, a_s = median_runs(
+                lambda: run_ours(model, tok, prompt, ours_kw), args.runs
+            )
             b_tok, b_nfe, b_s = median_runs(lambda: run_vlm(vlm, prompt, vlm_kw, eos), args.runs)
             n = max(len(a_tok), 1)
             label = f"{family} (block {ours_kw['block_length']}, {ours_kw.get('sampler', 'quota')})"
             print(label)
-            print(f"{'  mlx-dllm-models':40s} {a_nfe:5.0f} {len(a_tok):6d} {len(a_tok) / max(a_nfe, 1):7.2f} "
-                  f"{len(a_tok) / a_s:8.1f} {b_s / a_s:6.2f} {a_tok == b_tok[:len(a_tok)]}")
-            print(f"{'  mlx-vlm 0.7.10':40s} {b_nfe:5.0f} {len(b_tok):6d} "
-                  f"{len(b_tok) / max(b_nfe or 1, 1):7.2f} {len(b_tok) / b_s:8.1f} {1.0:6.2f}")
+            print(
+                f"{'  mlx-dllm-models':40s} {a_nfe:5.0f} {len(a_tok):6d} {len(a_tok) / max(a_nfe, 1):7.2f} "
+                f"{len(a_tok) / a_s:8.1f} {b_s / a_s:6.2f} {a_tok == b_tok[: len(a_tok)]}"
+            )
+            print(
+                f"{'  mlx-vlm 0.7.10':40s} {b_nfe:5.0f} {len(b_tok):6d} "
+                f"{len(b_tok) / max(b_nfe or 1, 1):7.2f} {len(b_tok) / b_s:8.1f} {1.0:6.2f}"
+            )
             del vocab, n
             # Batch > 1, which mlx-vlm refuses: 4 prompts at once vs the same 4 one after another.
-            prompts = [prompt] + [[int(t) for t in rng.integers(10, 250, size=args.prompt)] for _ in range(3)]
+            prompts = [prompt] + [
+                [int(t) for t in rng.integers(10, 250, size=args.prompt)] for _ in range(3)
+            ]
             one = lambda: [run_ours(model, tok, p, ours_kw) for p in prompts]  # noqa: E731
 
             def many():
@@ -185,10 +231,14 @@ def main():
             b_toks, b_nfe, t_many = median_runs(many, args.runs)
             n_many = sum(len(t) for t in b_toks)
             same = b_toks == [r[0] for r in singles[0]]
-            print(f"{'  batch of 4, one by one':40s} {sum(r[1] for r in singles[0]):5d} {n_one:6d} {'':7s} "
-                  f"{n_one / t_one:8.1f} {1.0:6.2f}")
-            print(f"{'  batch of 4, batched':40s} {b_nfe:5.0f} {n_many:6d} {'':7s} "
-                  f"{n_many / t_many:8.1f} {t_one / t_many:6.2f} {same}")
+            print(
+                f"{'  batch of 4, one by one':40s} {sum(r[1] for r in singles[0]):5d} {n_one:6d} {'':7s} "
+                f"{n_one / t_one:8.1f} {1.0:6.2f}"
+            )
+            print(
+                f"{'  batch of 4, batched':40s} {b_nfe:5.0f} {n_many:6d} {'':7s} "
+                f"{n_many / t_many:8.1f} {t_one / t_many:6.2f} {same}"
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,6 @@ change float summation order, so weights are not bit-identical across setups.
 """
 
 import argparse
-import json
-import math
 import shutil
 import sys
 import tempfile
@@ -63,7 +61,12 @@ from mlx_dllm_models.default import (  # noqa: E402
     is_correct,
 )
 from mlx_dllm_models.models.llada import Model, ModelArgs  # noqa: E402
-from mlx_dllm_models.tiny import LLADA_CHAT_TEMPLATE, LLADA_SPECIAL_TOKENS, build_tokenizer, llada_config  # noqa: E402
+from mlx_dllm_models.tiny import (  # noqa: E402
+    LLADA_CHAT_TEMPLATE,
+    LLADA_SPECIAL_TOKENS,
+    build_tokenizer,
+    llada_config,
+)
 from mlx_dllm_models.training import save_checkpoint, train  # noqa: E402
 
 OUT = ROOT / "mlx_dllm_models" / "assets" / "default"
@@ -86,16 +89,26 @@ MASK = LLADA_SPECIAL_TOKENS["<|mdm_mask|>"]
 VOCAB = 264
 
 CONFIG = llada_config(
-    d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=384, vocab_size=VOCAB,
-    special_tokens=LLADA_SPECIAL_TOKENS, max_sequence_length=512,
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    mlp_hidden_size=384,
+    vocab_size=VOCAB,
+    special_tokens=LLADA_SPECIAL_TOKENS,
+    max_sequence_length=512,
 )
 # See the docstring: fast-rotating RoPE frequencies are what let this small model learn in time.
 CONFIG.update(mlp_ratio=3, rope_theta=100.0)
 CONFIG.pop("torch_dtype")
 # Decoding defaults the CLI reads: answers are at most 4 tokens; blocks of 8 measured best
 # (0.983 held-out accuracy with quota and with threshold 0.9, against 0.78 / 0.88 with blocks of 16).
-GENERATION_CONFIG = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": EOS,
-                     "max_new_tokens": 16, "block_length": 8}
+GENERATION_CONFIG = {
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": EOS,
+    "max_new_tokens": 16,
+    "block_length": 8,
+}
 
 # Decoding used to monitor training: the CLI's sampler (quota, one token per step) on a short canvas.
 MONITOR = dict(max_tokens=16, block_length=16, steps=16)
@@ -191,12 +204,18 @@ def main():
     def callback(step, loss):
         window.append(loss)
         if (step + 1) % 50 == 0:
-            print(f"step {step + 1} loss {np.mean(window):.4f} lr {optimizer.learning_rate.item():.2e} "
-                  f"{time.time() - tic:.0f}s", flush=True)
+            print(
+                f"step {step + 1} loss {np.mean(window):.4f} lr {optimizer.learning_rate.item():.2e} "
+                f"{time.time() - tic:.0f}s",
+                flush=True,
+            )
             window.clear()
         if args.monitor_every and (step + 1) % args.monitor_every == 0:
             acc = accuracy(model, wrapped, monitor, **MONITOR)
-            print(f"step {step + 1} accuracy on {len(monitor)} held-out problems {acc:.3f}", flush=True)
+            print(
+                f"step {step + 1} accuracy on {len(monitor)} held-out problems {acc:.3f}",
+                flush=True,
+            )
 
     losses = train(
         model,
@@ -208,12 +227,18 @@ def main():
         max_grad_norm=MAX_GRAD_NORM,
         callback=callback,
     )
-    print(f"trained {len(losses)} steps in {time.time() - tic:.0f}s, last loss {np.mean(losses[-50:]):.4f}")
+    print(
+        f"trained {len(losses)} steps in {time.time() - tic:.0f}s, last loss {np.mean(losses[-50:]):.4f}"
+    )
 
     if args.out.exists():
         shutil.rmtree(args.out)
     save_checkpoint(
-        args.out, model, CONFIG, tokenizer=tokenizer, generation_config=GENERATION_CONFIG,
+        args.out,
+        model,
+        CONFIG,
+        tokenizer=tokenizer,
+        generation_config=GENERATION_CONFIG,
         dtype=mx.float32,
     )
     shutil.rmtree(tmp, ignore_errors=True)

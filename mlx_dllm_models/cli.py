@@ -12,6 +12,7 @@ import time
 
 from .settings import SETTINGS
 
+
 def _parse_value(text):
     try:
         return json.loads(text)
@@ -35,9 +36,13 @@ def _generate_parser():
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
     p.add_argument(
-        "--trust-remote-code", action="store_true", help="let the tokenizer run the checkpoint's code"
+        "--trust-remote-code",
+        action="store_true",
+        help="let the tokenizer run the checkpoint's code",
     )
-    p.add_argument("--no-live", action="store_true", help="no live canvas, print blocks as they come")
+    p.add_argument(
+        "--no-live", action="store_true", help="no live canvas, print blocks as they come"
+    )
     p.add_argument(
         "--image",
         action="append",
@@ -47,7 +52,9 @@ def _generate_parser():
     )
     for setting in SETTINGS:
         flag = "--" + setting.name.replace("_", "-")
-        p.add_argument(flag, dest=setting.name, type=setting.cli_type, default=None, help=setting.help)
+        p.add_argument(
+            flag, dest=setting.name, type=setting.cli_type, default=None, help=setting.help
+        )
     return p
 
 
@@ -119,7 +126,9 @@ def generate_main(argv):
 
     parser = _generate_parser()
     args, unknown = parser.parse_known_args(argv)
-    settings = {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None}
+    settings = {
+        s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None
+    }
     settings.update(_extra_settings(unknown))
 
     model_path = args.model
@@ -161,6 +170,7 @@ def generate_main(argv):
     view = _LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
     on_step = None
     if view is not None:
+
         def on_step(event):
             pending = getattr(event, "pending", None)
             pending = pending[0].tolist() if pending is not None else None
@@ -198,7 +208,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"generate": generate_main, "convert": convert_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: mlx_dllm {generate,convert} [options]   (mlx_dllm COMMAND --help for details)")
+        print(
+            "usage: mlx_dllm {generate,convert} [options]   (mlx_dllm COMMAND --help for details)"
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

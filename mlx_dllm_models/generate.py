@@ -119,7 +119,9 @@ def _prepare(model, tokenizer, prompts, settings, images=None):
     if vocab is not None:
         bad = [t for p in ids for t in p if not 0 <= t < vocab]
         if bad:
-            raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise SettingsError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
     return spec, s, ids, pixel_values
 
 
@@ -144,7 +146,9 @@ def _encode_with_images(model, processor, prompts, images):
     prompt = prompts[0]
     if prompt == "":
         raise SettingsError("the prompt is empty: give at least one token of text to condition on")
-    ids, pixel_values = encode_prompt(processor, prompt, images, _add_bos(processor.tokenizer, prompt))
+    ids, pixel_values = encode_prompt(
+        processor, prompt, images, _add_bos(processor.tokenizer, prompt)
+    )
     return [ids], pixel_values
 
 
@@ -271,7 +275,9 @@ def stats_line(r: DiffusionResponse) -> str:
     )
 
 
-def batch_generate_diffusion(model, tokenizer, prompts: Sequence[Prompt], **settings) -> BatchResponse:
+def batch_generate_diffusion(
+    model, tokenizer, prompts: Sequence[Prompt], **settings
+) -> BatchResponse:
     """Generate for several prompts at once (left-padded; each row stops at its own EOS and is
     dropped from the batch when it does)."""
     if not prompts:

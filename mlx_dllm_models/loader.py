@@ -11,7 +11,6 @@ import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-l
 from .registry import MODEL_TYPES
 
 
-
 class CheckpointError(ValueError):
     pass
 
@@ -25,11 +24,15 @@ def _check_checkpoint(path: Path):
         )
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise CheckpointError(f"{path} has no config.json: is it a Hugging Face / MLX checkpoint folder?")
+        raise CheckpointError(
+            f"{path} has no config.json: is it a Hugging Face / MLX checkpoint folder?"
+        )
     try:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); fix or re-download the file") from None
+        raise CheckpointError(
+            f"{cfg_file} is not valid JSON ({e}); fix or re-download the file"
+        ) from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{cfg_file} has no model_type field; it is not a model config")
     if config["model_type"] not in MODEL_TYPES:

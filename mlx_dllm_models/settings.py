@@ -114,47 +114,89 @@ _CANVAS = ("diffusion_gemma",)
 SETTINGS: Tuple[Setting, ...] = (
     Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, _positive_int),
     Setting(
-        "block_length", 32, "positions per block", int, _positive_int,
-        unused={"diffusion_gemma": "each canvas is a block; set min_canvas_length / max_canvas_length"},
+        "block_length",
+        32,
+        "positions per block",
+        int,
+        _positive_int,
+        unused={
+            "diffusion_gemma": "each canvas is a block; set min_canvas_length / max_canvas_length"
+        },
     ),
     Setting(
-        "steps", None, "denoising steps per block (default: block_length)", int,
-        _int_at_least(1, " (denoising steps per block)"), modes=_DIFFUSION,
+        "steps",
+        None,
+        "denoising steps per block (default: block_length)",
+        int,
+        _int_at_least(1, " (denoising steps per block)"),
+        modes=_DIFFUSION,
         unused={
             "diffusion_gemma": "set max_denoising_steps (an upper bound per canvas: a canvas stops "
             "once its argmax is stable and confident)"
         },
     ),
     Setting(
-        "sampler", "quota", "quota | threshold | factor | entropy (a family may add its own)", str,
+        "sampler",
+        "quota",
+        "quota | threshold | factor | entropy (a family may add its own)",
+        str,
         modes=_DIFFUSION,
     ),
     Setting(
-        "threshold", 0.9, "confidence threshold of the threshold sampler, in (0, 1]", float,
-        _number(0, 1, low_open=True), samplers=("threshold",), modes=_DIFFUSION,
+        "threshold",
+        0.9,
+        "confidence threshold of the threshold sampler, in (0, 1]",
+        float,
+        _number(0, 1, low_open=True),
+        samplers=("threshold",),
+        modes=_DIFFUSION,
     ),
     Setting(
-        "factor", 1.0, "factor of the factor sampler (Fast-dLLM)", float,
-        _number(0, low_open=True), samplers=("factor",), modes=_DIFFUSION,
-        unused={"diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)"},
+        "factor",
+        1.0,
+        "factor of the factor sampler (Fast-dLLM)",
+        float,
+        _number(0, low_open=True),
+        samplers=("factor",),
+        modes=_DIFFUSION,
+        unused={
+            "diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)"
+        },
     ),
     Setting(
-        "entropy_bound", 0.1, "entropy budget of the entropy sampler (EB-Sampler), in nats", float,
-        _number(0, what=" (nats)"), samplers=("entropy",), modes=_DIFFUSION,
+        "entropy_bound",
+        0.1,
+        "entropy budget of the entropy sampler (EB-Sampler), in nats",
+        float,
+        _number(0, what=" (nats)"),
+        samplers=("entropy",),
+        modes=_DIFFUSION,
     ),
     Setting(
-        "temperature", 0.0, "sampling temperature; 0 is greedy", float, _number(0, finite=True),
+        "temperature",
+        0.0,
+        "sampling temperature; 0 is greedy",
+        float,
+        _number(0, finite=True),
         unused={
             "diffusion_gemma": "the temperature follows a schedule from t_max (first step) to t_min; "
             "set those"
         },
     ),
     Setting(
-        "top_p", None, "nucleus filtering", _cli_optional_float,
-        _optional(_number(0, 1, low_open=True)), unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
+        "top_p",
+        None,
+        "nucleus filtering",
+        _cli_optional_float,
+        _optional(_number(0, 1, low_open=True)),
+        unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
     Setting(
-        "top_k", None, "top-k filtering", int, _optional(_int_at_least(0)),
+        "top_k",
+        None,
+        "top-k filtering",
+        int,
+        _optional(_int_at_least(0)),
         unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
     Setting("seed", 0, "PRNG seed", int, _seed),
@@ -162,57 +204,126 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("cache", "auto", "auto | none | a cache the family's attention layout offers", str),
     # Dream's diffusion_generate.
     Setting(
-        "alg", None, "Dream: origin | maskgit_plus | topk_margin | entropy", str,
+        "alg",
+        None,
+        "Dream: origin | maskgit_plus | topk_margin | entropy",
+        str,
         _choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
-        families=("dream",), samplers=("dream",),
+        families=("dream",),
+        samplers=("dream",),
     ),
     Setting(
-        "alg_temp", None, "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
-        _cli_optional_float, _optional(_number(0, what=" (0 or null ranks greedily)")),
-        families=("dream",), samplers=("dream",),
+        "alg_temp",
+        None,
+        "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
+        _cli_optional_float,
+        _optional(_number(0, what=" (0 or null ranks greedily)")),
+        families=("dream",),
+        samplers=("dream",),
     ),
     Setting(
-        "eps", None, "Dream: the last timestep of its schedule, in (0, 1)", float,
-        _number(0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"),
-        families=("dream",), samplers=("dream",),
+        "eps",
+        None,
+        "Dream: the last timestep of its schedule, in (0, 1)",
+        float,
+        _number(
+            0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"
+        ),
+        families=("dream",),
+        samplers=("dream",),
     ),
     # LLaDA2.1 token editing.
     Setting(
-        "editing_threshold", None,
+        "editing_threshold",
+        None,
         "LLaDA2.1: rewrite a committed token when another is proposed above this probability "
         "(none: editing off)",
         _cli_optional_float,
-        _optional(_number(0, 1, what=" (a committed token is rewritten when the model proposes another "
-                          "one with a probability above it) or None to turn editing off")),
+        _optional(
+            _number(
+                0,
+                1,
+                what=" (a committed token is rewritten when the model proposes another "
+                "one with a probability above it) or None to turn editing off",
+            )
+        ),
         families=("llada2",),
     ),
     Setting(
-        "max_post_steps", None, "LLaDA2.1: editing forwards after a block has no masks left", int,
+        "max_post_steps",
+        None,
+        "LLaDA2.1: editing forwards after a block has no masks left",
+        int,
         _int_at_least(0, " (editing forwards after a block has no masks left)"),
-        families=("llada2",), requires="editing_threshold",
+        families=("llada2",),
+        requires="editing_threshold",
     ),
     # Nemotron-Labs-Diffusion.
     Setting(
-        "mode", None, "Nemotron: diffusion | self_spec (lossless self-speculation)", str,
-        _choice(("diffusion", "self_spec"), " for the nemotron family"), families=("nemotron",),
+        "mode",
+        None,
+        "Nemotron: diffusion | self_spec (lossless self-speculation)",
+        str,
+        _choice(("diffusion", "self_spec"), " for the nemotron family"),
+        families=("nemotron",),
     ),
     # DiffusionGemma's canvas decoder.
-    Setting("max_denoising_steps", None, "DiffusionGemma: denoising steps per canvas at most", int,
-            _int_at_least(1), families=_CANVAS),
-    Setting("t_min", None, "DiffusionGemma: temperature of the last step", float, _number(0),
-            families=_CANVAS),
-    Setting("t_max", None, "DiffusionGemma: temperature of the first step", float,
-            _number(0, low_open=True), families=_CANVAS),
-    Setting("stability_threshold", None,
-            "DiffusionGemma: steps the argmax must stay unchanged to stop a canvas", int,
-            _int_at_least(0), families=_CANVAS),
-    Setting("confidence_threshold", None,
-            "DiffusionGemma: mean entropy below which a stable canvas stops", float, _number(0),
-            families=_CANVAS),
-    Setting("min_canvas_length", None, "DiffusionGemma: shortest canvas", int, _int_at_least(1),
-            families=_CANVAS),
-    Setting("max_canvas_length", None, "DiffusionGemma: longest canvas (the trained length)", int,
-            _int_at_least(1), families=_CANVAS),
+    Setting(
+        "max_denoising_steps",
+        None,
+        "DiffusionGemma: denoising steps per canvas at most",
+        int,
+        _int_at_least(1),
+        families=_CANVAS,
+    ),
+    Setting(
+        "t_min",
+        None,
+        "DiffusionGemma: temperature of the last step",
+        float,
+        _number(0),
+        families=_CANVAS,
+    ),
+    Setting(
+        "t_max",
+        None,
+        "DiffusionGemma: temperature of the first step",
+        float,
+        _number(0, low_open=True),
+        families=_CANVAS,
+    ),
+    Setting(
+        "stability_threshold",
+        None,
+        "DiffusionGemma: steps the argmax must stay unchanged to stop a canvas",
+        int,
+        _int_at_least(0),
+        families=_CANVAS,
+    ),
+    Setting(
+        "confidence_threshold",
+        None,
+        "DiffusionGemma: mean entropy below which a stable canvas stops",
+        float,
+        _number(0),
+        families=_CANVAS,
+    ),
+    Setting(
+        "min_canvas_length",
+        None,
+        "DiffusionGemma: shortest canvas",
+        int,
+        _int_at_least(1),
+        families=_CANVAS,
+    ),
+    Setting(
+        "max_canvas_length",
+        None,
+        "DiffusionGemma: longest canvas (the trained length)",
+        int,
+        _int_at_least(1),
+        families=_CANVAS,
+    ),
 )
 
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -227,10 +338,18 @@ def family_settings(family: str) -> Tuple[str, ...]:
 
 # Pairs of settings that must agree: (first, second, holds(first, second), message).
 _RELATIONS = (
-    ("t_min", "t_max", lambda lo, hi: hi >= lo,
-     "t_max ({t_max}) is the first step's temperature and must be >= t_min ({t_min}), the last step's"),
-    ("min_canvas_length", "max_canvas_length", lambda lo, hi: lo <= hi,
-     "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})"),
+    (
+        "t_min",
+        "t_max",
+        lambda lo, hi: hi >= lo,
+        "t_max ({t_max}) is the first step's temperature and must be >= t_min ({t_min}), the last step's",
+    ),
+    (
+        "min_canvas_length",
+        "max_canvas_length",
+        lambda lo, hi: lo <= hi,
+        "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})",
+    ),
 )
 
 # generation_config.json keys read for every family (family specs may add more).

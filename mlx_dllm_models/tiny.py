@@ -134,9 +134,16 @@ LLADA_SPECIAL_TOKENS = {
 }
 
 
-def llada_config(*, d_model: int, n_layers: int, n_heads: int, mlp_hidden_size: int,
-                 vocab_size: int, special_tokens: Mapping[str, int],
-                 max_sequence_length: int = 4096) -> dict:
+def llada_config(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    mlp_hidden_size: int,
+    vocab_size: int,
+    special_tokens: Mapping[str, int],
+    max_sequence_length: int = 4096,
+) -> dict:
     """config.json of a LLaDAModelLM (LLaDA-8B's OLMo field names and values) at another size; the
     special ids come from `special_tokens` (LLaDA's names)."""
     return {
@@ -177,14 +184,27 @@ def llada_config(*, d_model: int, n_layers: int, n_heads: int, mlp_hidden_size: 
     }
 
 
-def build_tiny_llada(path, *, seed: int = 0, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                     mlp_hidden_size: int = 128, head_scale: float = 12.0):
+def build_tiny_llada(
+    path,
+    *,
+    seed: int = 0,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    mlp_hidden_size: int = 128,
+    head_scale: float = 12.0,
+):
     """A random LLaDA-8B-shaped checkpoint (LLaDAModelLM, OLMo key names) at toy size: the
     package's offline stand-in when no trained default is available. Its output is not language."""
     vocab = 264
     config = llada_config(
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden_size=mlp_hidden_size,
-        vocab_size=vocab, special_tokens=LLADA_SPECIAL_TOKENS, max_sequence_length=1024,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        mlp_hidden_size=mlp_hidden_size,
+        vocab_size=vocab,
+        special_tokens=LLADA_SPECIAL_TOKENS,
+        max_sequence_length=1024,
     )
     rng = np.random.default_rng(seed)
     d, f = d_model, mlp_hidden_size

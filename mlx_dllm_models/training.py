@@ -157,7 +157,9 @@ def _unpack(batch: Batch, sft: bool):
     if not sft:
         return tokens, None
     if prompt_lengths is None:
-        raise ValueError("SFT needs prompt_lengths per row (give sft=False for the pre-training loss)")
+        raise ValueError(
+            "SFT needs prompt_lengths per row (give sft=False for the pre-training loss)"
+        )
     prompt_lengths = mx.array(prompt_lengths)
     if int(prompt_lengths.max()) >= tokens.shape[1]:
         raise ValueError("a row's prompt fills the whole sequence: it has no answer to train on")
@@ -259,15 +261,19 @@ def save_checkpoint(
     fuse_lora(model)
     weights = hf_weights(model)
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in weights.items()}
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
     config = dict(config)
     some = next(iter(weights.values()))
     config["torch_dtype"] = str(some.dtype).split(".")[-1]
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if generation_config is not None:
-        (path / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2) + "\n")
+        (path / "generation_config.json").write_text(
+            json.dumps(dict(generation_config), indent=2) + "\n"
+        )
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
     return path

@@ -53,7 +53,9 @@ def test_config_without_model_type(ckpt, tmp_path):
 def test_unknown_model_type(ckpt, tmp_path):
     path = _copy(ckpt, tmp_path)
     _edit_config(path, lambda c: c.update(model_type="llama"))
-    with pytest.raises(ValueError, match="not a diffusion model this package provides.*mlx_lm.load"):
+    with pytest.raises(
+        ValueError, match="not a diffusion model this package provides.*mlx_lm.load"
+    ):
         load(path)
 
 
@@ -69,7 +71,9 @@ def test_weights_with_wrong_names(ckpt, tmp_path):
 
     path = _copy(ckpt, tmp_path)
     w = load_file(str(path / "model.safetensors"))
-    w["model.transformer.blocks.0.q_proj_typo.weight"] = w.pop("model.transformer.blocks.0.q_proj.weight")
+    w["model.transformer.blocks.0.q_proj_typo.weight"] = w.pop(
+        "model.transformer.blocks.0.q_proj.weight"
+    )
     save_file(w, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="q_proj_typo"):
         load(path)

@@ -14,10 +14,17 @@ import torch
 from conftest import load_fixture, spy_forwards
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
-from mlx_dllm_models.engine.block_cache import PrefixCache
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.decoding.block import sequential_commit
-from mlx_dllm_models.engine import BlockEvent, FullRecompute, Layout, StepContext, StepEvent, select_backend
+from mlx_dllm_models.engine import (
+    BlockEvent,
+    FullRecompute,
+    Layout,
+    StepContext,
+    StepEvent,
+    select_backend,
+)
+from mlx_dllm_models.engine.block_cache import PrefixCache
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
 from reference.llada2_generate import llada20_generate, llada21_generate
@@ -134,8 +141,13 @@ def test_cache_logits_match_the_full_window(family):
     prompts = [tokens(6, 1), tokens(13, 2)]
     layout = Layout(prompts, 12, 4, True, spec.mask_token_id)
     x = layout.tokens
-    x = mx.where(x == spec.mask_token_id, mx.array(np.random.default_rng(0).integers(0, 256, x.shape)), x)
-    full, cached = FullRecompute(model, spec, layout, settings), PrefixCache(model, spec, layout, settings)
+    x = mx.where(
+        x == spec.mask_token_id, mx.array(np.random.default_rng(0).integers(0, 256, x.shape)), x
+    )
+    full, cached = (
+        FullRecompute(model, spec, layout, settings),
+        PrefixCache(model, spec, layout, settings),
+    )
     cached.prefill(x)
     for start, stop in layout.blocks()[:2]:
         ref = full.block_logits(x, start, stop)
@@ -207,7 +219,10 @@ def test_sequential_commits_the_leftmost_masks():
     stats = type("S", (), {"confidence": conf})()
     ctx = StepContext(0, 2, mx.array([3, 2]), None, {}, None)
     got = sequential_commit(stats, cand, ctx)
-    assert got.tolist() == [[False, True, True, False, True, False], [True, True, False, False, False, False]]
+    assert got.tolist() == [
+        [False, True, True, False, True, False],
+        [True, True, False, False, False, False],
+    ]
 
 
 # ------------------------------------------------------------------------------ SDAR reference
@@ -220,8 +235,12 @@ def transformers_forward(path):
         n = ids.shape[1]
         additive = torch.zeros(n, n).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=additive, position_ids=torch.arange(n)[None],
-                        use_cache=False)
+            out = model(
+                input_ids=ids,
+                attention_mask=additive,
+                position_ids=torch.arange(n)[None],
+                use_cache=False,
+            )
         return out.logits.float()
 
     return forward
@@ -263,14 +282,29 @@ def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_leng
         prompt = tokens(n, seed=n)
         gen = -(-(n + 16) // block_length) * block_length - n  # the canvas ends on a block edge
         x, ref_forwards = sdar_generate(
-            forward, torch.tensor([prompt]), spec.mask_token_id, gen_length=gen,
-            block_length=block_length, denoising_steps=steps, temperature=0.0,
-            remasking_strategy=SDAR_STRATEGIES[sampler], confidence_threshold=0.85,
-            stopping_criteria_idx=sorted(eos), topk_over_masks_only=steps < block_length,
+            forward,
+            torch.tensor([prompt]),
+            spec.mask_token_id,
+            gen_length=gen,
+            block_length=block_length,
+            denoising_steps=steps,
+            temperature=0.0,
+            remasking_strategy=SDAR_STRATEGIES[sampler],
+            confidence_threshold=0.85,
+            stopping_criteria_idx=sorted(eos),
+            topk_over_masks_only=steps < block_length,
         )
         want = cut_at_eos(x[0, n : n + gen], eos)
-        (got,), _, dec = run(model, tok, [prompt], max_tokens=gen, block_length=block_length,
-                             steps=steps, sampler=sampler, temperature=0.0)
+        (got,), _, dec = run(
+            model,
+            tok,
+            [prompt],
+            max_tokens=gen,
+            block_length=block_length,
+            steps=steps,
+            sampler=sampler,
+            temperature=0.0,
+        )
         assert got == want
         # The reference's cache costs one store forward per finished block; folded here.
         assert dec.nfe == ref_forwards - dec.backend.commits_saved
@@ -293,7 +327,9 @@ def mlx_vlm_forward(path):
     language_model = model.language_model
 
     def forward(ids, keep):
-        logits = language_model(mx.array(ids.numpy()), mask=mx.array(keep.numpy())[None, None]).logits
+        logits = language_model(
+            mx.array(ids.numpy()), mask=mx.array(keep.numpy())[None, None]
+        ).logits
         return torch.from_numpy(np.array(logits.astype(mx.float32)))
 
     return forward
@@ -326,21 +362,41 @@ def test_llada20_matches_reference_generate(llada2, block_length, steps, thresho
         n = len(prompt)
         gen = -(-(n + 40) // block_length) * block_length - n
         want, ref_forwards = llada20_generate(
-            forward, torch.tensor([prompt]), block_length=block_length, steps=steps, gen_length=gen,
-            threshold=threshold, eos_id=eos, mask_id=spec.mask_token_id,
+            forward,
+            torch.tensor([prompt]),
+            block_length=block_length,
+            steps=steps,
+            gen_length=gen,
+            threshold=threshold,
+            eos_id=eos,
+            mask_id=spec.mask_token_id,
         )
-        (got,), _, dec = run(model, tok, [prompt], max_tokens=gen, block_length=block_length,
-                             steps=steps, threshold=threshold)
+        (got,), _, dec = run(
+            model,
+            tok,
+            [prompt],
+            max_tokens=gen,
+            block_length=block_length,
+            steps=steps,
+            threshold=threshold,
+        )
         assert got == without_eos(want, eos)
         assert dec.nfe - dec.backend.prefill_forwards == ref_forwards
 
 
 @pytest.mark.parametrize(
     "block_length,threshold,editing_threshold,max_post_steps",
-    [(32, 0.95, 0.9, 16), (32, 0.7, 0.7, 4), (16, 0.7, 0.5, 4), (16, 0.9, 0.6, 8), (16, 0.7, 0.8, 16)],
+    [
+        (32, 0.95, 0.9, 16),
+        (32, 0.7, 0.7, 4),
+        (16, 0.7, 0.5, 4),
+        (16, 0.9, 0.6, 8),
+        (16, 0.7, 0.8, 16),
+    ],
 )
-def test_llada21_editing_matches_reference_generate(llada2, block_length, threshold, editing_threshold,
-                                                    max_post_steps):
+def test_llada21_editing_matches_reference_generate(
+    llada2, block_length, threshold, editing_threshold, max_post_steps
+):
     """steps == block_length: one mask a step at least, the reference's num_to_transfer=1."""
     model, tok, forward = llada2
     spec = model.diffusion_spec
@@ -349,14 +405,28 @@ def test_llada21_editing_matches_reference_generate(llada2, block_length, thresh
         n = len(prompt)
         gen = -(-(n + 40) // block_length) * block_length - n
         want, ref_forwards, remasked = llada21_generate(
-            forward, torch.tensor([prompt]), block_length=block_length, steps=block_length,
-            gen_length=gen, threshold=threshold, editing_threshold=editing_threshold,
-            max_post_steps=max_post_steps, eos_id=eos, mask_id=spec.mask_token_id,
+            forward,
+            torch.tensor([prompt]),
+            block_length=block_length,
+            steps=block_length,
+            gen_length=gen,
+            threshold=threshold,
+            editing_threshold=editing_threshold,
+            max_post_steps=max_post_steps,
+            eos_id=eos,
+            mask_id=spec.mask_token_id,
         )
         assert remasked == 0, "the reference edited a token into the mask token: pick another case"
         (got,), (reason,), dec = run(
-            model, tok, [prompt], max_tokens=gen, block_length=block_length, steps=block_length,
-            threshold=threshold, editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+            model,
+            tok,
+            [prompt],
+            max_tokens=gen,
+            block_length=block_length,
+            steps=block_length,
+            threshold=threshold,
+            editing_threshold=editing_threshold,
+            max_post_steps=max_post_steps,
         )
         assert got == without_eos(want, eos)
         if reason == "length":  # the reference does not stop at an EOS; forwards agree otherwise
@@ -369,8 +439,9 @@ def test_llada21_editing_matches_reference_generate(llada2, block_length, thresh
 def test_editing_rewrites_tokens_and_is_bounded_by_max_post_steps(family):
     _, model, tok = family("llada2_moe")
     mask = model.diffusion_spec.mask_token_id
-    _, ids, dec = stream_events(model, tok, [tokens(7, seed=11)], max_tokens=25, editing_threshold=0.0,
-                                max_post_steps=3)
+    _, ids, dec = stream_events(
+        model, tok, [tokens(7, seed=11)], max_tokens=25, editing_threshold=0.0, max_post_steps=3
+    )
     before, edits, post_steps = None, 0, 0
     for event in dec.run(ids):
         if isinstance(event, StepEvent):
@@ -389,7 +460,9 @@ def test_editing_never_touches_prompt_padding_or_positions_past_max_tokens(famil
     _, model, tok = family("llada2_moe")
     mask = model.diffusion_spec.mask_token_id
     prompts = [tokens(7, seed=11), tokens(20, seed=12)]
-    s, ids, dec = stream_events(model, tok, prompts, max_tokens=25, editing_threshold=0.0, max_post_steps=3)
+    s, ids, dec = stream_events(
+        model, tok, prompts, max_tokens=25, editing_threshold=0.0, max_post_steps=3
+    )
     layout = Layout(ids, 25, s["block_length"], True, mask)
     assert layout.pads == [32, 0] and layout.blocks() == [(20, 32), (32, 64)]
     seen = []
@@ -409,7 +482,9 @@ def test_editing_never_touches_prompt_padding_or_positions_past_max_tokens(famil
     for prev, x in zip(seen, seen[1:]):
         if prev.shape == x.shape:
             edits += ((prev != x) & (prev != mask)).sum()
-    assert edits > 0, "editing_threshold=0 never edited: the test could not see an unprotected position"
+    assert edits > 0, (
+        "editing_threshold=0 never edited: the test could not see an unprotected position"
+    )
 
 
 def test_editing_off_never_changes_a_committed_token(family):
@@ -439,7 +514,9 @@ def test_cache_modes_select_backends(family):
 @pytest.mark.parametrize("name", ["sdar", "llada2_moe"])
 def test_a_cache_the_layout_cannot_make_exact_is_refused(family, name):
     _, model, tok = family(name)
-    with pytest.raises(SettingsError, match=r"cache='dual' is not available .*block_causal.*auto, none, prefix"):
+    with pytest.raises(
+        SettingsError, match=r"cache='dual' is not available .*block_causal.*auto, none, prefix"
+    ):
         run(model, tok, [[1, 2, 3]], max_tokens=4, cache="dual")
 
 
@@ -452,7 +529,9 @@ def test_editing_settings_for_a_family_without_editing(family):
 
 def test_bad_editing_settings(family):
     _, model, tok = family("llada2_moe")
-    with pytest.raises(SettingsError, match="max_post_steps only acts when editing_threshold is set"):
+    with pytest.raises(
+        SettingsError, match="max_post_steps only acts when editing_threshold is set"
+    ):
         run(model, tok, [[1, 2, 3]], max_tokens=4, max_post_steps=4)
     with pytest.raises(SettingsError, match=r"editing_threshold must be in \[0, 1\]"):
         run(model, tok, [[1, 2, 3]], max_tokens=4, editing_threshold=1.5)
@@ -470,7 +549,11 @@ def test_untrained_block_length_is_allowed_and_logged_once(family, caplog):
         assert not caplog.records
         for _ in range(2):
             run(model, tok, [[1, 2, 3]], max_tokens=8, block_length=8, steps=8)
-    warnings = [r for r in caplog.records if "block_length=8 differs from the block size 4" in r.getMessage()]
+    warnings = [
+        r
+        for r in caplog.records
+        if "block_length=8 differs from the block size 4" in r.getMessage()
+    ]
     assert len(warnings) == 1
 
 

@@ -11,9 +11,9 @@ import pytest
 from conftest import load_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
-from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.masks import block_causal_mask, causal_mask
 from mlx_dllm_models.models import llada2_moe, sdar, sdar_moe
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import BLOCK_CAUSAL, SHARED_SAMPLERS
 from reference.sdar_torch import reference_logits
 
@@ -22,7 +22,9 @@ def assert_close(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert a.shape == b.shape
     err = np.abs(a - b).max()
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
+        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    )
 
 
 def far(a, b):
@@ -86,7 +88,9 @@ def models(checkpoints):
 
 @pytest.mark.parametrize("name", ["sdar", "sdar_moe"])
 @pytest.mark.parametrize("length,prompt", [(12, 8), (11, 6)])  # block-aligned and not aligned
-def test_sdar_matches_transformers_qwen3_under_block_causal_mask(models, checkpoints, name, length, prompt):
+def test_sdar_matches_transformers_qwen3_under_block_causal_mask(
+    models, checkpoints, name, length, prompt
+):
     model = models(name)
     block = sdar_fixture.BLOCK_SIZE
     ids = canvas(2, length, prompt, sdar_fixture.MASK, seed=length)
@@ -107,11 +111,16 @@ def test_rows_and_prefix_cache_follow_the_protocol(models, name):
     length, prefix = 3 * block - 1, 2 * block
     ids = mx.array(canvas(1, length, prefix + 1, model.diffusion_spec.mask_token_id, seed=3))
     full = model(ids, mask=block_causal_mask(length, block))
-    assert_close(model(ids, mask=block_causal_mask(length, block), head_span=(prefix, length)), full[:, prefix:])
+    assert_close(
+        model(ids, mask=block_causal_mask(length, block), head_span=(prefix, length)),
+        full[:, prefix:],
+    )
     # Finished blocks in a KV cache, then the open block at absolute positions prefix..length-1.
     cache = make_prompt_cache(model)
     model(ids[:, :prefix], cache=cache, mask=block_causal_mask(prefix, block))
-    tail = model(ids[:, prefix:], cache=cache, mask=block_causal_mask(length - prefix, block, offset=prefix))
+    tail = model(
+        ids[:, prefix:], cache=cache, mask=block_causal_mask(length - prefix, block, offset=prefix)
+    )
     assert_close(tail, full[:, prefix:])
 
 

@@ -24,7 +24,11 @@ def _env():
 def _cli(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "mlx_dllm_models", *args],
-        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=ROOT,
     )
 
 
@@ -37,8 +41,20 @@ STATS = re.compile(r"NFE: (\d+), ([\d.]+) tokens/forward \| Peak memory: [\d.]+ 
 
 
 def test_generate_prints_text_and_statistics(ckpt):
-    out = _cli("generate", "--model", str(ckpt), "--prompt", "hello", "--max-tokens", "16",
-               "--block-length", "8", "--steps", "4", "--no-live")
+    out = _cli(
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "16",
+        "--block-length",
+        "8",
+        "--steps",
+        "4",
+        "--no-live",
+    )
     assert out.returncode == 0, out.stderr
     m = STATS.search(out.stdout)
     assert m, out.stdout
@@ -51,9 +67,26 @@ def test_live_canvas_on_a_terminal(ckpt):
     pid, fd = pty.fork()
     if pid == 0:  # child: the CLI on a pseudo-terminal
         os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", "generate", "--model",
-                                   str(ckpt), "--prompt", "hello", "--max-tokens", "48",
-                                   "--block-length", "16", "--steps", "16"], _env())
+        os.execve(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "mlx_dllm_models",
+                "generate",
+                "--model",
+                str(ckpt),
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "48",
+                "--block-length",
+                "16",
+                "--steps",
+                "16",
+            ],
+            _env(),
+        )
     chunks = []
     while True:
         ready, _, _ = select.select([fd], [], [], 120)
@@ -93,11 +126,29 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
-    out = _cli("convert", "--hf-path", str(ckpt), "--mlx-path", str(tmp_path / "q"), "-q",
-               "--q-bits", "8", "--q-group-size", "32")
+    out = _cli(
+        "convert",
+        "--hf-path",
+        str(ckpt),
+        "--mlx-path",
+        str(tmp_path / "q"),
+        "-q",
+        "--q-bits",
+        "8",
+        "--q-group-size",
+        "32",
+    )
     assert out.returncode == 0, out.stderr
-    gen = _cli("generate", "--model", str(tmp_path / "q"), "--prompt", "hi", "--max-tokens", "8",
-               "--no-live")
+    gen = _cli(
+        "generate",
+        "--model",
+        str(tmp_path / "q"),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "8",
+        "--no-live",
+    )
     assert gen.returncode == 0, gen.stderr
     assert STATS.search(gen.stdout)
 

@@ -27,9 +27,7 @@ settings.load_profile("ci")
 def rows(draw, max_b=3, max_l=12):
     b = draw(st.integers(1, max_b))
     l = draw(st.integers(1, max_l))
-    conf = draw(
-        st.lists(st.floats(0, 1, allow_nan=False), min_size=b * l, max_size=b * l)
-    )
+    conf = draw(st.lists(st.floats(0, 1, allow_nan=False), min_size=b * l, max_size=b * l))
     cand = draw(st.lists(st.booleans(), min_size=b * l, max_size=b * l))
     return np.array(conf, np.float32).reshape(b, l), np.array(cand).reshape(b, l)
 
@@ -168,9 +166,7 @@ def test_token_stats_sampling_is_seeded_and_follows_the_distribution():
 def test_raw_vs_sampled_confidence():
     logits = mx.array([[[2.0, 1.0, 0.0]]])
     raw = float(token_stats(logits, confidence="raw").confidence[0, 0])
-    samp = float(
-        token_stats(logits, top_k=2, confidence="sampled").confidence[0, 0]
-    )
+    samp = float(token_stats(logits, top_k=2, confidence="sampled").confidence[0, 0])
     assert math.isclose(raw, np.exp(2) / np.exp([2, 1, 0]).sum(), rel_tol=1e-5)
     assert math.isclose(samp, np.exp(2) / np.exp([2, 1]).sum(), rel_tol=1e-5)
 

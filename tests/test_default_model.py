@@ -14,8 +14,8 @@ import pytest
 
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.default import (
-    DEFAULT_PROMPT,
     _ASSET,
+    DEFAULT_PROMPT,
     chat_prompt,
     default_checkpoint,
     held_out_problems,
@@ -39,7 +39,9 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def default_model():
-    assert (_ASSET / "config.json").exists(), "the trained default is missing from mlx_dllm_models/assets/default"
+    assert (_ASSET / "config.json").exists(), (
+        "the trained default is missing from mlx_dllm_models/assets/default"
+    )
     return load(default_checkpoint())
 
 
@@ -50,7 +52,9 @@ def test_held_out_accuracy_above_floor(default_model, sampler):
     prompts = [chat_prompt(tokenizer, m) for m, _ in problems]
     out = batch_generate_diffusion(model, tokenizer, prompts, seed=0, **SETTINGS[sampler])
     accuracy = sum(is_correct(t, a) for t, (_, a) in zip(out.texts, problems)) / len(problems)
-    assert accuracy >= FLOORS[sampler], f"{sampler}: accuracy {accuracy:.3f} below {FLOORS[sampler]}"
+    assert accuracy >= FLOORS[sampler], (
+        f"{sampler}: accuracy {accuracy:.3f} below {FLOORS[sampler]}"
+    )
 
 
 def test_cli_answers_the_default_prompt():
@@ -58,7 +62,11 @@ def test_cli_answers_the_default_prompt():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_dllm_models", "generate", "--no-live"],
-        capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.split("=" * 10)[0]

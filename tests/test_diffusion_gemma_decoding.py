@@ -10,13 +10,13 @@ by the inverse CDF that the engine uses). Everything else is each side's own cod
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures import diffusion_gemma as fx
 
 import mlx_dllm_models.engine.canvas as canvas_mod
+from fixtures import diffusion_gemma as fx
 from mlx_dllm_models import load, stream_generate_diffusion
-from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
 from mlx_dllm_models.engine import BlockEvent
+from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
 from mlx_dllm_models.generate import checkpoint_settings, stream_events
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 
@@ -162,7 +162,10 @@ def run_transformers(ref, prompt, draws, eos, monkeypatch, steps=None, **kwargs)
     if steps is not None:
         kwargs["max_denoising_steps"] = steps
     out = ref.generate(
-        torch.tensor([prompt]), max_new_tokens=2 * C, eos_token_id=list(eos), streamer=Streamer(),
+        torch.tensor([prompt]),
+        max_new_tokens=2 * C,
+        eos_token_id=list(eos),
+        streamer=Streamer(),
         **kwargs,
     )
     monkeypatch.undo()
@@ -243,7 +246,8 @@ def _no_renoise(mp, model):
 def _entropy_without_temperature(mp, model):
     real = canvas_mod.canvas_stats
     mp.setattr(
-        canvas_mod, "canvas_stats",
+        canvas_mod,
+        "canvas_stats",
         lambda logits, t, u: real(logits, t, u)._replace(entropy=real(logits, 1.0, u).entropy),
     )
 
@@ -424,6 +428,7 @@ def test_stream_is_live_one_response_per_canvas(dg, eos_ids, monkeypatch):
     lengths = _spy_decode(model, monkeypatch)
     encoded = []
     real_encode = model.encode
+
     def encode(x, *a, **k):
         encoded.append(x.shape[1])
         return real_encode(x, *a, **k)
@@ -460,7 +465,12 @@ def test_seeded_runs_are_reproducible_and_the_seed_matters(dg):
 def test_threshold_sampler_reveals_for_good_and_finishes_the_canvas(dg, monkeypatch):
     model, proc = dg
     s, ids, decoder = stream_events(
-        model, proc, [PROMPT], sampler="threshold", threshold=0.9, max_tokens=C,
+        model,
+        proc,
+        [PROMPT],
+        sampler="threshold",
+        threshold=0.9,
+        max_tokens=C,
         max_denoising_steps=48,
     )
     pending = [np.array(e.pending) for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
@@ -470,7 +480,12 @@ def test_threshold_sampler_reveals_for_good_and_finishes_the_canvas(dg, monkeypa
     assert 1 < len(pending) < 48, "threshold 0.9 should accept several positions a step"
     # Threshold 1.0: one position a step (the most confident) until the last step takes the rest.
     s, ids, decoder = stream_events(
-        model, proc, [PROMPT], sampler="threshold", threshold=1.0, max_tokens=C,
+        model,
+        proc,
+        [PROMPT],
+        sampler="threshold",
+        threshold=1.0,
+        max_tokens=C,
         max_denoising_steps=6,
     )
     events = [e for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]

@@ -15,11 +15,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+
 from conftest import ROOT, load_fixture
 from fixtures import diffusion_gemma as fx
-
-from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.models.diffusion_gemma import Model, ModelArgs
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import ENCODER_CANVAS
 
 PROMPT_LEN = 13  # > SLIDING_WINDOW (8): sliding layers see only part of the prompt
@@ -40,7 +40,10 @@ def _convert(src, dst, *flags):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", _CONVERT, str(src), str(dst), *flags],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return dst
@@ -334,8 +337,15 @@ def test_diffusion_spec_comes_from_config_and_generation_config(model):
         "min_canvas_length": CANVAS,
         "max_canvas_length": CANVAS,
     }
-    for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold",
-                 "confidence_threshold", "min_canvas_length", "max_canvas_length"):
+    for name in (
+        "max_denoising_steps",
+        "t_min",
+        "t_max",
+        "stability_threshold",
+        "confidence_threshold",
+        "min_canvas_length",
+        "max_canvas_length",
+    ):
         assert name in family_settings(spec.family)
 
 

@@ -12,7 +12,6 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures import diffusion_gemma as fx
 from PIL import Image
 from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
     C,
@@ -28,6 +27,7 @@ from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
 )
 from test_diffusion_gemma_forward import _convert
 
+from fixtures import diffusion_gemma as fx
 from mlx_dllm_models import generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.settings import SettingsError
@@ -101,8 +101,9 @@ def test_image_generation_matches_transformers_step_by_step(image_parity):
 
 
 @pytest.mark.parametrize("mistake", ["image_tokens_causal", "features_one_token_late"])
-def test_the_image_parity_check_catches_mistakes(dg, image_prompt, image_parity, mistake,
-                                                  monkeypatch):
+def test_the_image_parity_check_catches_mistakes(
+    dg, image_prompt, image_parity, mistake, monkeypatch
+):
     import mlx_dllm_models.vision as vision
 
     model = dg[0]
@@ -203,8 +204,22 @@ def test_images_need_the_processor_and_one_text_prompt(dg, checkpoint):
 def test_cli_image(checkpoint, tmp_path, capsys):
     path = tmp_path / "picture.png"
     picture(5).save(path)
-    args = ["generate", "--model", str(checkpoint), "--prompt", "describe", "--image", str(path),
-            "--image", str(path), "--max-tokens", "8", "--max-denoising-steps", "2", "--no-live"]
+    args = [
+        "generate",
+        "--model",
+        str(checkpoint),
+        "--prompt",
+        "describe",
+        "--image",
+        str(path),
+        "--image",
+        str(path),
+        "--max-tokens",
+        "8",
+        "--max-denoising-steps",
+        "2",
+        "--no-live",
+    ]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "NFE: 2" in out

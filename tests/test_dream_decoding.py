@@ -17,7 +17,7 @@ from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diff
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule
 from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
-from mlx_dllm_models.generate import checkpoint_settings, _eos_ids
+from mlx_dllm_models.generate import _eos_ids, checkpoint_settings
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 from reference.dream_torch import dream_generate, reference_forward
 
@@ -68,10 +68,11 @@ def reference(ckpt, p, max_tokens, steps, **kw):
 
 
 def _reference(ckpt, p, max_tokens, steps, **kw):
-    seq = dream_generate(reference_forward(ckpt), np.array([p]), max_tokens, steps,
-                         mask_token_id=MASK, **kw)
+    seq = dream_generate(
+        reference_forward(ckpt), np.array([p]), max_tokens, steps, mask_token_id=MASK, **kw
+    )
     assert not (seq == MASK).any(), "the reference proposed the mask token: pick another case"
-    return seq[0, len(p):].tolist()
+    return seq[0, len(p) :].tolist()
 
 
 # (prompt length, prompt seed, max_tokens, steps, extra settings)
@@ -95,7 +96,9 @@ def test_ranked_algs_match_reference_tokens(dream, ckpt, alg, case):
     got, nfe = ours(model, [p], max_tokens=max_tokens, steps=steps, alg=alg, **extra)
     assert got[0] == want
     # Steps whose count is 0 change nothing and are skipped; the others each take one forward.
-    counts = np.array(dream_rules.dream_schedule(mx.array([max_tokens]), steps, {"alg": alg, "eps": 1e-3}))
+    counts = np.array(
+        dream_rules.dream_schedule(mx.array([max_tokens]), steps, {"alg": alg, "eps": 1e-3})
+    )
     assert nfe == int((counts > 0).sum())
 
 
@@ -103,7 +106,10 @@ def test_cases_tell_the_algorithms_apart(ckpt):
     """Each pair of ranked algorithms gives different tokens on some case, so a rule that read the
     wrong confidence could not pass the parity test."""
     out = {
-        alg: [reference(ckpt, prompt(n, seed), N, S, alg=alg, **extra) for n, seed, N, S, extra in RANKED_CASES]
+        alg: [
+            reference(ckpt, prompt(n, seed), N, S, alg=alg, **extra)
+            for n, seed, N, S, extra in RANKED_CASES
+        ]
         for alg in ("maskgit_plus", "topk_margin", "entropy")
     }
     algs = list(out)
@@ -135,7 +141,7 @@ class _Draws:
         return f
 
     def torch_rand(self, shape, generator=None):
-        masks = (self.canvas[0, -self.u.shape[1]:] == MASK).numpy()
+        masks = (self.canvas[0, -self.u.shape[1] :] == MASK).numpy()
         u = torch.from_numpy(self.u[self.i][masks])
         assert tuple(u.shape) == tuple(shape)
         self.i += 1
@@ -150,8 +156,14 @@ def test_origin_matches_reference_with_the_same_draws(dream, ckpt, monkeypatch, 
     draws = _Draws(steps, max_tokens, seed=seed + 100)
     with monkeypatch.context() as m:
         m.setattr(torch, "rand", draws.torch_rand)
-        seq = dream_generate(draws.forward(reference_forward(ckpt)), np.array([p]), max_tokens, steps,
-                             alg="origin", mask_token_id=MASK)
+        seq = dream_generate(
+            draws.forward(reference_forward(ckpt)),
+            np.array([p]),
+            max_tokens,
+            steps,
+            alg="origin",
+            mask_token_id=MASK,
+        )
     assert draws.i == steps
     draws.i = 0
     monkeypatch.setattr(dream_rules, "uniform", draws.ours)
@@ -175,9 +187,13 @@ def test_parity_checks_can_fail(dream, ckpt):
     finally:
         model.diffusion_spec = spec
     assert unshifted[0] != want
-    dream_counts = np.array(dream_rules.dream_schedule(mx.array([8]), 8, {"alg": "maskgit_plus", "eps": 1e-3}))
+    dream_counts = np.array(
+        dream_rules.dream_schedule(mx.array([8]), 8, {"alg": "maskgit_plus", "eps": 1e-3})
+    )
     engine_counts = np.array(transfer_schedule(mx.array([8]), 8))
-    assert dream_counts[0, 0] == 0 and engine_counts[0, 0] == 1  # Dream's first step commits nothing
+    assert (
+        dream_counts[0, 0] == 0 and engine_counts[0, 0] == 1
+    )  # Dream's first step commits nothing
 
 
 def test_timesteps_and_counts_match_torch():
@@ -186,7 +202,9 @@ def test_timesteps_and_counts_match_torch():
             t = torch.linspace(1, eps, steps + 1).numpy()
             np.testing.assert_array_equal(dream_rules.timesteps(steps, eps), t)
             masks = np.array([1, 5, 8, 31, 128])
-            got = np.array(dream_rules.dream_schedule(mx.array(masks), steps, {"alg": "entropy", "eps": eps}))
+            got = np.array(
+                dream_rules.dream_schedule(mx.array(masks), steps, {"alg": "entropy", "eps": eps})
+            )
             for m, row in zip(masks, got):
                 left, want = torch.tensor(float(m)), []
                 for i in range(steps):
@@ -208,8 +226,15 @@ def test_left_padded_batch_matches_reference_and_one_by_one(dream, ckpt):
     width = max(len(p) for p in prompts)
     ids = np.array([[ENDOFTEXT] * (width - len(p)) + p for p in prompts])
     attention = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    seq = dream_generate(reference_forward(ckpt), ids, 10, 7, alg="entropy", mask_token_id=MASK,
-                         attention_mask=attention)
+    seq = dream_generate(
+        reference_forward(ckpt),
+        ids,
+        10,
+        7,
+        alg="entropy",
+        mask_token_id=MASK,
+        attention_mask=attention,
+    )
     assert batch == seq[:, width:].tolist()
 
 
@@ -262,8 +287,16 @@ def test_shared_samplers_run_block_wise_and_never_leak_masks(dream, kw):
 @pytest.mark.parametrize("steps", [1, 3, 40])
 def test_dream_sampler_never_leaks_masks(dream, alg, steps):
     model, _ = dream
-    got, nfe = ours(model, [prompt(4, 40)], max_tokens=10, steps=steps, alg=alg, temperature=0.7,
-                    top_p=0.95, seed=1)
+    got, nfe = ours(
+        model,
+        [prompt(4, 40)],
+        max_tokens=10,
+        steps=steps,
+        alg=alg,
+        temperature=0.7,
+        top_p=0.95,
+        seed=1,
+    )
     assert len(got[0]) == 10 and MASK not in got[0]
     assert nfe <= steps
 
@@ -271,7 +304,9 @@ def test_dream_sampler_never_leaks_masks(dream, alg, steps):
 def test_origin_draws_at_temperature_zero_and_is_seeded(dream):
     model, _ = dream
     p = prompt(6, 50)
-    runs = [ours(model, [p], max_tokens=12, steps=12, alg="origin", seed=s)[0][0] for s in (0, 0, 1, 2)]
+    runs = [
+        ours(model, [p], max_tokens=12, steps=12, alg="origin", seed=s)[0][0] for s in (0, 0, 1, 2)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2] or runs[0] != runs[3], "origin's transfer draws ignore the seed"
 
@@ -292,8 +327,15 @@ def test_margin_and_processed_entropy_follow_the_processed_distribution():
 
     logits = mx.array([[[3.0, 2.0, 1.0, -1.0]]])
     order = ("temperature", "top_p", "top_k")
-    s = token_stats(logits, temperature=0.5, top_k=3, key=mx.random.key(0), confidence="sampled",
-                    order=order, extras=("margin", "processed_entropy"))
+    s = token_stats(
+        logits,
+        temperature=0.5,
+        top_k=3,
+        key=mx.random.key(0),
+        confidence="sampled",
+        order=order,
+        extras=("margin", "processed_entropy"),
+    )
     p = np.exp(np.array([6.0, 4.0, 2.0]))
     p /= p.sum()
     assert np.isclose(float(s.margin[0, 0]), p[0] - p[1], rtol=1e-5)
@@ -301,10 +343,13 @@ def test_margin_and_processed_entropy_follow_the_processed_distribution():
     x0, conf, ent = s  # still a 3-tuple
     assert token_stats(logits).margin is None
     # Dream tempers before top-p: at T=0.5, 0.9 of the mass sits on the top token alone.
-    kept = token_stats(logits, temperature=0.5, top_p=0.8, key=mx.random.key(0), confidence="sampled",
-                       order=order)
+    kept = token_stats(
+        logits, temperature=0.5, top_p=0.8, key=mx.random.key(0), confidence="sampled", order=order
+    )
     assert np.isclose(float(kept.confidence[0, 0]), 1.0)
-    default = token_stats(logits, temperature=0.5, top_p=0.8, key=mx.random.key(0), confidence="sampled")
+    default = token_stats(
+        logits, temperature=0.5, top_p=0.8, key=mx.random.key(0), confidence="sampled"
+    )
     assert float(default.confidence[0, 0]) < 0.99
 
 
@@ -367,11 +412,32 @@ def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
 
 def test_cli_generates_with_dream_settings(ckpt):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "mlx_dllm_models", "generate", "--model", str(ckpt), "--prompt", "hi",
-           "--max-tokens", "8", "--alg", "entropy", "--steps", "8", "--no-live"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_dllm_models",
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "8",
+        "--alg",
+        "entropy",
+        "--steps",
+        "8",
+        "--no-live",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "NFE:" in out.stdout
-    bad = subprocess.run(cmd[:-5] + ["--alg", "nope", "--no-live"], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
+    bad = subprocess.run(
+        cmd[:-5] + ["--alg", "nope", "--no-live"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert bad.returncode != 0 and "unknown alg 'nope'" in bad.stderr

@@ -8,10 +8,10 @@ import pytest
 
 from conftest import load_fixture
 from fixtures.dream import ENDOFTEXT, MASK, build
-from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models import dream
+from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import BIDIRECTIONAL
 from reference.dream_torch import dream_generate, reference_forward, reference_logits
 
@@ -20,7 +20,9 @@ def assert_close(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert a.shape == b.shape
     err = np.abs(a - b).max()
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
+        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    )
 
 
 def far(a, b):
@@ -141,7 +143,13 @@ def test_sanitize_rejects_weights_without_qkv_bias(ckpt):
 def test_reference_generator_runs_on_the_fixture(ckpt):
     """Smoke check of the transcribed sampling loop the engine's token-parity tests will use."""
     prompt = canvas(2, 6, 6, seed=7)
-    seq = dream_generate(reference_forward(ckpt), prompt, max_new_tokens=8, steps=4, alg="maskgit_plus",
-                         mask_token_id=MASK)
+    seq = dream_generate(
+        reference_forward(ckpt),
+        prompt,
+        max_new_tokens=8,
+        steps=4,
+        alg="maskgit_plus",
+        mask_token_id=MASK,
+    )
     assert seq.shape == (2, 14)
     assert (seq[:, :6] == prompt).all() and not (seq == MASK).any()

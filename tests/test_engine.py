@@ -66,8 +66,9 @@ def test_quota_commits_exactly_the_schedule_per_step(llada):
 def test_threshold_commits_several_tokens_per_forward(llada):
     model, tok = llada
     _, quota = _tokens(model, tok, max_tokens=32, block_length=16, steps=16)
-    _, thr = _tokens(model, tok, max_tokens=32, block_length=16, steps=16, sampler="threshold",
-                     threshold=0.7)
+    _, thr = _tokens(
+        model, tok, max_tokens=32, block_length=16, steps=16, sampler="threshold", threshold=0.7
+    )
     assert quota.nfe == 32
     assert thr.nfe < quota.nfe, "fixture head not confident enough: threshold never beats quota"
 
@@ -88,7 +89,9 @@ def test_stream_is_live(llada):
     model, tok = llada
     calls = []
     with spy_forwards(model, lambda *a: calls.append(1)):
-        stream = stream_generate_diffusion(model, tok, PROMPT, max_tokens=24, block_length=8, steps=4)
+        stream = stream_generate_diffusion(
+            model, tok, PROMPT, max_tokens=24, block_length=8, steps=4
+        )
         first = next(stream)
         assert len(first.tokens) > 0 and first.nfe == 4
         assert len(calls) == 4, "the second block was computed before the first was delivered"
@@ -137,7 +140,9 @@ def test_text_prompt_and_generate_string(llada):
 def test_head_runs_only_over_the_block(llada):
     model, tok = llada
     seen = []
-    with spy_forwards(model, lambda inputs, c, m, head_span: seen.append((inputs.shape[1], head_span))):
+    with spy_forwards(
+        model, lambda inputs, c, m, head_span: seen.append((inputs.shape[1], head_span))
+    ):
         _tokens(model, tok, max_tokens=16, block_length=8, steps=2)
     P = len(PROMPT)
     assert seen == [(P + 16, (P, P + 8))] * 2 + [(P + 16, (P + 8, P + 16))] * 2

@@ -65,8 +65,13 @@ def test_quota_matches_llada_generate(llada, forward_kind, gen_length, block_len
         )
         want = _reference_tokens(x, len(prompt), set(spec.eos_token_ids))
         got, last = _ours(
-            model, tok, prompt, max_tokens=gen_length, block_length=block_length,
-            steps=steps_total // n_blocks, sampler="quota",
+            model,
+            tok,
+            prompt,
+            max_tokens=gen_length,
+            block_length=block_length,
+            steps=steps_total // n_blocks,
+            sampler="quota",
         )
         assert got == want
         committed_per_step.append(last.tokens_per_forward)
@@ -95,8 +100,14 @@ def test_threshold_matches_fast_dllm(llada, forward_kind, threshold):
         )
         want = _reference_tokens(x, len(prompt), set(spec.eos_token_ids))
         got, last = _ours(
-            model, tok, prompt, max_tokens=32, block_length=16, steps=16,
-            sampler="threshold", threshold=threshold,
+            model,
+            tok,
+            prompt,
+            max_tokens=32,
+            block_length=16,
+            steps=16,
+            sampler="threshold",
+            threshold=threshold,
         )
         assert got == want
         if len(want) == 32:
@@ -113,6 +124,12 @@ def test_batch_matches_reference_per_row(llada):
         model, tok, PROMPTS, max_tokens=16, block_length=8, steps=4, sampler="quota"
     )
     for prompt, got in zip(PROMPTS, batch.tokens):
-        x = llada_generate(forward, torch.tensor([prompt]), steps=8, gen_length=16, block_length=8,
-                           mask_id=spec.mask_token_id)
+        x = llada_generate(
+            forward,
+            torch.tensor([prompt]),
+            steps=8,
+            gen_length=16,
+            block_length=8,
+            mask_id=spec.mask_token_id,
+        )
         assert got == _reference_tokens(x, len(prompt), set(spec.eos_token_ids))

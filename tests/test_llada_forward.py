@@ -9,8 +9,8 @@ import pytest
 
 from conftest import load_fixture
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
-from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.cache import Positions
+from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.masks import causal_mask, padding_mask
 from mlx_dllm_models.models import llada
 from mlx_dllm_models.spec import BIDIRECTIONAL
@@ -30,7 +30,9 @@ def assert_close(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert a.shape == b.shape
     err = max_err(a, b)
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
+        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
+    )
 
 
 def far(a, b):
@@ -226,8 +228,12 @@ def test_reference_generate_transcription(ckpts):
     mask_id = LLADA_TOKENS["<|mdm_mask|>"]
     out, nfe = llada_generate(forward, prompt, 8, 16, 8, mask_id=mask_id, return_nfe=True)
     assert nfe == 8 and (out[:, 4:] != mask_id).all() and (out[:, :4] == prompt).all()
-    out_t, nfe_t = llada_generate(forward, prompt, 8, 16, 8, mask_id=mask_id, threshold=0.9, return_nfe=True)
+    out_t, nfe_t = llada_generate(
+        forward, prompt, 8, 16, 8, mask_id=mask_id, threshold=0.9, return_nfe=True
+    )
     assert (out_t[:, 4:] != mask_id).all() and nfe_t <= 16
     # A threshold nothing passes commits exactly one token per forward.
-    _, nfe_one = llada_generate(forward, prompt, 8, 16, 8, mask_id=mask_id, threshold=1.1, return_nfe=True)
+    _, nfe_one = llada_generate(
+        forward, prompt, 8, 16, 8, mask_id=mask_id, threshold=1.1, return_nfe=True
+    )
     assert nfe_one == 16

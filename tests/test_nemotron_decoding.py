@@ -16,15 +16,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+
 from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
-from mlx_lm.generate import generate_step
-from reference.nemotron_reference import VlmForward, hf_generate
-
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine.self_spec import speculative_accept
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
+from reference.nemotron_reference import VlmForward, hf_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 L = fx.BLOCK_SIZE
@@ -95,11 +95,12 @@ def test_diffusion_matches_hf_reference_generate(loaded, vlm, threshold):
     sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
     several = []
     for prompt in PROMPTS:
-        x, _ = hf_generate(VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, fx.EOS,
-                           threshold=threshold)
+        x, _ = hf_generate(
+            VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, fx.EOS, threshold=threshold
+        )
         assert fx.MASK not in x[0].tolist()  # (the reference may commit a mask id; ours never does)
         got, responses = _ours(model, tok, prompt, max_tokens=3 * L, **sampler)
-        assert got == _cut(x[0, len(prompt):])
+        assert got == _cut(x[0, len(prompt) :])
         several.append(responses[-1].tokens_per_forward)
     if threshold is not None and threshold < 0.9:
         assert max(several) > 1.5, "fixture not confident: threshold never beats one per step"
@@ -116,8 +117,12 @@ def test_diffusion_matches_mlx_vlm_generate(loaded, vlm, max_tokens, steps, thre
     sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
     for prompt in PROMPTS:
         want = vlm.language_model.generate(
-            mx.array([prompt]), block_length=L, steps=steps, gen_length=max_tokens,
-            threshold=threshold, sampler="native",
+            mx.array([prompt]),
+            block_length=L,
+            steps=steps,
+            gen_length=max_tokens,
+            threshold=threshold,
+            sampler="native",
         )
         got, _ = _ours(model, tok, prompt, max_tokens=max_tokens, steps=steps, **sampler)
         assert got == _cut(want[0].tolist())
@@ -174,8 +179,9 @@ def test_forwards_of_the_cache(loaded):
 def test_self_spec_equals_greedy_ar(loaded, cache, max_tokens):
     model, tok = loaded
     for prompt in _prompts(3, seed=max_tokens):
-        got, responses = _ours(model, tok, prompt, max_tokens=max_tokens, mode="self_spec",
-                               cache=cache)
+        got, responses = _ours(
+            model, tok, prompt, max_tokens=max_tokens, mode="self_spec", cache=cache
+        )
         assert got == _ar_greedy(model, prompt, max_tokens)
         assert responses[-1].finish_reason in ("stop", "length")
         # Every forward yields at least one token, as AR decoding does.
@@ -274,8 +280,20 @@ def test_bad_settings_raise_clear_errors(loaded):
 
 def _cli(checkpoint, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "mlx_dllm_models", "generate", "--model", str(checkpoint),
-           "--prompt", "hi", "--max-tokens", "16", "--no-live", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_dllm_models",
+        "generate",
+        "--model",
+        str(checkpoint),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "16",
+        "--no-live",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 

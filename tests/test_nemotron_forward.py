@@ -10,14 +10,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import load_fixture
-from fixtures import nemotron as fx
 from mlx_lm.models.cache import KVCache
 
-from mlx_dllm_models.settings import family_settings
+from conftest import load_fixture
+from fixtures import nemotron as fx
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models.nemotron_labs_diffusion import Model, ModelArgs
+from mlx_dllm_models.settings import family_settings
 
 PROMPT_LEN, BLOCK_LEN = 21, fx.BLOCK_SIZE
 

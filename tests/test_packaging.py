@@ -46,7 +46,12 @@ def _env():
 
 def _run(cmd, cwd, env=None, timeout=600):
     proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -57,7 +62,9 @@ def _python(installed, code, *args, extra_env=None, timeout=600):
     printed on its `RESULT ` line, parsed as JSON."""
     env = _env()
     env.update(extra_env or {})
-    proc = _run([installed.python, "-c", textwrap.dedent(code), *args], installed.workdir, env, timeout)
+    proc = _run(
+        [installed.python, "-c", textwrap.dedent(code), *args], installed.workdir, env, timeout
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -68,7 +75,19 @@ def _python(installed, code, *args, extra_env=None, timeout=600):
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", out, ROOT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            out,
+            ROOT,
+        ],
         out,
     )
     (whl,) = out.glob("mlx_dllm_models-*.whl")
@@ -82,13 +101,35 @@ def installed(tmp_path_factory, wheel):
     venv = base / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], base)
     python = venv / "bin" / "python"
-    site_dir = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], base).stdout.strip())
-    parents = [p for p in dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]) if Path(p).is_dir()]
+    site_dir = Path(
+        _run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], base
+        ).stdout.strip()
+    )
+    parents = [
+        p
+        for p in dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+        if Path(p).is_dir()
+    ]
     # Sorts before mlx_dllm_models.pth, so the dependencies are importable when the hook loads.
     lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in parents)
     (site_dir / "_test_parent_env.pth").write_text(lines)
     # The test environment's pip, so that nothing outside the throwaway venv is touched.
-    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", site_dir, wheel], base)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            "--target",
+            site_dir,
+            wheel,
+        ],
+        base,
+    )
     workdir = base / "work"
     workdir.mkdir()
     return SimpleNamespace(python=python, site=site_dir, workdir=workdir)
@@ -103,7 +144,9 @@ def mlx_lm_copy(tmp_path_factory):
     if version != PINNED_MLX_LM:
         pytest.skip(f"{PATCH.name} targets mlx-lm {PINNED_MLX_LM}; installed is {version}")
     dst = tmp_path_factory.mktemp("mlx_lm_src")
-    shutil.copytree(Path(mlx_lm.__file__).parent, dst / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(mlx_lm.__file__).parent, dst / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return dst
 
 
@@ -133,7 +176,11 @@ def test_wheel_ships_the_startup_hook_at_its_root(wheel):
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
         assert whl.read("mlx_dllm_models.pth").decode().strip() == "import mlx_dllm_models_hook"
-    assert {"mlx_dllm_models_hook.py", "mlx_dllm_models/__init__.py", "mlx_dllm_models/registry.py"} <= names
+    assert {
+        "mlx_dllm_models_hook.py",
+        "mlx_dllm_models/__init__.py",
+        "mlx_dllm_models/registry.py",
+    } <= names
     assert not any(n.startswith(("tests/", "patches/")) for n in names)
 
 
@@ -171,7 +218,11 @@ def test_startup_hook_is_installed_and_imports_nothing_heavy(installed):
 def _available_model_types():
     import importlib.util
 
-    return {t: m for t, m in MODEL_TYPES.items() if importlib.util.find_spec(f"mlx_dllm_models.models.{m}")}
+    return {
+        t: m
+        for t, m in MODEL_TYPES.items()
+        if importlib.util.find_spec(f"mlx_dllm_models.models.{m}")
+    }
 
 
 def test_patched_mlx_lm_finds_models_through_entry_points_alone(installed, mlx_lm_copy, tmp_path):

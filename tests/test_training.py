@@ -62,9 +62,10 @@ def reference_pretraining_loss(model, mask_id, input_ids, t, u, shift=0):
     masked_indices = u < p_mask
     noisy_batch = torch.where(masked_indices, mask_id, input_ids)
     logits = _torch_logits(model, noisy_batch.numpy(), shift)
-    token_loss = F.cross_entropy(
-        logits[masked_indices], input_ids[masked_indices].long(), reduction="none"
-    ) / p_mask[masked_indices]
+    token_loss = (
+        F.cross_entropy(logits[masked_indices], input_ids[masked_indices].long(), reduction="none")
+        / p_mask[masked_indices]
+    )
     return (token_loss.sum() / (b * l)).item()
 
 
@@ -80,9 +81,10 @@ def reference_sft_loss(model, mask_id, input_ids, prompt_lengths, t, u, shift=0)
     answer_lengths = torch.sum(1 - prompt_mask.to(torch.int64), dim=-1, keepdim=True).repeat(1, l)
     masked_indices = noisy_batch == mask_id
     logits = _torch_logits(model, noisy_batch.numpy(), shift)
-    token_loss = F.cross_entropy(
-        logits[masked_indices], input_ids[masked_indices].long(), reduction="none"
-    ) / p_mask[masked_indices]
+    token_loss = (
+        F.cross_entropy(logits[masked_indices], input_ids[masked_indices].long(), reduction="none")
+        / p_mask[masked_indices]
+    )
     return (torch.sum(token_loss / answer_lengths[masked_indices]) / b).item()
 
 
@@ -99,7 +101,9 @@ def test_loss_matches_llada_guidelines(family, llada, dream):
     t[0] = 0.0  # p = eps: the 1/p weight at its largest
     args = dict(mask_token_id=spec.mask_token_id, logit_shift=spec.logit_shift)
     got = diffusion_loss(model, mx.array(tokens), mx.array(t), mx.array(u), **args).item()
-    _close(got, reference_pretraining_loss(model, spec.mask_token_id, tokens, t, u, spec.logit_shift))
+    _close(
+        got, reference_pretraining_loss(model, spec.mask_token_id, tokens, t, u, spec.logit_shift)
+    )
     got = diffusion_loss(
         model, mx.array(tokens), mx.array(t), mx.array(u), prompt_lengths=mx.array(plen), **args
     ).item()
@@ -137,8 +141,13 @@ def _fixed_loss(model, tokens, plen):
     t, u = sample_noise(mx.random.key(123), tokens.shape)
     spec = model.diffusion_spec
     return diffusion_loss(
-        model, mx.array(tokens), t, u, mask_token_id=spec.mask_token_id,
-        logit_shift=spec.logit_shift, prompt_lengths=mx.array(plen),
+        model,
+        mx.array(tokens),
+        t,
+        u,
+        mask_token_id=spec.mask_token_id,
+        logit_shift=spec.logit_shift,
+        prompt_lengths=mx.array(plen),
     ).item()
 
 

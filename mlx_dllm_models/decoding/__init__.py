@@ -5,19 +5,19 @@ ranks candidate positions and commits a prefix of the ranking (rules.py), a sche
 quotas and block boundaries (schedule.py). No function here owns state or calls a model.
 """
 
-from .rules import (
-    edit_commit,
-    entropy_commit,
-    factor_commit,
-    quota_commit,
-    threshold_commit,
-)
 from .canvas import (
     CanvasStats,
     canvas_stats,
     linear_temperature,
     renoise,
     stable_and_confident,
+)
+from .rules import (
+    edit_commit,
+    entropy_commit,
+    factor_commit,
+    quota_commit,
+    threshold_commit,
 )
 from .schedule import block_ranges, transfer_schedule
 from .stats import TokenStats, filter_logits, token_stats

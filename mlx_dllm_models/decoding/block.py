@@ -44,7 +44,9 @@ sequential_commit.exact_floor = lambda settings: True
 def token_edits(stats, tokens, editable, threshold: float, strict: bool = True):
     """LLaDA2.1 T2T edits of one step: committed, editable positions (generated, not prompt) whose
     proposal differs from their token with confidence above `threshold`."""
-    return edit_commit(stats.x0.astype(tokens.dtype), stats.confidence, tokens, editable, threshold, strict)
+    return edit_commit(
+        stats.x0.astype(tokens.dtype), stats.confidence, tokens, editable, threshold, strict
+    )
 
 
 def check_editing_threshold(value) -> Optional[str]:

@@ -36,7 +36,9 @@ class PrefixCache:
 
     def __init__(self, model, spec, layout, settings):
         if not layout.aligned:
-            raise ValueError("the prefix cache needs a block-aligned layout (block-causal families)")
+            raise ValueError(
+                "the prefix cache needs a block-aligned layout (block-causal families)"
+            )
         self.model, self.spec, self.settings = model, spec, settings
         self.block = settings["block_length"]
         self.width = layout.width
@@ -52,7 +54,9 @@ class PrefixCache:
     def _forward(self, x, start, stop, head_span):
         self.nfe += 1
         mask = block_causal_mask(stop - start, self.block, offset=start, left_padding=self.pads)
-        return self.model(x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span)
+        return self.model(
+            x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span
+        )
 
     def prefill(self, x):
         chunk = max(1, PREFILL_TOKENS // self.block) * self.block

@@ -82,8 +82,9 @@ def _take_rows(cache, idx):
 class CanvasDecoder:
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None,
-                 images=None):
+    def __init__(
+        self, model, settings: dict, eos_token_ids: Sequence[int], backend=None, images=None
+    ):
         self.model = model
         self.spec = model.diffusion_spec
         self.s = settings
@@ -121,8 +122,9 @@ class CanvasDecoder:
             argmax = yield from self._denoise(cache, rows, length, mask, before)
             wanted = min(length, s["max_tokens"] - total)
             new = argmax[:, :wanted].tolist()
-            event = block_event(rows, new, [total + wanted >= s["max_tokens"]] * len(rows), self.eos,
-                                self.nfe)
+            event = block_event(
+                rows, new, [total + wanted >= s["max_tokens"]] * len(rows), self.eos, self.nfe
+            )
             yield event
             total += wanted
             keep = [i for i, f in enumerate(event.finished) if not f]

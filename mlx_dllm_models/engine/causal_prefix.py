@@ -14,7 +14,7 @@ in place and reads the prefix as a slice, never a per-step concatenation.
 masks.causal_prefix_mask), the exact reference mode that the cache must reproduce token for token.
 """
 
-from typing import List, Sequence
+from typing import List
 
 import mlx.core as mx
 
@@ -71,7 +71,9 @@ class _KVForwards(_Forwards):
         else:
             # With this package's cache, no mask attends to every key.
             mask = "causal" if split == stop else None
-        return self.model(x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span)
+        return self.model(
+            x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span
+        )
 
     def keep(self, column):
         # A causal part wrote K/V past what was kept: those columns are rewritten later.

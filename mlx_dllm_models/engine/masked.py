@@ -104,7 +104,9 @@ def _warn_untrained_block_length(spec, settings):
     logger.warning(
         "block_length=%d differs from the block size %d this %s checkpoint was trained with; "
         "generation runs, but its quality may drop",
-        chosen, trained, spec.family,
+        chosen,
+        trained,
+        spec.family,
     )
 
 
@@ -120,8 +122,15 @@ class Layout:
     they are never committed nor returned.
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], n_gen: int, block_length: int,
-                 aligned: bool, mask_id: int, pad_id: int = 0):
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n_gen: int,
+        block_length: int,
+        aligned: bool,
+        mask_id: int,
+        pad_id: int = 0,
+    ):
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
         if aligned:
@@ -147,8 +156,9 @@ class Layout:
 
     def blocks(self):
         first = min(self.starts)
-        return block_ranges(first, max(self.starts) + self.n_gen - first, self.block_length,
-                            aligned=self.aligned)
+        return block_ranges(
+            first, max(self.starts) + self.n_gen - first, self.block_length, aligned=self.aligned
+        )
 
     def select(self, idx: List[int]):
         return replaced(
@@ -172,7 +182,9 @@ class FullRecompute:
         width = layout.width
         if spec.attention == BLOCK_CAUSAL:
             self.mask = block_causal_mask(
-                width, settings["block_length"], left_padding=layout.pads if any(layout.pads) else None
+                width,
+                settings["block_length"],
+                left_padding=layout.pads if any(layout.pads) else None,
             )
         else:
             self.mask = padding_mask(layout.pads, width)
@@ -216,7 +228,9 @@ class MaskedBlockDecoder:
         if rule is None:
             raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
         self.rule = rule
-        self.schedule = getattr(rule, "schedule", None) or (lambda m, steps, _: transfer_schedule(m, steps))
+        self.schedule = getattr(rule, "schedule", None) or (
+            lambda m, steps, _: transfer_schedule(m, steps)
+        )
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
         _warn_untrained_block_length(self.spec, settings)
 
@@ -227,8 +241,9 @@ class MaskedBlockDecoder:
     def run(self, prompts: Sequence[Sequence[int]]) -> Iterator[object]:
         s, spec = self.s, self.spec
         mask_id = spec.mask_token_id
-        layout = Layout(prompts, s["max_tokens"], s["block_length"], spec.attention == BLOCK_CAUSAL,
-                        mask_id)
+        layout = Layout(
+            prompts, s["max_tokens"], s["block_length"], spec.attention == BLOCK_CAUSAL, mask_id
+        )
         x = layout.tokens
         rows = list(range(len(prompts)))
         backend = self.backend = self.backend_cls(self.model, spec, layout, s)
@@ -286,7 +301,9 @@ class MaskedBlockDecoder:
                 current = x[:, start:stop]
                 if editing:
                     editable = gen & (current != mask_id) & active[:, None]
-                    edits = token_edits(stats, current, editable, edit_threshold, spec.strict_threshold)
+                    edits = token_edits(
+                        stats, current, editable, edit_threshold, spec.strict_threshold
+                    )
                     commit = commit | edits
                     active = active & (masked | edits.any(axis=1))
                 block = mx.where(commit, stats.x0.astype(mx.int32), current)

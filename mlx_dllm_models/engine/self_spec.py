@@ -17,7 +17,6 @@ from .base import block_event
 from .causal_prefix import next_key, sample_tokens
 
 
-
 def _probs(logits, settings, spec, suppress=()):
     """The processed distribution that `sample_tokens` draws from (float32, (..., V))."""
     scores = logits.astype(mx.float32)

@@ -390,8 +390,14 @@ class DiffusionGemmaTextModel(nn.Module):
             p = mx.softmax(logits.astype(mx.float32), axis=-1).astype(e.scales.dtype)
             # The table is [V, H] quantized along H: p @ E is the untransposed product.
             soft = mx.quantized_matmul(
-                p, e.weight, e.scales, getattr(e, "biases", None), transpose=False,
-                group_size=e.group_size, bits=e.bits, mode=e.mode,
+                p,
+                e.weight,
+                e.scales,
+                getattr(e, "biases", None),
+                transpose=False,
+                group_size=e.group_size,
+                bits=e.bits,
+                mode=e.mode,
             )
         else:
             p = mx.softmax(logits.astype(mx.float32), axis=-1).astype(e.weight.dtype)

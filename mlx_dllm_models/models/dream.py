@@ -56,7 +56,10 @@ class ModelArgs(qwen2.ModelArgs):
 
     def __post_init__(self):
         # Dream's attention (like mlx-lm's Qwen2) derives head_dim from hidden_size / heads.
-        if self.head_dim is not None and self.head_dim * self.num_attention_heads != self.hidden_size:
+        if (
+            self.head_dim is not None
+            and self.head_dim * self.num_attention_heads != self.hidden_size
+        ):
             raise ValueError(
                 f"config.json: head_dim={self.head_dim} but hidden_size / num_attention_heads = "
                 f"{self.hidden_size} / {self.num_attention_heads}; Dream requires them to agree."
@@ -116,7 +119,12 @@ class Model(nn.Module):
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
             samplers=("dream",) + SHARED_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
-            generation_config_keys={"alg": "alg", "alg_temp": "alg_temp", "eps": "eps", "steps": "steps"},
+            generation_config_keys={
+                "alg": "alg",
+                "alg_temp": "alg_temp",
+                "eps": "eps",
+                "steps": "steps",
+            },
             sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
             sampler_defaults={"dream": {"block_length": None}},  # the whole canvas is one block
         )

@@ -162,7 +162,9 @@ class ModelArgs(BaseModelArgs):
             "LLaDAMoEModelLM",
         )
         if self.hidden_act != "silu":
-            raise ValueError(f"LLaDA-MoE hidden_act={self.hidden_act!r} is not supported (only silu)")
+            raise ValueError(
+                f"LLaDA-MoE hidden_act={self.hidden_act!r} is not supported (only silu)"
+            )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.rope_theta is None:
@@ -178,7 +180,9 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(f"moe_layer_freq has {len(freq)} entries for {n} layers")
         self.moe_layer_freq = [int(f) for f in freq]
         if any(f == 0 for f in freq) and self.dense_intermediate_size is None:
-            raise ValueError("moe_layer_freq has dense layers but config.json lacks dense_intermediate_size")
+            raise ValueError(
+                "moe_layer_freq has dense layers but config.json lacks dense_intermediate_size"
+            )
 
     @property
     def dims(self) -> int:
@@ -280,7 +284,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.expert_intermediate_size, args.num_experts)
+        self.switch_mlp = SwitchGLU(
+            args.hidden_size, args.expert_intermediate_size, args.num_experts
+        )
         if args.moe_router_enable_expert_bias:
             self.expert_bias = mx.zeros((args.num_experts,))
 

@@ -78,7 +78,9 @@ def group_limited_topk(logits, expert_bias, top_k, n_group, topk_group, routed_s
     if n_group > 1 and dropped_groups > 0:
         grouped = mx.unflatten(routing, axis=-1, shape=(n_group, -1))
         group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
-        dropped = mx.argpartition(group_scores, kth=dropped_groups - 1, axis=-2)[..., :dropped_groups, :]
+        dropped = mx.argpartition(group_scores, kth=dropped_groups - 1, axis=-2)[
+            ..., :dropped_groups, :
+        ]
         grouped = mx.put_along_axis(
             grouped, mx.stop_gradient(dropped), mx.array(-mx.inf, grouped.dtype), axis=-2
         )

@@ -57,11 +57,15 @@ def _run(model, x, keep=None, position_ids=None):
     B, L = x.shape
     if keep is None:
         keep = torch.ones(B, 1, L, L, dtype=torch.bool)
-    additive = torch.zeros(keep.shape, dtype=torch.float32).masked_fill(~keep, torch.finfo(torch.float32).min)
+    additive = torch.zeros(keep.shape, dtype=torch.float32).masked_fill(
+        ~keep, torch.finfo(torch.float32).min
+    )
     if position_ids is None:
         position_ids = torch.arange(L).expand(B, L)
     with torch.no_grad():
-        out = model(input_ids=x, attention_mask=additive, position_ids=position_ids, use_cache=False)
+        out = model(
+            input_ids=x, attention_mask=additive, position_ids=position_ids, use_cache=False
+        )
     return out.logits.float()
 
 
@@ -116,8 +120,15 @@ def top_k_logits(logits, top_k):
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
-                  neg_entropy=False, generator=None):
+def sample_tokens(
+    logits,
+    temperature=0.0,
+    top_p=None,
+    top_k=None,
+    margin_confidence=False,
+    neg_entropy=False,
+    generator=None,
+):
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -141,9 +152,23 @@ def sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confid
     return confidence, x0
 
 
-def dream_generate(forward, prompt_ids, max_new_tokens, steps, alg="origin", alg_temp=None, eps=1e-3,
-                   temperature=0.0, top_p=None, top_k=None, *, mask_token_id, attention_mask=None,
-                   seed=0, output_history=False):
+def dream_generate(
+    forward,
+    prompt_ids,
+    max_new_tokens,
+    steps,
+    alg="origin",
+    alg_temp=None,
+    eps=1e-3,
+    temperature=0.0,
+    top_p=None,
+    top_k=None,
+    *,
+    mask_token_id,
+    attention_mask=None,
+    seed=0,
+    output_history=False,
+):
     """Dream's `diffusion_generate(inputs, max_new_tokens=..., steps=..., ...)` -> sequences (B, L + N)
     as np.int64 (prompt + canvas, no EOS handling: callers split at EOS), and the per-step history if
     asked. `forward(x, attention_mask, tok_idx)` returns unshifted logits (B, L, V) (torch, numpy or
@@ -174,17 +199,21 @@ def dream_generate(forward, prompt_ids, max_new_tokens, steps, alg="origin", alg
             p_transfer = 1 - s / t if i < steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index]) + mask_token_id
             transfer = torch.rand(x0.shape, generator=g) < p_transfer
-            _, x0[transfer] = sample_tokens(mask_logits[transfer], temperature, top_p, top_k, generator=g)
+            _, x0[transfer] = sample_tokens(
+                mask_logits[transfer], temperature, top_p, top_k, generator=g
+            )
             x[mask_index] = x0.clone()
         else:
             if alg == "maskgit_plus":
                 confidence, x0 = sample_tokens(mask_logits, temperature, top_p, top_k, generator=g)
             elif alg == "topk_margin":
-                confidence, x0 = sample_tokens(mask_logits, temperature, top_p, top_k,
-                                               margin_confidence=True, generator=g)
+                confidence, x0 = sample_tokens(
+                    mask_logits, temperature, top_p, top_k, margin_confidence=True, generator=g
+                )
             elif alg == "entropy":
-                confidence, x0 = sample_tokens(mask_logits, temperature, top_p, top_k,
-                                               neg_entropy=True, generator=g)
+                confidence, x0 = sample_tokens(
+                    mask_logits, temperature, top_p, top_k, neg_entropy=True, generator=g
+                )
             else:
                 raise RuntimeError(f"Unknown alg: {alg}")
             # Dream's pitfall, kept: the batch-mean mask count sets every row's quota.

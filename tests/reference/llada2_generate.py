@@ -72,8 +72,18 @@ def _answer(x, prompt_length, gen_length, eos_id):
 
 @torch.no_grad()
 def llada20_generate(
-    forward, prompt, temperature=0.0, block_length=32, steps=32, gen_length=2048, top_p=None,
-    top_k=None, minimal_topk=1, threshold=0.95, eos_id=156892, mask_id=156895,
+    forward,
+    prompt,
+    temperature=0.0,
+    block_length=32,
+    steps=32,
+    gen_length=2048,
+    top_p=None,
+    top_k=None,
+    minimal_topk=1,
+    threshold=0.95,
+    eos_id=156892,
+    mask_id=156895,
 ):
     """LLaDA2.0: per block, up to `steps` forwards; the masks above `threshold` (strict) are
     committed when there are at least the step's quota of them, else the quota's most confident;
@@ -116,9 +126,21 @@ def llada20_generate(
 
 @torch.no_grad()
 def llada21_generate(
-    forward, prompt, temperature=0.0, block_length=32, steps=32, gen_length=2048, top_p=None,
-    top_k=None, minimal_topk=1, threshold=0.95, editing_threshold=0.9, max_post_steps=16,
-    eos_id=156892, mask_id=156895, num_to_transfer=1,
+    forward,
+    prompt,
+    temperature=0.0,
+    block_length=32,
+    steps=32,
+    gen_length=2048,
+    top_p=None,
+    top_k=None,
+    minimal_topk=1,
+    threshold=0.95,
+    editing_threshold=0.9,
+    max_post_steps=16,
+    eos_id=156892,
+    mask_id=156895,
+    num_to_transfer=1,
 ):
     """LLaDA2.1: mask-to-token commits as 2.0 but with a fixed quota `num_to_transfer` (the step
     budget is unused), plus token-to-token edits of the block's committed, non-prompt positions
@@ -158,10 +180,16 @@ def llada21_generate(
                 if int(high.sum()) >= num_to_transfer:
                     fill[0] = high
                 else:
-                    idx = torch.topk(confidence[0], k=min(num_to_transfer, int(active.sum()))).indices
+                    idx = torch.topk(
+                        confidence[0], k=min(num_to_transfer, int(active.sum()))
+                    ).indices
                     fill[0, idx] = True
             editable = ~active & ~prompt_in_block[None, :]
-            edit = (torch.where(editable, x0_p, -torch.inf) > editing_threshold) & editable & (x0 != old)
+            edit = (
+                (torch.where(editable, x0_p, -torch.inf) > editing_threshold)
+                & editable
+                & (x0 != old)
+            )
             transfer = fill | edit
             remasked += int((edit & (x0 == mask_id)).sum())
             if transfer.any():

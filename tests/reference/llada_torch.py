@@ -36,7 +36,9 @@ def _read(ckpt_path):
 
 
 def _is_moe(config):
-    return config.get("num_experts") is not None or any("MoE" in a for a in config.get("architectures") or ())
+    return config.get("num_experts") is not None or any(
+        "MoE" in a for a in config.get("architectures") or ()
+    )
 
 
 _OLMO_BLOCK = {
@@ -83,7 +85,9 @@ def _llama(config, weights):
             top = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}[parts[2]]
             state[f"{top}.{parts[3]}"] = v
     model = LlamaForCausalLM(cfg)
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
+    model.load_state_dict(
+        {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
     return model.eval(), contextlib.nullcontext
 
 
@@ -93,7 +97,9 @@ def _qwen3_moe(config, weights):
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     if config.get("shared_expert_intermediate_size") or config.get("moe_router_enable_expert_bias"):
-        raise NotImplementedError("Qwen3-MoE has no shared expert / expert bias of the LLaDA-MoE kind")
+        raise NotImplementedError(
+            "Qwen3-MoE has no shared expert / expert bias of the LLaDA-MoE kind"
+        )
     if config.get("clip_qkv") is not None or not config.get("qk_layernorm", True):
         raise NotImplementedError("reference needs qk_layernorm and no clip_qkv")
     d, heads, n = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
@@ -131,19 +137,27 @@ def _qwen3_moe(config, weights):
             continue
         # transformers 5 stores experts fused: gate_up_proj (E, 2I, H) = [gate; up], down_proj (E, H, I).
         gate_up = [
-            np.concatenate([weights[f"{p}.{e}.gate_proj.weight"], weights[f"{p}.{e}.up_proj.weight"]])
+            np.concatenate(
+                [weights[f"{p}.{e}.gate_proj.weight"], weights[f"{p}.{e}.up_proj.weight"]]
+            )
             for e in range(n_experts)
         ]
         state[f"{p}.gate_up_proj"] = np.stack(gate_up)
-        state[f"{p}.down_proj"] = np.stack([weights[f"{p}.{e}.down_proj.weight"] for e in range(n_experts)])
+        state[f"{p}.down_proj"] = np.stack(
+            [weights[f"{p}.{e}.down_proj.weight"] for e in range(n_experts)]
+        )
     model = Qwen3MoeForCausalLM(cfg)
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
+    model.load_state_dict(
+        {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
 
     rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
     if rotary_dim == head_dim:
         return model.eval(), contextlib.nullcontext
     theta = config["rope_theta"]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    )
     model.model.rotary_emb.inv_freq = inv_freq
     model.model.rotary_emb.original_inv_freq = inv_freq
 

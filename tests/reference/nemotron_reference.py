@@ -80,8 +80,17 @@ def _get_transfer_index(logits, temperature, mask_index, x, num_transfer_tokens,
     return x0, transfer
 
 
-def hf_generate(model, prompt_ids, max_new_tokens, block_length, mask_id, eos_token_id,
-                threshold=None, temperature=0.0, seed=0):
+def hf_generate(
+    model,
+    prompt_ids,
+    max_new_tokens,
+    block_length,
+    mask_id,
+    eos_token_id,
+    threshold=None,
+    temperature=0.0,
+    seed=0,
+):
     rng = np.random.default_rng(seed)
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
     x_accum = prompt_ids.copy()
@@ -116,8 +125,13 @@ def hf_generate(model, prompt_ids, max_new_tokens, block_length, mask_id, eos_to
             nfe += 1
             logits, _ = model(x_accum[:, block], past_key_values=past_key_values, use_cache=False)
             x0, transfer = _get_transfer_index(
-                logits, temperature, mask_index, x_accum[:, block], num_transfer_tokens[:, i],
-                threshold, rng,
+                logits,
+                temperature,
+                mask_index,
+                x_accum[:, block],
+                num_transfer_tokens[:, i],
+                threshold,
+                rng,
             )
             cur = x_accum[:, block].copy()
             cur[transfer] = x0[transfer]

@@ -33,7 +33,9 @@ def load_reference(ckpt):
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         for f in ckpt.glob("*.safetensors"):
             (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", dtype=torch.float32
+        )
     return model.eval()
 
 
@@ -62,5 +64,10 @@ def reference_logits(ckpt, input_ids, block_length, layout="block"):
     additive = torch.zeros(L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
     additive = additive[None, None].expand(B, 1, L, L)
     with torch.no_grad():
-        out = model(input_ids=x, attention_mask=additive, position_ids=torch.arange(L).expand(B, L), use_cache=False)
+        out = model(
+            input_ids=x,
+            attention_mask=additive,
+            position_ids=torch.arange(L).expand(B, L),
+            use_cache=False,
+        )
     return out.logits.float().numpy()
