@@ -72,13 +72,15 @@ class PrefixKVCache:
     minus each row's left padding, a (B,) array when rows are padded.
     """
 
+    layer_class = BlockKVCache
+
     def __init__(self, num_layers: int, width: int, left_padding=None):
         self.width = width
         self.start = 0
         self.committed = 0
         pads = [int(p) for p in (left_padding or [])]
         self.pads = mx.array(pads, dtype=mx.int32) if any(pads) else None
-        self.layers = [BlockKVCache(self) for _ in range(num_layers)]
+        self.layers = [self.layer_class(self) for _ in range(num_layers)]
 
     @property
     def offset(self):
@@ -107,10 +109,77 @@ class PrefixKVCache:
 
     def select(self, idx, left_padding) -> "PrefixKVCache":
         """The cache of rows `idx` (rows that finished are dropped from the batch)."""
-        out = PrefixKVCache(len(self.layers), self.width, left_padding)
+        out = type(self)(len(self.layers), self.width, left_padding)
         out.start, out.committed = self.start, self.committed
         rows = mx.array(idx)
         for new, old in zip(out.layers, self.layers):
             if old.keys is not None:
                 new.keys, new.values = old.keys[rows], old.values[rows]
+        return out
+
+
+class WindowKVCache(BlockKVCache):
+    """A `BlockKVCache` whose forwards read the K/V of every column of the window, not only of
+    the columns up to their last one: a forward over some columns writes their K/V in place and
+    attends to what earlier forwards left in all the others. That is Fast-dLLM's dual cache
+    (`replace_position`), whose block attends to a stale suffix; its prefix cache runs to the
+    window's end, where both read the same columns."""
+
+    def update_and_fetch(self, keys, values):
+        super().update_and_fetch(keys, values)
+        return self.keys, self.values
+
+
+class ApproximateKVCache(PrefixKVCache):
+    """The per-layer `WindowKVCache`s of a model and their shared cursor (see PrefixKVCache):
+    the cache of engine.fast_dllm's approximate backends."""
+
+    layer_class = WindowKVCache
+
+
+class PriorKV:
+    """The final K/V a finished run leaves for a later run whose prompt continues the same tokens
+    (a chat's next turn): `tokens` are the ids of columns 0..len(tokens)-1, whose K/V in `cache`
+    (batch 1) are final. The later run reuses them over the prefix its prompt shares with
+    `tokens` and computes the rest, so its tokens equal a run without them. `kind` names the
+    attention that computed them (e.g. "block-causal/4": block-causal K/V depend on the block
+    partition), which the later run must share."""
+
+    def __init__(self, tokens, cache: PrefixKVCache, kind: str):
+        self.tokens = [int(t) for t in tokens]
+        self.cache = cache
+        self.kind = kind
+
+    def check(self, kind: str):
+        if kind != self.kind:
+            raise ValueError(
+                f"these K/V were computed under {self.kind} attention, not {kind}; reuse them "
+                "with the same model and block_length only"
+            )
+
+    def shared(self, ids, unit: int, limit: int) -> int:
+        """Columns reusable for a prompt `ids`: the common prefix, at most `limit`, rounded down
+        to a multiple of `unit` (block-causal K/V depend on their whole block)."""
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != int(b):
+                break
+            n += 1
+        n = min(n, limit)
+        return max(0, n // unit * unit)
+
+    def cache_for(self, width: int, keep: int) -> PrefixKVCache:
+        """A fresh PrefixKVCache of `width` columns holding the first `keep` columns' K/V."""
+        out = PrefixKVCache(len(self.cache.layers), width)
+        out.committed = keep
+        if keep == 0:
+            return out
+        for new, old in zip(out.layers, self.cache.layers):
+            b, h, _, d = old.keys.shape
+            new.keys = mx.zeros((b, h, width, d), old.keys.dtype)
+            new.values = mx.zeros(
+                (b, old.values.shape[1], width, old.values.shape[3]), old.values.dtype
+            )
+            new.keys[..., :keep, :] = old.keys[..., :keep, :]
+            new.values[..., :keep, :] = old.values[..., :keep, :]
         return out

@@ -6,11 +6,25 @@ canvas filling in live on a terminal, and ends with a statistics line.
 
 import argparse
 import json
+import os
 import shutil
 import sys
-import time
+import tempfile
+from pathlib import Path
 
-from .settings import SETTINGS
+from . import __version__, chat, lora
+from .cli_common import LiveView as _LiveView
+from .cli_common import (
+    add_loading_flags,
+    add_setting_flags,
+    chosen_settings,
+    load_for_cli,
+    str2bool,
+    template_kwargs,
+)
+from .cli_common import render as _render
+from .distributed import launch_group, lost_rank_exits
+from .errors import CheckpointError, SettingsError
 
 
 def _parse_value(text):
@@ -29,16 +43,24 @@ def _generate_parser():
         # flag passes through to the settings layer, whose error lists what the family knows.
         allow_abbrev=False,
     )
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    add_loading_flags(p)
+    p.add_argument("--version", action="version", version=f"mlx_dllm_models {__version__}")
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
     p.add_argument("--system-prompt", default=None)
+    p.add_argument(
+        "--suffix",
+        default=None,
+        help="infilling (LLaDA, LLaDA-MoE, Dream): text after the generated span; max_tokens "
+        "masks between prompt and suffix are filled (use --ignore-chat-template for raw code)",
+    )
     p.add_argument(
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
     p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let the tokenizer run the checkpoint's code",
+        "--verbose",
+        type=str2bool,
+        default=True,
+        help="true (default): live canvas and statistics; false: print only the generated text",
     )
     p.add_argument(
         "--no-live", action="store_true", help="no live canvas, print blocks as they come"
@@ -50,11 +72,7 @@ def _generate_parser():
         metavar="PATH",
         help="an image for the prompt (repeatable; checkpoints with a vision tower)",
     )
-    for setting in SETTINGS:
-        flag = "--" + setting.name.replace("_", "-")
-        p.add_argument(
-            flag, dest=setting.name, type=setting.cli_type, default=None, help=setting.help
-        )
+    add_setting_flags(p)
     return p
 
 
@@ -79,63 +97,16 @@ def _extra_settings(unknown):
     return extra
 
 
-def _render(tokenizer, canvas, mask_id, eos, pending=None):
-    """Text of a canvas with each mask (or each position `pending` marks, for decoders without a
-    mask token) shown as a shaded cell; nothing after the first EOS."""
-    out, run = [], []
-    for i, t in enumerate(canvas):
-        if t in eos:
-            break
-        if t == mask_id or (pending is not None and pending[i]):
-            if run:
-                out.append(tokenizer.decode(run))
-                run = []
-            out.append("░")
-        else:
-            run.append(t)
-    if run:
-        out.append(tokenizer.decode(run))
-    return "".join(out)
-
-
-class _LiveView:
-    """Redraws the canvas in place on a terminal."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.lines = 0
-        self.last = 0.0
-
-    def draw(self, text, force=False):
-        now = time.perf_counter()
-        if not force and now - self.last < 0.05:
-            return
-        self.last = now
-        width = max(shutil.get_terminal_size().columns, 20)
-        if self.lines:
-            self.stream.write(f"\x1b[{self.lines}F")
-        self.stream.write("\x1b[J" + text + "\n")
-        self.stream.flush()
-        self.lines = sum(max(1, -(-len(line) // width)) for line in text.split("\n"))
-
-
 def generate_main(argv):
     from .generate import responses, stats_line, stream_events
-    from .loader import load
     from .vision import is_processor, text_tokenizer
 
     parser = _generate_parser()
     args, unknown = parser.parse_known_args(argv)
-    settings = {
-        s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None
-    }
+    settings = chosen_settings(args)
     settings.update(_extra_settings(unknown))
+    chat_template_kwargs = template_kwargs(args)
 
-    model_path = args.model
-    if model_path is None:
-        from .default import default_checkpoint
-
-        model_path = default_checkpoint()
     prompt = args.prompt
     if prompt is None:
         from .default import DEFAULT_PROMPT
@@ -144,12 +115,7 @@ def generate_main(argv):
     elif prompt == "-":
         prompt = sys.stdin.read()
 
-    try:
-        model, tokenizer = load(
-            model_path, tokenizer_config={"trust_remote_code": args.trust_remote_code}
-        )
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
+    model, tokenizer = load_for_cli(args)
     text_tok = text_tokenizer(tokenizer)
     if not args.ignore_chat_template and getattr(text_tok, "chat_template", None):
         content = prompt
@@ -159,15 +125,25 @@ def generate_main(argv):
         if args.system_prompt:
             messages.append({"role": "system", "content": args.system_prompt})
         messages.append({"role": "user", "content": content})
-        prompt = text_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = text_tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
+        )
 
     try:
-        s, ids, decoder = stream_events(model, tokenizer, [prompt], images=args.image, **settings)
+        s, ids, decoder = stream_events(
+            model,
+            tokenizer,
+            [prompt],
+            images=None if args.image is None else [args.image],
+            suffix=args.suffix,
+            **settings,
+        )
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
 
     spec = model.diffusion_spec
-    view = _LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
+    live = sys.stdout.isatty() and not args.no_live and args.verbose
+    view = _LiveView(sys.stdout) if live else None
     on_step = None
     if view is not None:
 
@@ -182,13 +158,27 @@ def generate_main(argv):
         if view is None:
             print(last.text, end="", flush=True)
     if view is not None:
-        view.draw(text, force=True)
+        view.draw(text, final=True)
     else:
         print()
-    stats = last
-    print("=" * 10)
-    print(stats_line(stats))
+    if args.verbose:
+        print("=" * 10)
+        print(stats_line(last))
     return 0
+
+
+def serve_main(argv):
+    """`mlx_dllm serve`: server.py (imported on use, as generate_main imports the engine)."""
+    from .server import main as serve
+
+    if launch_group() is not None:
+        # Every rank would serve on its own and their collectives would interleave: the server
+        # must take requests on rank 0 and hand them to the others (distributed.share) first.
+        raise SystemExit(
+            "error: mlx_dllm serve does not run over several ranks yet; under mlx.launch use "
+            "mlx_dllm generate, or serve on one machine"
+        )
+    return serve(argv)
 
 
 def convert_main(argv):
@@ -197,22 +187,122 @@ def convert_main(argv):
 
     import mlx_dllm_models_hook  # noqa: F401
 
-    # `mlx_lm.convert` the attribute is the function; the module holds the CLI's main().
+    # `mlx_lm.convert` the attribute is the function; the module holds the CLI's parser.
     convert = importlib.import_module("mlx_lm.convert")
-    sys.argv = ["mlx_lm.convert"] + list(argv)
-    convert.main()
+    parser = convert.configure_parser()
+    parser.prog = "mlx_dllm convert"
+    args = parser.parse_args(argv)
+    why = _quantization_problem(args)
+    if why:
+        raise SystemExit(f"error: {why}")
+    target = Path(args.mlx_path)
+    if target.exists():
+        raise SystemExit(f"error: {target} already exists; remove it or choose another --mlx-path")
+    # Written into a temporary folder beside the target and renamed into place once complete: an
+    # interrupted or failed conversion leaves nothing behind (a partial folder would make the
+    # re-run refuse, and load would report broken weights).
+    from .conversion import finish_conversion
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        out = partial / target.name
+        try:
+            convert.convert(**{**vars(args), "mlx_path": str(out)})
+        except ValueError as e:  # mlx-lm's and the loader's messages about the input
+            raise SystemExit(f"error: {e}") from None
+        # No remote code (auto_map, *.py) in the output, and a model card naming our commands.
+        finish_conversion(out, args.hf_path)
+        os.replace(out, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return 0
+
+
+# What mlx.core.quantize accepts in its "affine" mode (mlx-lm's default --q-mode); other modes fix
+# their own bits and group size.
+AFFINE_BITS = (1, 2, 3, 4, 5, 6, 8)
+AFFINE_GROUP_SIZES = (32, 64, 128)
+
+
+def _quantization_problem(args):
+    """Why --q-bits / --q-group-size cannot be honoured, or None: checked before any work, since
+    mlx-lm replaces 0 by its default and writes a config that claims quantization when a group
+    size does not divide the weights."""
+    given = [f for f in ("q_bits", "q_group_size") if getattr(args, f) is not None]
+    if given and not args.quantize:
+        flags = " / ".join("--" + f.replace("_", "-") for f in given)
+        return f"{flags} only act with -q (--quantize); add -q or drop them"
+    if args.q_mode != "affine":
+        return None
+    if args.q_bits is not None and args.q_bits not in AFFINE_BITS:
+        choices = ", ".join(map(str, AFFINE_BITS))
+        return f"--q-bits {args.q_bits} is not supported by mlx; choose one of {choices}"
+    if args.q_group_size is not None and args.q_group_size not in AFFINE_GROUP_SIZES:
+        choices = ", ".join(map(str, AFFINE_GROUP_SIZES))
+        return (
+            f"--q-group-size {args.q_group_size} is not supported by mlx; choose one of {choices}"
+        )
+    return None
+
+
+def evaluate_main(argv):
+    """lm-evaluation-harness on a diffusion model (mlx_dllm_models.evaluate); lm-eval is the
+    optional `[eval]` extra, so the module is imported only here."""
+    try:
+        from . import evaluate
+    except ImportError as e:
+        if getattr(e, "name", "") != "lm_eval":
+            raise
+        raise SystemExit(
+            "error: mlx_dllm evaluate needs lm-evaluation-harness: "
+            "python -m pip install 'mlx-dllm-models[eval]' (or `pip install lm-eval`)"
+        ) from None
+    try:
+        evaluate.main(argv)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     return 0
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": generate_main, "convert": convert_main}
+    commands = {
+        "generate": generate_main,
+        "chat": chat.chat_main,
+        "serve": serve_main,
+        "convert": convert_main,
+        "lora": lora.lora_main,
+        "evaluate": evaluate_main,
+        "fuse": lora.fuse_main,
+    }
+    if argv and argv[0] == "--version":
+        print(f"mlx_dllm_models {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        names = ",".join(commands)
+        asked = bool(argv) and argv[0] in ("-h", "--help")
         print(
-            "usage: mlx_dllm {generate,convert} [options]   (mlx_dllm COMMAND --help for details)"
+            f"usage: mlx_dllm {{{names}}} [options]   (mlx_dllm COMMAND --help for details)",
+            file=sys.stdout if asked else sys.stderr,
         )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:])
+        return 0 if asked else 2
+    try:
+        # Launched over several ranks (mlx.launch): a rank that dies ends the others with an error.
+        with lost_rank_exits():
+            return commands[argv[0]](argv[1:])
+    except (SettingsError, CheckpointError) as e:  # raised mid-run (corrupt weights, a schedule)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`mlx_dllm generate ... | head`): it has what it wanted. Point
+        # stdout at /dev/null so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("error: the output was closed before generation ended (broken pipe)", file=sys.stderr)
+        return 141  # 128 + SIGPIPE, as a shell reports a process killed by it
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

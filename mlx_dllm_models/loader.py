@@ -2,25 +2,88 @@
 checkpoint checked first (clear errors instead of mlx-lm's), its generation_config attached, and
 mlx-vlm's processor for checkpoints with a vision tower."""
 
+import ast
 import contextlib
+import importlib
 import json
+import typing
+import warnings
 from pathlib import Path
 
 import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
 
+from .errors import (
+    CheckpointError,  # noqa: F401  (raised here; importable from here as before)
+    SettingsError,
+)
 from .registry import MODEL_TYPES
 
 
-class CheckpointError(ValueError):
-    pass
+def _looks_like_repo_id(name: str) -> bool:
+    # "org/name" as mlx-lm's users write it; a bare name is taken as a (missing) local folder, so
+    # that a typo in a folder name is reported as such rather than as a Hub lookup.
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def resolve_checkpoint(path_or_repo, revision=None) -> Path:
+    """A local folder as given, or a Hugging Face repo id resolved as `mlx_lm.load` resolves it
+    (mlx_lm.utils._download: huggingface_hub's snapshot_download of the same files, `revision`,
+    the Hugging Face cache, HF_HUB_OFFLINE)."""
+    path = Path(path_or_repo)
+    if path.exists() or not _looks_like_repo_id(str(path_or_repo)):
+        return path
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from mlx_lm.utils import _download
+
+    repo = str(path_or_repo)
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        return Path(_download(repo, revision=revision))
+    except HFValidationError:
+        return path  # not a repo id after all: the local-folder checks say what is missing
+    except GatedRepoError:
+        raise CheckpointError(
+            f"{repo} is a gated Hugging Face repo: accept its terms on huggingface.co, then log "
+            "in with `hf auth login` (or set HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(
+            f"no Hugging Face repo {repo!r} (nor a local folder of that name); check the id, or "
+            "log in with `hf auth login` if it is private"
+        ) from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        why = (
+            "downloads are off (HF_HUB_OFFLINE=1)"
+            if constants.HF_HUB_OFFLINE
+            else "the Hub could not be reached"
+        )
+        raise CheckpointError(
+            f"{repo}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: "
+            "download it once while online (`hf download " + repo + "`), or give a local folder"
+        ) from None
 
 
 def _check_checkpoint(path: Path):
     if not path.exists():
         raise CheckpointError(
-            f"no checkpoint at {path}: give a local folder holding config.json and *.safetensors "
-            "(this package does not download; convert a Hugging Face checkpoint with "
-            "`python -m mlx_lm convert --hf-path DIR --mlx-path OUT`)"
+            f"no checkpoint at {path}: give a local folder holding config.json and *.safetensors, "
+            "or a Hugging Face repo id ('org/name'); convert a Hugging Face checkpoint with "
+            "`mlx_dllm convert --hf-path DIR --mlx-path OUT`"
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint folder: give the folder that holds config.json "
+            "and the *.safetensors weights"
         )
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -35,6 +98,11 @@ def _check_checkpoint(path: Path):
         ) from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{cfg_file} has no model_type field; it is not a model config")
+    if not isinstance(config["model_type"], str):
+        raise CheckpointError(
+            f"model_type in {cfg_file} must be a string naming the architecture, got "
+            f"{config['model_type']!r}; fix or re-download the file"
+        )
     if config["model_type"] not in MODEL_TYPES:
         raise CheckpointError(
             f"model_type {config['model_type']!r} in {cfg_file} is not a diffusion model this package "
@@ -46,7 +114,145 @@ def _check_checkpoint(path: Path):
             f"{path} has a config.json but no *.safetensors weight files; copy the weights there "
             "(a PyTorch .bin checkpoint must be converted to safetensors first)"
         )
+    _check_config_types(cfg_file, config)
+    _check_shards(path)
+    if not any(next(path.glob(pattern), None) for pattern in _TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy the tokenizer "
+            "of the original checkpoint into the folder"
+        )
     return config
+
+
+# Files that carry a tokenizer's vocabulary; tokenizer_config.json alone does not.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "vocab.txt")
+
+
+def _check_config_types(cfg_file: Path, config: dict):
+    """config.json fields of the wrong JSON type (`"n_layers": "2"`) fail deep in the model's
+    constructor with a bare TypeError; check the scalar fields of the family's ModelArgs first."""
+    module = importlib.import_module(f"{__package__}.models.{MODEL_TYPES[config['model_type']]}")
+    hints = typing.get_type_hints(module.ModelArgs)
+    for key, value in config.items():
+        hint = hints.get(key)
+        if hint is None or value is None:
+            continue
+        kinds = tuple(t for t in typing.get_args(hint) if t is not type(None)) or (hint,)
+        if len(kinds) != 1:
+            continue  # unions: the model's own checks read them
+        kind = kinds[0]
+        # Only the plainly wrong: a quoted number or flag, a fractional count. (Some mlx-lm
+        # annotations are narrower than the configs they read, e.g. a list under an `int`.)
+        wrong = kind in (int, float, bool) and isinstance(value, str)
+        wrong = wrong or (kind is int and isinstance(value, float) and not value.is_integer())
+        if wrong:
+            raise CheckpointError(
+                f"{key} in {cfg_file} must be {_JSON_KIND[kind]}, got {value!r}; fix the file "
+                "or re-download it"
+            )
+
+
+_JSON_KIND = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _check_shards(path: Path):
+    """Every shard the index names is present, and every safetensors file is whole: its header
+    parses and its tensors end within the file (a truncated download otherwise surfaces as mlx's
+    internal 'invalid data offsets' error, or a crash)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (JSON with a weight_map); "
+                "re-download it or re-convert the checkpoint"
+            ) from None
+        missing = sorted(name for name in shards if not (path / name).exists())
+        if missing:
+            raise CheckpointError(
+                f"{path} is missing weight shard(s) {', '.join(missing)} that {index.name} lists; "
+                "download the missing files (or re-convert the checkpoint)"
+            )
+    for file in sorted(path.glob("*.safetensors")):
+        why = _safetensors_problem(file)
+        if why:
+            raise CheckpointError(
+                f"{file} is not a complete safetensors file ({why}); re-download it or "
+                "re-convert the checkpoint"
+            )
+
+
+def _safetensors_problem(file: Path):
+    """Why a safetensors file is unreadable (header only: an 8-byte length, a JSON header, the
+    tensors' data offsets), or None."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return "its header length runs past the end of the file"
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "its header is not JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets") or ()) == 2
+    ]
+    if ends and 8 + n + max(ends) > size:
+        return f"its tensors need {8 + n + max(ends)} bytes, the file has {size}: truncated"
+    return None
+
+
+def _generation_config(gen_file: Path) -> dict:
+    if not gen_file.exists():
+        return {}
+    try:
+        gen = json.loads(gen_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{gen_file} is not valid JSON ({e}); fix or delete the file (decoding defaults then "
+            "come from the family)"
+        ) from None
+    if not isinstance(gen, dict):
+        raise CheckpointError(
+            f"{gen_file} must hold a JSON object of generation settings, got "
+            f"{type(gen).__name__}; fix or delete the file"
+        )
+    return gen
+
+
+def remote_generate_params(path: Path, config: dict) -> frozenset:
+    """Parameter names of `generate` in the checkpoint's own modeling code (the module that
+    config.json's auto_map names for AutoModelForCausalLM / AutoModel), read with `ast`, never
+    run; empty when there is none. It tells checkpoints apart whose config and tokenizer files
+    are identical: LLaDA2.1's generate takes editing_threshold, 2.0's does not."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return frozenset()
+    for key in ("AutoModelForCausalLM", "AutoModel"):
+        target = auto_map.get(key)
+        if not isinstance(target, str) or "." not in target:
+            continue
+        module, cls = target.split("--")[-1].rsplit(".", 1)
+        source = path / f"{module}.py"
+        try:
+            tree = ast.parse(source.read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "generate":
+                        args = item.args.args + item.args.kwonlyargs
+                        return frozenset(a.arg for a in args)
+    return frozenset()
 
 
 @contextlib.contextmanager
@@ -60,7 +266,13 @@ def _quiet_transformers():
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        yield
+        with warnings.catch_warnings():
+            # transformers reads SDAR's config.json and warns that its `rope_scaling` field is
+            # deprecated: a note for the checkpoint's authors, not for the user loading it.
+            warnings.filterwarnings(
+                "ignore", message=r"`rope_scaling` is deprecated", category=FutureWarning
+            )
+            yield
     finally:
         hf_logging.set_verbosity(level)
 
@@ -71,19 +283,34 @@ def load(path, **kwargs):
 
     For a checkpoint with a vision tower (DiffusionGemma), (model, processor) as mlx_vlm.load
     returns it: mlx-vlm's processor, which places images in a prompt and serves text-only prompts
-    too (`generate_diffusion(model, processor, prompt, image=[...])`)."""
+    too (`generate_diffusion(model, processor, prompt, image=[...])`).
+
+    `group=` an `mx.distributed` group of several ranks (e.g. `distributed.launch_group()` under
+    `mlx.launch`) loads the model tensor-parallel: each rank reads and keeps only its shard of
+    the weights (mlx-lm's `sharded_load` and the family's `Model.shard`)."""
     from mlx_lm.utils import load as mlx_load
 
-    path = Path(path)
-    _check_checkpoint(path)
+    path = resolve_checkpoint(path, kwargs.pop("revision", None))
+    config = _check_checkpoint(path)
+    # Read before mlx_lm.load, which also reads it (for eos_token_id) and would raise a bare
+    # JSONDecodeError on a malformed file.
+    generation_config = _generation_config(path / "generation_config.json")
     # Real checkpoints carry an auto_map to remote code; transformers would stop and ask on stdin
     # whether to run it. The tokenizers of the supported families do not need it, so say no unless
     # the caller opts in.
     tokenizer_config = dict(kwargs.pop("tokenizer_config", None) or {})
     tokenizer_config.setdefault("trust_remote_code", False)
+    # `group` (an mx.distributed group of more than one rank): each rank loads its shard.
+    group = kwargs.pop("group", None)
+    if group is not None and group.size() > 1:
+        from .distributed import sharded_load as mlx_load
+
+        kwargs["group"] = group
     try:
         with _quiet_transformers():
             model, tokenizer = mlx_load(str(path), tokenizer_config=tokenizer_config, **kwargs)
+    except SettingsError:
+        raise  # e.g. a group that cannot split the checkpoint: already says what to do
     except ValueError as e:
         msg = str(e)
         if "trust_remote_code" in msg:
@@ -98,9 +325,27 @@ def load(path, **kwargs):
                 f"the weights in {path} do not match the model its config.json describes: {msg}. "
                 "Check that config.json belongs to these weights (sizes, number of layers, experts)"
             ) from None
-        raise
-    gen_file = path / "generation_config.json"
-    model.generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+        # The models' own config checks (special ids, sizes) already say what is wrong.
+        raise CheckpointError(f"{path}: {msg}") from None
+    except TypeError as e:  # a config field of a type the model cannot use
+        raise CheckpointError(
+            f"{path / 'config.json'} holds a value the model cannot use ({e}); check the field "
+            "types against the original checkpoint's config.json"
+        ) from None
+    model.generation_config = generation_config
+    # Named in errors that only show at decoding time (non-finite logits: corrupt weights).
+    model.checkpoint_path = str(path)
+    model.remote_generate_params = remote_generate_params(path, config)
+    # Nemotron-Labs-Diffusion's self-speculation draft adapter, where the checkpoint ships it.
+    adapter = path / "linear_spec_lora"
+    if hasattr(model, "load_draft_adapter") and (adapter / "adapter_config.json").is_file():
+        try:
+            model.load_draft_adapter(adapter)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{adapter}: the draft adapter cannot be read ({e}); remove the folder to run "
+                "without it"
+            ) from None
     if getattr(model, "vision_tower", None) is not None:
         from .vision import load_processor, vision_config_of
 

@@ -8,16 +8,21 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 
-def padding_mask(left_padding: Sequence[int], length: int) -> Optional[mx.array]:
+def padding_mask(
+    left_padding: Sequence[int], length: int, ends: Optional[Sequence[int]] = None
+) -> Optional[mx.array]:
     """Bidirectional attention over a left-padded batch, as Dream does it: pads are never attended.
+    `ends` (optional, per row): columns from a row's end on are padding too (right padding).
 
     A pad query still attends to itself, so that its row of the softmax is never empty: an all-masked
     row gives NaN, and NaN values would reach real rows through 0 * NaN in the next layer.
     """
-    if not any(int(p) for p in left_padding):
+    if not any(int(p) for p in left_padding) and ends is None:
         return None
     cols = mx.arange(length)
     valid = cols[None, :] >= mx.array(left_padding, dtype=mx.int32)[:, None]  # (B, L)
+    if ends is not None:
+        valid = valid & (cols[None, :] < mx.array(ends, dtype=mx.int32)[:, None])
     keep = valid[:, None, :] | mx.eye(length, dtype=mx.bool_)[None]
     return keep[:, None]  # (B, 1, L, L)
 

@@ -12,10 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-
-class SettingsError(ValueError):
-    pass
-
+from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
 
 # ------------------------------------------------------------------------------------ validators
 # A validator takes (name, value) and returns an error message, or None when the value is valid.
@@ -42,6 +39,9 @@ def _number(low=None, high=None, low_open=False, high_open=False, what="", finit
     """A number in [low, high] (either end open or absent)."""
 
     def check(name, v):
+        if _is_int(v) and abs(v) >= 2**63:
+            # Past int64, mlx cannot turn it into an array (a bare "std::bad_cast").
+            return f"{name} must be a number below 2**63 in magnitude (a float is fine), got {v!r}"
         ok = _is_number(v) and v == v and (not finite or math.isfinite(v))
         ok = ok and (low is None or (v > low if low_open else v >= low))
         ok = ok and (high is None or (v < high if high_open else v <= high))
@@ -77,7 +77,30 @@ def _positive_int(name, v):
 
 
 def _seed(name, v):
-    return None if _is_int(v) else f"{name} must be an integer, got {v!r}"
+    # mx.random.key takes an unsigned 64-bit seed; outside that range it raises a bare TypeError.
+    if _is_int(v) and 0 <= v < 2**64:
+        return None
+    return f"{name} must be an integer in [0, 2**64), got {v!r}"
+
+
+def _bool(name, v):
+    return None if isinstance(v, bool) else f"{name} must be true or false, got {v!r}"
+
+
+def _cli_bool(text: str) -> bool:
+    """CLI values of on/off settings."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _text(name, v):
+    # The value is then looked up in a table (the cache backends): a list or a number would fail
+    # there with a bare TypeError, or an empty one be read as "auto".
+    return None if isinstance(v, str) and v else f"{name} must be a name (a string), got {v!r}"
 
 
 def _cli_optional_float(text: str):
@@ -201,7 +224,13 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
     Setting("seed", 0, "PRNG seed", int, _seed),
     # Validated against the backend table of the family's attention layout (engine.registry).
-    Setting("cache", "auto", "auto | none | a cache the family's attention layout offers", str),
+    Setting(
+        "cache",
+        "auto",
+        "auto | none | a cache the family's attention layout offers",
+        str,
+        _text,
+    ),
     # Dream's diffusion_generate.
     Setting(
         "alg",
@@ -231,6 +260,53 @@ SETTINGS: Tuple[Setting, ...] = (
         ),
         families=("dream",),
         samplers=("dream",),
+    ),
+    # LLaDA generate.py (ML-GSAI/LLaDA), LLaDA 8B and LLaDA-MoE.
+    Setting(
+        "cfg_scale",
+        0.0,
+        "LLaDA: classifier-free guidance scale (0: off); the unconditional row masks the prompt",
+        float,
+        _number(0, finite=True, what=" (0 turns guidance off)"),
+        families=("llada",),
+    ),
+    Setting(
+        "logits_eos_inf",
+        False,
+        "LLaDA: never propose EOS (its logit is -inf), as generate.py's logits_eos_inf",
+        _cli_bool,
+        _bool,
+        families=("llada",),
+    ),
+    Setting(
+        "confidence_eos_eot_inf",
+        False,
+        "LLaDA: a proposed end-of-turn token gets confidence 0, as generate.py's "
+        "confidence_eos_eot_inf",
+        _cli_bool,
+        _bool,
+        families=("llada",),
+    ),
+    # SDAR generate.py's entropy_bounded remasking.
+    Setting(
+        "eb_threshold",
+        None,
+        "SDAR: entropy budget of the entropy_bounded sampler (generate.py's eb_threshold)",
+        float,
+        _number(0, low_open=True),
+        families=("sdar",),
+        samplers=("entropy_bounded",),
+    ),
+    # LLaDA2.1 / 2.2 decoding modes (model card, Best Practices): the spec's presets map a mode
+    # to threshold / editing_threshold / max_post_steps; explicit settings win over the mode.
+    Setting(
+        "editing_mode",
+        None,
+        "LLaDA2: quality (threshold 0.7, editing 0.5) | speed (0.5, editing 0.0) | off (2.0: "
+        "0.95, no editing); default: quality for 2.1 / 2.2 checkpoints, off for 2.0",
+        str,
+        _choice(("quality", "speed", "off"), " for the llada2 family"),
+        families=("llada2",),
     ),
     # LLaDA2.1 token editing.
     Setting(
@@ -266,6 +342,16 @@ SETTINGS: Tuple[Setting, ...] = (
         str,
         _choice(("diffusion", "self_spec"), " for the nemotron family"),
         families=("nemotron",),
+    ),
+    Setting(
+        "draft_threshold",
+        None,
+        "Nemotron self_spec: linear_spec_generate's threshold: drafts over several forwards, each "
+        "revealing the masks whose confidence reaches it (none: one draft forward)",
+        _cli_optional_float,
+        _optional(_number(0, 1, low_open=True, what=" (linear_spec_generate's threshold)")),
+        families=("nemotron",),
+        modes=("self_spec",),
     ),
     # DiffusionGemma's canvas decoder.
     Setting(
@@ -311,7 +397,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(
         "min_canvas_length",
         None,
-        "DiffusionGemma: shortest canvas",
+        "DiffusionGemma: shortest last canvas (default: the trained canvas length, as "
+        "transformers; lower it to shorten the last canvas to the tokens still wanted)",
         int,
         _int_at_least(1),
         families=_CANVAS,
@@ -370,9 +457,15 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
     allowed = set(SHARED_SETTINGS) | set(extras)
     unknown = sorted(set(overrides) - allowed)
     if unknown:
+        # Another family's setting (LLaDA's cfg_scale on Dream): say whose it is.
+        whose = "".join(
+            f"; {n} is a setting of the {' / '.join(BY_NAME[n].families)} family only"
+            for n in unknown
+            if n in BY_NAME
+        )
         raise SettingsError(
             f"unknown setting(s) {', '.join(unknown)} for the {spec.family} family; "
-            f"it understands: {', '.join(sorted(allowed))}"
+            f"it understands: {', '.join(sorted(allowed))}{whose}"
         )
     explicit = {k: v for k, v in overrides.items() if v is not None}
     for name in explicit:
@@ -386,7 +479,13 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
     values.update({k: None for k in extras})
     values.update(spec.defaults)
     sampler = explicit.get("sampler", from_checkpoint.get("sampler", values["sampler"]))
-    values.update(spec.sampler_defaults.get(sampler, {}))
+    # A sampler that is not a name (a list, a dict) is reported by _validate, not hashed here.
+    values.update(spec.sampler_defaults.get(sampler, {}) if isinstance(sampler, str) else {})
+    # A preset setting (LLaDA2's editing_mode) brings the values of its mode, over the family's
+    # defaults and under the checkpoint's and explicit values.
+    for name, modes in spec.presets.items():
+        mode = explicit.get(name, from_checkpoint.get(name, values.get(name)))
+        values.update(modes.get(mode, {}) if isinstance(mode, str) else {})  # else: _validate
     values.update(from_checkpoint)
     values.update(explicit)
     if values["block_length"] is None:
@@ -395,15 +494,27 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
         # As every reference's default: as many steps as a block has positions, one token per step
         # for the quota sampler; so a new block_length alone keeps that rate.
         values["steps"] = values["block_length"]
-    _validate(spec, values, explicit)
+    _validate(spec, values, explicit, set(from_checkpoint) - set(explicit))
     return values
 
 
-def _validate(spec, s, explicit):
+def _origin(names, from_checkpoint) -> str:
+    """Where a bad value came from, when the user did not pass it: otherwise the message would send
+    them looking for an argument they never gave."""
+    read = [n for n in names if n in from_checkpoint]
+    if not read:
+        return ""
+    return (
+        f" ({', '.join(read)} comes from the checkpoint's generation_config.json: pass it to "
+        "override the file's value, or correct the file)"
+    )
+
+
+def _validate(spec, s, explicit, from_checkpoint=frozenset()):
     if s["sampler"] not in spec.samplers:
         raise SettingsError(
             f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
-            f"choose one of: {', '.join(spec.samplers)}"
+            f"choose one of: {', '.join(spec.samplers)}" + _origin(["sampler"], from_checkpoint)
         )
     has_modes = "mode" in s
     for name in SHARED_SETTINGS + family_settings(spec.family):
@@ -431,11 +542,11 @@ def _validate(spec, s, explicit):
             continue
         msg = row.check(name, s[name])
         if msg:
-            raise SettingsError(msg)
+            raise SettingsError(msg + _origin([name], from_checkpoint))
     for first, second, holds, message in _RELATIONS:
         if s.get(first) is not None and s.get(second) is not None:
             if not holds(s[first], s[second]):
-                raise SettingsError(message.format(**s))
+                raise SettingsError(message.format(**s) + _origin([first, second], from_checkpoint))
     if spec.confidence == "raw" and s["temperature"] == 0:
         for name in ("top_p", "top_k"):
             if name in explicit:

@@ -61,3 +61,16 @@ class DiffusionSpec:
     sampler_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Vocabulary size, for decoders that draw token ids (uniform-noise canvases).
     vocab_size: Optional[int] = None
+    # A row's block stops denoising once it holds an EOS with no mask before it (the positions
+    # after it are never returned), as Nemotron-Labs-Diffusion's generate breaks its step loop.
+    eos_ends_block: bool = False
+    # Preset settings: setting name -> its value -> the settings it brings (LLaDA2's
+    # editing_mode: quality / speed / off), applied over `defaults` and `sampler_defaults`.
+    presets: Mapping[str, Mapping[Any, Mapping[str, Any]]] = field(default_factory=dict)
+    # Parameter of the checkpoint's own remote-code `generate` -> the settings its presence
+    # implies (LLaDA2.1's generate takes editing_threshold, 2.0's does not: the one file-level
+    # difference between their checkpoints). Read by generate.checkpoint_settings.
+    remote_generate_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Names of the end-of-turn token in the family's tokenizers (LLaDA's confidence_eos_eot_inf);
+    # the id is the checkpoint tokenizer's, never hard-coded.
+    eot_token_names: Tuple[str, ...] = ()

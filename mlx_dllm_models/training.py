@@ -62,12 +62,30 @@ def forward_process(
     """Noise a batch: returns (noisy tokens, masked positions, p per row). Prompt positions
     (`i < prompt_lengths[b]`) are never masked."""
     p = mask_probability(t, eps)
-    masked = u < p[:, None]
+    noisy, masked = mask_tokens(tokens, u < p[:, None], mask_token_id, prompt_lengths)
+    return noisy, masked, p
+
+
+def mask_tokens(
+    tokens: mx.array,
+    masked: mx.array,
+    mask_token_id: int,
+    prompt_lengths: Optional[mx.array] = None,
+):
+    """(noisy tokens, masked positions): `masked` (B, L) positions replaced by the mask token,
+    prompt positions (`i < prompt_lengths[b]`) never. The forward process of the loss and of the
+    likelihood estimators (likelihood.py), whatever chose the positions."""
     if prompt_lengths is not None:
         positions = mx.arange(tokens.shape[1])[None]
         masked = masked & (positions >= prompt_lengths[:, None])
-    noisy = mx.where(masked, mask_token_id, tokens)
-    return noisy, masked, p
+    return mx.where(masked, mask_token_id, tokens), masked
+
+
+def weighted_nll(logits: mx.array, tokens: mx.array, masked: mx.array, p: mx.array) -> mx.array:
+    """(B, L) cross-entropy of `tokens` under aligned `logits`, divided by each row's mask
+    probability `p` (B,), at the masked positions (0 elsewhere): the ELBO's terms, in float32."""
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), tokens, reduction="none")
+    return mx.where(masked, ce / p[:, None], 0.0)
 
 
 def align_logits(logits: mx.array, logit_shift: int) -> mx.array:
@@ -98,9 +116,7 @@ def diffusion_loss(
     noisy, masked, p = forward_process(
         tokens, t, u, mask_token_id, prompt_lengths=prompt_lengths, eps=eps
     )
-    logits = align_logits(model(noisy), logit_shift).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, tokens, reduction="none")
-    weighted = mx.where(masked, ce / p[:, None], 0.0)
+    weighted = weighted_nll(align_logits(model(noisy), logit_shift), tokens, masked, p)
     B, L = tokens.shape
     if prompt_lengths is None:
         return weighted.sum() / (B * L)

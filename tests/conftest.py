@@ -12,10 +12,12 @@ import mlx_dllm_models_hook  # noqa: E402,F401  (registers our model types with 
 
 
 def load_fixture(path):
-    """(model, tokenizer) through mlx-lm's own loader, in float32 (fixtures are written in float32)."""
+    """(model, tokenizer) through mlx-lm's own loader, in float32 (fixtures are written in float32).
+    The fixtures carry an `auto_map` as real checkpoints do: without trust_remote_code=False,
+    transformers would ask on stdin whether to run that (absent) code."""
     from mlx_lm.utils import load
 
-    return load(str(path))
+    return load(str(path), tokenizer_config={"trust_remote_code": False})
 
 
 @pytest.fixture(scope="session")

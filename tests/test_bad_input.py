@@ -106,7 +106,7 @@ def test_checkpoint_without_mask_token_id(ckpt, tmp_path):
         (dict(factor=2.0), "factor only acts with sampler='factor'"),
         (dict(temperature=-1.0), "temperature must be"),
         (dict(top_p=0.9), "top_p has no effect at temperature 0"),
-        (dict(cache="dual"), "cache='dual' is not available"),
+        (dict(cache="paged"), "cache='paged' is not available.*choose one of: auto, dual"),
         (dict(max_tokens=0), "max_tokens must be a positive integer"),
         (dict(editing_threshold=0.5), "unknown setting\\(s\\) editing_threshold"),
     ],

@@ -14,6 +14,7 @@ import torch
 from conftest import load_fixture, spy_forwards
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
+from mlx_dllm_models import load as load_checkpoint
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.decoding.block import sequential_commit
 from mlx_dllm_models.engine import (
@@ -73,7 +74,7 @@ def tokens(n, seed):
 PROMPT_LENGTHS = {"sdar": (8, 7, 13), "sdar_moe": (8, 7, 13), "llada2_moe": (32, 7, 45)}
 
 CACHE_CASES = [
-    ("sdar", dict(max_tokens=16)),  # the family defaults: threshold 0.85, block 4, 4 steps
+    ("sdar", dict(max_tokens=16)),  # the family defaults: threshold 0.9, block 4, 4 steps
     ("sdar", dict(max_tokens=13, sampler="quota", steps=2)),
     ("sdar", dict(max_tokens=12, sampler="sequential", block_length=8, steps=4)),
     ("sdar", dict(max_tokens=16, sampler="entropy", entropy_bound=0.5)),
@@ -255,6 +256,7 @@ SDAR_STRATEGIES = {
     "quota": "low_confidence_static",
     "threshold": "low_confidence_dynamic",
     "sequential": "sequential",
+    "entropy_bounded": "entropy_bounded",
 }
 
 
@@ -271,6 +273,27 @@ SDAR_STRATEGIES = {
     ],
 )
 def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_length, steps):
+    _check_sdar_against_reference(family, name, sampler, block_length, steps)
+
+
+def test_sdar_entropy_bounded_matches_block_diffusion_generate(family):
+    """generate.py's default eb_threshold (0.35) and larger budgets that commit several masks a
+    step. Prompts that end on a block edge: upstream's sum also covers prompt tokens that share the
+    first block, the engine's does not (see decoding.block.entropy_bounded_commit)."""
+    forwards = [
+        tuple(
+            _check_sdar_against_reference(
+                family, "sdar", "entropy_bounded", 4, 4, eb_threshold=eb, prompts=(8,)
+            )
+        )
+        for eb in (0.35, 2.0, 6.0)
+    ]
+    assert len(set(forwards)) == 3, f"the budgets did not change the commits: {forwards}"
+
+
+def _check_sdar_against_reference(
+    family, name, sampler, block_length, steps, eb_threshold=None, prompts=None
+):
     """Greedy (the reference's T=0 divides by zero; see the transcription). With several tokens a
     step the reference's top-k may take non-mask positions; the transcription is told to take
     only masks there (topk_over_masks_only), which is what the engine does."""
@@ -278,9 +301,16 @@ def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_leng
     spec = model.diffusion_spec
     eos = set(spec.eos_token_ids)
     forward = transformers_forward(path)
-    for n in (8, 7, 13):
+    # Requests that end on a block edge, and mid-block (the reference decodes the whole last
+    # block and cuts it; so must the engine).
+    cases = ((8, None), (7, None), (11, 32), (13, 18))
+    if prompts is not None:
+        cases = [(n, gen) for n in prompts for gen in (None, 30)]
+    out = []
+    for n, gen in cases:
         prompt = tokens(n, seed=n)
-        gen = -(-(n + 16) // block_length) * block_length - n  # the canvas ends on a block edge
+        if gen is None:
+            gen = -(-(n + 16) // block_length) * block_length - n
         x, ref_forwards = sdar_generate(
             forward,
             torch.tensor([prompt]),
@@ -290,11 +320,13 @@ def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_leng
             denoising_steps=steps,
             temperature=0.0,
             remasking_strategy=SDAR_STRATEGIES[sampler],
-            confidence_threshold=0.85,
+            confidence_threshold=0.9,  # the family default (the README's engine examples)
             stopping_criteria_idx=sorted(eos),
             topk_over_masks_only=steps < block_length,
+            eb_threshold=eb_threshold,
         )
         want = cut_at_eos(x[0, n : n + gen], eos)
+        extra = {} if eb_threshold is None else {"eb_threshold": eb_threshold}
         (got,), _, dec = run(
             model,
             tok,
@@ -304,10 +336,13 @@ def test_sdar_matches_block_diffusion_generate(family, name, sampler, block_leng
             steps=steps,
             sampler=sampler,
             temperature=0.0,
+            **extra,
         )
         assert got == want
         # The reference's cache costs one store forward per finished block; folded here.
         assert dec.nfe == ref_forwards - dec.backend.commits_saved
+        out.append(dec.nfe)
+    return out
 
 
 # ---------------------------------------------------------------------------- LLaDA2 reference
@@ -341,8 +376,13 @@ def llada2(family):
     return model, tok, mlx_vlm_forward(path)
 
 
-def llada2_prompts():
-    return [tokens(n, seed=n) for n in (7, 32, 40)]
+def llada2_cases(block_length):
+    """(prompt, max_tokens): requests that end on a block edge, and mid-block (11 + 32, 32 + 40),
+    where the reference decodes the whole last block and cuts it."""
+    edge = [(n, -(-(n + 40) // block_length) * block_length - n) for n in (7, 40)]
+    cases = edge + [(11, 32), (32, 40)]
+    assert any((n + gen) % block_length for n, gen in cases)
+    return [(tokens(n, seed=n), gen) for n, gen in cases]
 
 
 def without_eos(ids, eos_id):
@@ -358,9 +398,7 @@ def test_llada20_matches_reference_generate(llada2, block_length, steps, thresho
     model, tok, forward = llada2
     spec = model.diffusion_spec
     eos = spec.eos_token_ids[0]
-    for prompt in llada2_prompts():
-        n = len(prompt)
-        gen = -(-(n + 40) // block_length) * block_length - n
+    for prompt, gen in llada2_cases(block_length):
         want, ref_forwards = llada20_generate(
             forward,
             torch.tensor([prompt]),
@@ -401,9 +439,7 @@ def test_llada21_editing_matches_reference_generate(
     model, tok, forward = llada2
     spec = model.diffusion_spec
     eos = spec.eos_token_ids[0]
-    for prompt in llada2_prompts():
-        n = len(prompt)
-        gen = -(-(n + 40) // block_length) * block_length - n
+    for prompt, gen in llada2_cases(block_length):
         want, ref_forwards, remasked = llada21_generate(
             forward,
             torch.tensor([prompt]),
@@ -454,9 +490,10 @@ def test_editing_rewrites_tokens_and_is_bounded_by_max_post_steps(family):
     assert post_steps == 3  # one block (25 tokens in columns 7..32): bounded by max_post_steps
 
 
-def test_editing_never_touches_prompt_padding_or_positions_past_max_tokens(family):
+def test_editing_never_touches_prompt_or_padding(family):
     """Row 0 is left-padded by a whole block and its prompt tail shares the second block with
-    row 1's generated tokens: only generated positions may be edited."""
+    row 1's generated tokens: only decoded positions may be edited (those of the last block past
+    max_tokens included, as in the reference, which edits the whole block but its prompt)."""
     _, model, tok = family("llada2_moe")
     mask = model.diffusion_spec.mask_token_id
     prompts = [tokens(7, seed=11), tokens(20, seed=12)]
@@ -475,7 +512,12 @@ def test_editing_never_touches_prompt_padding_or_positions_past_max_tokens(famil
     dec.backend_cls = Watch
     list(dec.run(ids))
     edits = 0
-    initial, fixed = np.array(layout.tokens), ~np.array(layout.generated)
+    initial, fixed = np.array(layout.tokens), ~np.array(layout.decoded)
+    # Row 1's last block has positions past max_tokens (45..63): decoded, never returned.
+    assert (np.array(layout.decoded) & ~np.array(layout.generated)).any(axis=1).tolist() == [
+        False,
+        True,
+    ]
     for x in seen:
         n = x.shape[0]  # row 1 can only leave the batch first
         assert (x[fixed[:n]] == initial[:n][fixed[:n]]).all()
@@ -581,3 +623,103 @@ def test_llada22_edit_control_tokens_are_never_proposed(family, tmp_path):
     out, _, decoder = run(model22, tok22, prompts, **kw)
     assert not set(common) & {t for row in out for t in row}
     assert all(len(row) > 0 for row in out)
+
+
+# ------------------------------------------------------------------- LLaDA2.x editing modes
+
+# A stand-in for LLaDA2.1's remote code: the signature of LLaDA2MoeModelLM.generate in
+# LLaDA2.1-mini's modeling_llada2_moe.py (2.0's lacks editing_threshold, max_post_steps,
+# num_to_transfer). Parsed by the loader, never run.
+LLADA21_REMOTE_CODE = """
+class LLaDA2MoeModelLM:
+    def generate(self, inputs=None, temperature=0.0, block_length=32, steps=32, gen_length=2048,
+                 top_p=None, top_k=None, eos_early_stop=False, minimal_topk=1, threshold=0.95,
+                 editing_threshold=0.9, max_post_steps=16, eos_id=156892, mask_id=156895,
+                 num_to_transfer=1):
+        raise NotImplementedError
+"""
+LLADA20_REMOTE_CODE = LLADA21_REMOTE_CODE.replace(
+    "threshold=0.95,\n                 editing_threshold=0.9, max_post_steps=16,", "threshold=0.95,"
+).replace(",\n                 num_to_transfer=1", "")
+
+
+def _llada2_with_remote_code(path, tmp_path, code, name):
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(path, copy)
+    (copy / "modeling_llada2_moe.py").write_text(code)
+    return load_checkpoint(copy)  # the package's loader reads the remote code's signature
+
+
+def test_llada21_checkpoints_default_to_quality_mode(family, tmp_path):
+    """2.0 and 2.1 checkpoints have the same config and tokenizer files; the remote code's generate
+    tells them apart. 2.1 decodes in the model card's Quality Mode (threshold 0.7, editing 0.5,
+    max_post_steps 16), 2.0 as its generate (0.95, no editing)."""
+    path, model, tok = family("llada2_moe")
+    assert "editing_threshold" not in LLADA20_REMOTE_CODE
+    model20, tok20 = _llada2_with_remote_code(path, tmp_path, LLADA20_REMOTE_CODE, "v20")
+    model21, tok21 = _llada2_with_remote_code(path, tmp_path, LLADA21_REMOTE_CODE, "v21")
+    for m, t, mode, values in (
+        (model, tok, "off", (0.95, None)),  # no remote code: 2.0's defaults
+        (model20, tok20, "off", (0.95, None)),
+        (model21, tok21, "quality", (0.7, 0.5)),
+    ):
+        s, _, _ = stream_events(m, t, [[1, 2, 3]], max_tokens=4)
+        assert s["editing_mode"] == mode
+        assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (*values, 16)
+    prompts = [tokens(7, 11), tokens(20, 12)]
+    got, _, dec = run(model21, tok21, prompts, max_tokens=40)
+    quality = dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16)
+    assert got == run(model, tok, prompts, max_tokens=40, **quality)[0]
+    assert got != run(model, tok, prompts, max_tokens=40)[0], "the fixture cannot tell them apart"
+
+
+def test_editing_modes_and_explicit_settings(family):
+    _, model, tok = family("llada2_moe")
+
+    def resolved(**kw):
+        return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
+
+    s = resolved(editing_mode="speed")
+    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.5, 0.0, 16)
+    s = resolved(editing_mode="quality", threshold=0.8, max_post_steps=4)
+    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.8, 0.5, 4)
+    s = resolved(editing_mode="off")
+    assert (s["threshold"], s["editing_threshold"]) == (0.95, None)
+    with pytest.raises(SettingsError, match="unknown editing_mode 'fast'.*quality, speed, off"):
+        resolved(editing_mode="fast")
+
+
+def test_llada22_checkpoints_default_to_quality_mode(family, tmp_path):
+    """LLaDA2.2 is known from its config.json (its edit-control token ids)."""
+    import shutil
+
+    path, _, _ = family("llada2_moe")
+    v22 = tmp_path / "llada22_mode"
+    shutil.copytree(path, v22)
+    cfg = json.loads((v22 / "config.json").read_text())
+    cfg.update(delete_token_id=250, split_token_id=251)
+    (v22 / "config.json").write_text(json.dumps(cfg))
+    model22, tok22 = load_fixture(v22)
+    s, _, _ = stream_events(model22, tok22, [[1, 2, 3]], max_tokens=4)
+    assert (s["editing_mode"], s["threshold"], s["editing_threshold"]) == ("quality", 0.7, 0.5)
+
+
+def test_entropy_bounded_settings(family):
+    _, model, tok = family("sdar")
+
+    def resolved(**kw):
+        return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
+
+    assert resolved(sampler="entropy_bounded")["eb_threshold"] == 0.35  # generate.py's default
+    assert resolved()["threshold"] == 0.9 and resolved()["eb_threshold"] is None
+    with pytest.raises(
+        SettingsError, match="eb_threshold only acts with sampler='entropy_bounded'"
+    ):
+        resolved(eb_threshold=0.5)
+    with pytest.raises(SettingsError, match="eb_threshold must be a number > 0"):
+        resolved(sampler="entropy_bounded", eb_threshold=0)
+    _, model2, tok2 = family("llada2_moe")
+    with pytest.raises(SettingsError, match="unknown sampler 'entropy_bounded'"):
+        stream_events(model2, tok2, [[1, 2, 3]], max_tokens=4, sampler="entropy_bounded")

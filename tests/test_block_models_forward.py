@@ -104,7 +104,7 @@ def test_sdar_matches_transformers_qwen3_under_block_causal_mask(
 
 @pytest.mark.parametrize("name", ["sdar", "sdar_moe", "llada2_moe"])
 def test_rows_and_prefix_cache_follow_the_protocol(models, name):
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache
 
     model = models(name)
     block = model.diffusion_spec.trained_block_length
@@ -116,7 +116,8 @@ def test_rows_and_prefix_cache_follow_the_protocol(models, name):
         full[:, prefix:],
     )
     # Finished blocks in a KV cache, then the open block at absolute positions prefix..length-1.
-    cache = make_prompt_cache(model)
+    # mlx-lm's KV cache (make_prompt_cache refuses masked-diffusion models: make_cache raises).
+    cache = [KVCache() for _ in model.layers]
     model(ids[:, :prefix], cache=cache, mask=block_causal_mask(prefix, block))
     tail = model(
         ids[:, prefix:], cache=cache, mask=block_causal_mask(length - prefix, block, offset=prefix)
@@ -132,7 +133,7 @@ def test_sdar_spec_and_mask_token_resolution(models):
     assert spec.eos_token_ids == (sdar_fixture.IM_END, sdar_fixture.ENDOFTEXT)
     assert spec.trained_block_length == spec.defaults["block_length"] == 4
     assert "steps" not in spec.defaults  # steps follow block_length
-    assert spec.samplers == SHARED_SAMPLERS + ("sequential",)
+    assert spec.samplers == SHARED_SAMPLERS + ("sequential", "entropy_bounded")
     assert spec.confidence == "sampled" and spec.quota_base == "block"
     assert models("sdar_moe").diffusion_spec == spec
 
@@ -222,7 +223,7 @@ def test_llada2_spec(models):
     assert (spec.mask_token_id, spec.eos_token_ids) == (llada2_fixture.MASK, (llada2_fixture.EOS,))
     assert spec.trained_block_length == spec.defaults["block_length"] == 32
     assert spec.defaults["threshold"] == 0.95 and spec.defaults["max_post_steps"] == 16
-    assert family_settings(spec.family) == ("editing_threshold", "max_post_steps")
+    assert family_settings(spec.family) == ("editing_mode", "editing_threshold", "max_post_steps")
     cfg = llada2_fixture.config()
     cfg["block_length"] = 16
     args = llada2_moe.ModelArgs.from_dict(cfg)

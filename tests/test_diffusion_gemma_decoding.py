@@ -7,6 +7,8 @@ uniform number per position for the categorical draw (transformers' `torch.multi
 by the inverse CDF that the engine uses). Everything else is each side's own code.
 """
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,9 +17,10 @@ import mlx_dllm_models.engine.canvas as canvas_mod
 from fixtures import diffusion_gemma as fx
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
-from mlx_dllm_models.engine import BlockEvent
+from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
 from mlx_dllm_models.generate import checkpoint_settings, stream_events
+from mlx_dllm_models.models import diffusion_gemma
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 
 C = fx.CANVAS_LENGTH
@@ -419,6 +422,32 @@ def test_short_answers_get_a_short_canvas(dg, eos_ids, monkeypatch, max_tokens, 
     assert [len(r.tokens) for r in responses] == [min(c, max_tokens) for c in canvases]
     assert len(tokens) == max_tokens and responses[-1].finish_reason == "length"
     assert lengths == [c for c in canvases for _ in range(2)]
+
+
+@pytest.mark.parametrize("max_tokens", [5, C + 3])
+def test_every_canvas_is_the_trained_length_by_default(dg, eos_ids, monkeypatch, max_tokens):
+    """As transformers' generate: ceil(max_tokens / canvas_length) canvases of the trained length
+    each, the output cut at max_tokens afterwards."""
+    model, proc = dg
+    lengths = _spy_decode(model, monkeypatch)
+    tokens, responses = _generate(model, proc, max_tokens=max_tokens, max_denoising_steps=2, seed=1)
+    assert len(tokens) == max_tokens and responses[-1].finish_reason == "length"
+    assert lengths and set(lengths) == {C}
+    assert len(lengths) == 2 * -(-max_tokens // C)
+
+
+def test_a_short_request_on_a_256_canvas_checkpoint_denoises_all_256(checkpoint):
+    """The real checkpoints' canvas (256, above the old floor of 64): a 5-token request still
+    denoises 256 positions by default; min_canvas_length opts into a shorter last canvas."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg["canvas_length"] = 256
+    model = diffusion_gemma.Model(diffusion_gemma.ModelArgs.from_dict(cfg))  # lazy, never run
+    spec = model.diffusion_spec
+    s = resolve_settings(spec, {"max_tokens": 5}, {})
+    assert s["min_canvas_length"] == s["max_canvas_length"] == 256
+    assert make_decoder(model, s, ()).canvas_length(5) == 256
+    s = resolve_settings(spec, {"max_tokens": 5, "min_canvas_length": 64}, {})
+    assert make_decoder(model, s, ()).canvas_length(5) == 64
 
 
 def test_stream_is_live_one_response_per_canvas(dg, eos_ids, monkeypatch):

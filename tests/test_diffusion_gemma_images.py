@@ -28,7 +28,7 @@ from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
 from test_diffusion_gemma_forward import _convert
 
 from fixtures import diffusion_gemma as fx
-from mlx_dllm_models import generate_diffusion, load
+from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError, encode_prompt
@@ -81,7 +81,7 @@ def _transformers_image_inputs(ids, pixel_values):
 def image_parity(dg, reference, image_prompt):
     ids, pixel_values = image_prompt
     draws = Draws(4, 2, SETTINGS["max_denoising_steps"])
-    ours = run_engine(dg[0], ids, draws, EOS, images=pixel_values, **SETTINGS)
+    ours = run_engine(dg[0], ids, draws, EOS, images=[pixel_values], **SETTINGS)
     mp = pytest.MonkeyPatch()
     theirs = run_transformers(
         reference, ids, draws, EOS, mp, **SETTINGS, **_transformers_image_inputs(ids, pixel_values)
@@ -119,7 +119,7 @@ def test_the_image_parity_check_catches_mistakes(
             return real(h, shifted, features, token)
 
         monkeypatch.setattr(vision, "place_features", late)
-    rec, _, _ = run_engine(model, ids, draws, EOS, images=pixel_values, **SETTINGS)
+    rec, _, _ = run_engine(model, ids, draws, EOS, images=[pixel_values], **SETTINGS)
     monkeypatch.undo()
     assert _worst(rec["processed"][:1], ref_rec["processed"][:1]) > 1e-3
 
@@ -197,8 +197,32 @@ def test_images_need_the_processor_and_one_text_prompt(dg, checkpoint):
     _, tokenizer = mlx_load(str(checkpoint))
     with pytest.raises(SettingsError, match="need the processor"):
         generate_diffusion(model, tokenizer, "hi", image=[picture(0)], max_tokens=4)
-    with pytest.raises(SettingsError, match="single text prompt"):
+    with pytest.raises(SettingsError, match="has images, so it must be text"):
         generate_diffusion(model, processor, [fx.BOS, 65], image=[picture(0)], max_tokens=4)
+    with pytest.raises(SettingsError, match="images has 1 entries for 2 prompts"):
+        batch_generate_diffusion(model, processor, ["a", "b"], images=[picture(0)], max_tokens=4)
+    with pytest.raises(SettingsError, match="one entry per prompt"):
+        batch_generate_diffusion(model, processor, ["a", "b"], images=picture(0), max_tokens=4)
+
+
+def test_batched_image_prompts_equal_single_runs(dg):
+    """A different image (or none, or two) per row, rows of different lengths (left padding), a
+    token-id row: each row's tokens equal its run alone (DiffusionGemma samples on a schedule;
+    each row draws the noise it draws alone from the seed)."""
+    model, processor = dg
+    prompts = ["describe", "<|image|> and <|image|>, which?", "describe", [fx.BOS, 70, 71, 72]]
+    images = [picture(1), [picture(2), picture(3)], None, None]
+    settings = dict(max_tokens=2 * C, max_denoising_steps=3, seed=4)
+    batch = batch_generate_diffusion(model, processor, prompts, images=images, **settings)
+    alone = [
+        batch_generate_diffusion(model, processor, [p], images=[i], **settings)
+        for p, i in zip(prompts, images)
+    ]
+    assert batch.tokens == [a.tokens[0] for a in alone]
+    assert batch.finish_reasons == [a.finish_reasons[0] for a in alone]
+    # The images matter: the image rows differ from the same prompt without them.
+    assert batch.tokens[0] != batch.tokens[2]
+    assert all(len(t) > 0 for t in batch.tokens)
 
 
 def test_cli_image(checkpoint, tmp_path, capsys):

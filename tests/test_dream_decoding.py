@@ -42,6 +42,9 @@ def prompt(n, seed):
 
 
 def settings_for(model, **kw):
+    # Greedy, no top-p (1.0 turns it off): the reference transcription's defaults; the family's
+    # are the README's sampled recipe (test_defaults_are_the_readme_recipe).
+    kw = {"temperature": 0.0, "top_p": 1.0, **kw}
     spec = model.diffusion_spec
     return resolve_settings(spec, kw, checkpoint_settings(model, spec))
 
@@ -356,25 +359,49 @@ def test_margin_and_processed_entropy_follow_the_processed_distribution():
 # ------------------------------------------------------------------------------------ settings
 
 
-def test_defaults_come_from_generation_config(dream):
+def test_defaults_are_the_readme_recipe(dream):
+    """Dream's README: alg entropy, alg_temp 0, temperature 0.2, top_p 0.95, steps = new tokens.
+    The checkpoint's generation_config (DreamGenerationConfig's class defaults: origin, steps 512,
+    temperature 0) does not override them; its eps and alg_temp are read."""
     model, _ = dream
-    s = settings_for(model, max_tokens=20)
-    assert s["sampler"] == "dream" and s["alg"] == "origin" and s["eps"] == 1e-3
-    assert s["steps"] == 512 and s["block_length"] == 20 and s["alg_temp"] is None
+    assert model.generation_config["alg"] == "origin" and model.generation_config["steps"] == 512
+    spec = model.diffusion_spec
+    s = resolve_settings(spec, {"max_tokens": 20}, checkpoint_settings(model, spec))
+    assert (s["sampler"], s["alg"], s["alg_temp"], s["eps"]) == ("dream", "entropy", 0.0, 1e-3)
+    assert (s["temperature"], s["top_p"], s["top_k"]) == (0.2, 0.95, None)
+    assert s["steps"] == 20 and s["block_length"] == 20  # steps follow max_tokens
+    assert resolve_settings(spec, {"max_tokens": 7}, {})["steps"] == 7
+    assert resolve_settings(spec, {"max_tokens": 20, "steps": 5}, {})["steps"] == 5
     assert settings_for(model, max_tokens=20, block_length=5)["block_length"] == 5
     assert settings_for(model, max_tokens=20, sampler="quota")["block_length"] == 32
     saved = model.generation_config
-    model.generation_config = dict(saved, alg="entropy", steps=9, eps=0.01, alg_temp=0.5)
+    model.generation_config = dict(saved, alg="topk_margin", steps=9, eps=0.01, alg_temp=0.5)
     try:
-        s = settings_for(model)
-        assert (s["alg"], s["steps"], s["eps"], s["alg_temp"]) == ("entropy", 9, 0.01, 0.5)
-        assert settings_for(model, alg="topk_margin")["alg"] == "topk_margin"
-        model.generation_config = dict(saved, alg="bogus")
-        with pytest.raises(SettingsError, match="unknown alg 'bogus'"):
+        s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
+        assert (s["alg"], s["steps"], s["eps"], s["alg_temp"]) == ("entropy", 128, 0.01, 0.5)
+        model.generation_config = dict(saved, eps=2.0)
+        with pytest.raises(SettingsError, match=r"eps must be in \(0, 1\)"):
             settings_for(model)
-        settings_for(model, sampler="quota")  # alg does not act there: not checked
+        settings_for(model, sampler="quota")  # eps does not act there: not checked
     finally:
         model.generation_config = saved
+
+
+def test_a_default_request_costs_at_most_one_forward_per_token(dream):
+    """The README recipe on its defaults: 16 new tokens, at most 16 denoising forwards (Dream's
+    schedule has steps that commit nothing; they cost no forward)."""
+    model, tok = dream
+    for max_tokens in (16, 5):
+        decoder = make_decoder(
+            model, resolve_settings(model.diffusion_spec, {"max_tokens": max_tokens}, {}), ()
+        )
+        events = list(decoder.run([prompt(6, 1)]))
+        done = [e for e in events if isinstance(e, BlockEvent)]
+        assert sum(len(t) for e in done for t in e.tokens) == max_tokens
+        assert 0 < decoder.nfe <= max_tokens
+    # Through the public API, with the checkpoint's generation_config (steps 512) attached.
+    responses = list(stream_generate_diffusion(model, tok, prompt(6, 1), max_tokens=16))
+    assert 0 < responses[-1].nfe <= 16
 
 
 @pytest.mark.parametrize(

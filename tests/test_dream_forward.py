@@ -117,7 +117,8 @@ def test_diffusion_spec_from_config(model, ckpt):
     assert spec.logit_shift == 1 and spec.confidence == "sampled" and spec.quota_base == "masks"
     assert spec.samplers == ("dream", "quota", "threshold", "factor", "entropy")
     assert set(family_settings(spec.family)) == {"alg", "alg_temp", "eps"}
-    assert spec.defaults["alg"] == "origin" and spec.defaults["eps"] == 1e-3
+    # Dream README recipe (issue #12): alg entropy; eps as diffusion_generate.
+    assert spec.defaults["alg"] == "entropy" and spec.defaults["eps"] == 1e-3
     assert spec.max_position_embeddings == cfg["max_position_embeddings"]
 
 

@@ -7,10 +7,12 @@ generate; the KV cache is token-identical to full recompute. Self-speculation is
 greedy AR decoding with mlx-lm.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,9 +23,10 @@ from mlx_lm.generate import generate_step
 from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
+from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.self_spec import speculative_accept
 from mlx_dllm_models.generate import stream_events
-from mlx_dllm_models.settings import SettingsError
+from mlx_dllm_models.settings import SettingsError, resolve_settings
 from reference.nemotron_reference import VlmForward, hf_generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +95,11 @@ def _ar_greedy(model, prompt, max_tokens):
 @pytest.mark.parametrize("threshold", [None, 0.9, 0.6])
 def test_diffusion_matches_hf_reference_generate(loaded, vlm, threshold):
     model, tok = loaded
-    sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
+    sampler = (
+        dict(sampler="quota")
+        if threshold is None
+        else dict(sampler="threshold", threshold=threshold)
+    )
     several = []
     for prompt in PROMPTS:
         x, _ = hf_generate(
@@ -114,7 +121,11 @@ def test_diffusion_matches_mlx_vlm_generate(loaded, vlm, max_tokens, steps, thre
     reads no block_size, so block_length is passed; with threshold it force-completes a block at its
     last step, which never comes into play when steps == block_length."""
     model, tok = loaded
-    sampler = {} if threshold is None else dict(sampler="threshold", threshold=threshold)
+    sampler = (
+        dict(sampler="quota")
+        if threshold is None
+        else dict(sampler="threshold", threshold=threshold)
+    )
     for prompt in PROMPTS:
         want = vlm.language_model.generate(
             mx.array([prompt]),
@@ -165,7 +176,7 @@ def test_forwards_of_the_cache(loaded):
     seen = []
     prompt = PROMPTS[0]
     with spy_forwards(model, lambda inputs, *_: seen.append(inputs.shape[1])):
-        _, responses = _ours(model, tok, prompt, max_tokens=3 * L)
+        _, responses = _ours(model, tok, prompt, max_tokens=3 * L, sampler="quota")
     per_block = [L] * (L - 1)  # one token per step; position 0 is the AR seed
     assert seen == [len(prompt)] + per_block + [L] + per_block + [L] + per_block
     assert responses[-1].nfe == len(seen)
@@ -307,3 +318,44 @@ def test_cli_generates(checkpoint, mode):
 def test_cli_rejects_an_unknown_mode(checkpoint):
     out = _cli(checkpoint, "--mode", "fast")
     assert out.returncode != 0 and "unknown mode 'fast'" in out.stderr
+
+
+def test_a_block_stops_at_an_eos_with_no_mask_before_it(loaded, vlm):
+    """As the HF generate: a block's steps end once it holds an EOS with no mask before it (the
+    positions after it are never returned). The fixture's own EOS is rare, so a token it does
+    produce plays the EOS on both sides; tokens and forwards equal the reference's."""
+    model, tok = loaded
+    spec = model.diffusion_spec
+    assert spec.eos_ends_block
+    prompt = PROMPTS[1]
+    plain, _ = _ours(model, tok, prompt, max_tokens=3 * L)
+    stop_id = Counter(plain[1:L]).most_common(1)[0][0]  # present in the first block
+    settings = resolve_settings(spec, {"max_tokens": 3 * L}, {})
+    # The diffusion-mode default: confidence-thresholded unmasking at 0.9 (see the model's spec).
+    assert (settings["sampler"], settings["threshold"]) == ("threshold", 0.9)
+    x, ref_nfe = hf_generate(
+        VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, stop_id, threshold=settings["threshold"]
+    )
+    want = [int(t) for t in x[0, len(prompt) :]]
+    want = want[: want.index(stop_id)]
+
+    def decode():
+        decoder = make_decoder(model, settings, [stop_id])
+        got, stopped = [], False
+        for event in decoder.run([prompt]):
+            if isinstance(event, BlockEvent):
+                got.extend(event.tokens[0])
+                stopped = stopped or event.eos[0]
+        assert stopped
+        return got, decoder.nfe
+
+    got, nfe = decode()
+    assert got == want
+    # Ours counts the prompt's forward; the reference, a causal forward after the last block.
+    assert nfe == ref_nfe
+    model.diffusion_spec = dataclasses.replace(spec, eos_ends_block=False)
+    try:
+        finishing = decode()
+    finally:
+        model.diffusion_spec = spec
+    assert finishing[0] == got and finishing[1] > nfe, "the stop saved no forward: pick another id"

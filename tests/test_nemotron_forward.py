@@ -214,7 +214,9 @@ def test_diffusion_spec(loaded):
     assert (spec.logit_shift, spec.confidence, spec.quota_base) == (0, "raw", "masks")
     assert spec.trained_block_length == fx.BLOCK_SIZE
     assert spec.defaults["block_length"] == fx.BLOCK_SIZE and "steps" not in spec.defaults
-    assert spec.defaults["sampler"] == "quota" and family_settings(spec.family) == ("mode",)
+    # Confidence-thresholded diffusion mode at 0.9 (issue #12); self-speculation settings.
+    assert spec.defaults["sampler"] == "threshold" and spec.defaults["threshold"] == 0.9
+    assert family_settings(spec.family) == ("mode", "draft_threshold")
 
     for missing in ({}, {"mask_token_id": -1}):
         cfg = {**fx.config(), **missing}

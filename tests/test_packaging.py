@@ -276,7 +276,9 @@ import mlx_dllm_models
 out = {"before": before, "package": mlx_dllm_models.__file__, "models": {}}
 reference = None
 for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
-    model, tokenizer = mlx_lm.load(path)
+    # The fixtures carry auto_map as real checkpoints do, and `mlx_lm convert` keeps it (only
+    # `mlx_dllm convert` drops it): say no to the remote code rather than be asked.
+    model, tokenizer = mlx_lm.load(path, tokenizer_config={"trust_remote_code": False})
     ids = tokenizer.encode("hello world")
     logits = model(mx.array([ids]))
     mx.eval(logits)
@@ -329,3 +331,106 @@ def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, instal
     assert got["models"]["plain"]["bits"] == [] and got["models"]["plain"]["rel_diff"] < 1e-2
     assert 4 in got["models"]["q4"]["bits"], "-q --q-bits 4 quantized nothing"
     assert 8 in got["models"]["q8"]["bits"], "-q --q-bits 8 quantized nothing"
+
+
+# ------------------------------------------------------------- mlx-lm's own tools (issue 15 §2)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--prompt", "What is 47+85?"],
+        ["cache_prompt", "--prompt", "What is 47+85?", "--prompt-cache-file", "cache.safetensors"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_mlx_lm_tools_refuse_a_masked_diffusion_checkpoint_with_a_pointer(installed, command):
+    """`python -m mlx_lm generate` would decode the embedded default (a LLaDA) token by token and
+    print an empty answer; it must stop before any forward pass and name our command."""
+    default = installed.site / "mlx_dllm_models" / "assets" / "default"
+    assert (default / "config.json").exists()
+    proc = subprocess.run(
+        [installed.python, "-m", "mlx_lm", command[0], "--model", default, *command[1:]],
+        cwd=installed.workdir,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert "NotAutoregressiveError" in proc.stderr and "mlx_dllm generate" in proc.stderr, (
+        proc.stderr[-2000:]
+    )
+    assert "Generation:" not in proc.stdout  # mlx-lm's statistics: nothing was generated
+    assert not (installed.workdir / "cache.safetensors").exists()
+
+
+# A child on a pseudo-terminal: transformers' "Do you wish to run the custom code? [y/N]" would
+# wait 15 s for an answer there. The load alone is timed, after the imports.
+PTY_LOAD = """
+import json, sys, time
+import mlx_lm
+t = time.perf_counter()
+model, tokenizer = mlx_lm.load(sys.argv[1])
+print("RESULT", json.dumps({"seconds": time.perf_counter() - t, "module": type(model).__module__}))
+"""
+
+
+def _run_on_a_pty(cmd, cwd, env, timeout=120):
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env,
+        stdin=follower,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    os.close(follower)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        # Drain whatever the child wrote to the terminal itself, then close it.
+        while select.select([leader], [], [], 0)[0]:
+            try:
+                if not os.read(leader, 4096):
+                    break
+            except OSError:
+                break
+        os.close(leader)
+    return proc.returncode, out.decode(errors="replace")
+
+
+def test_converted_checkpoint_loads_in_plain_mlx_lm_without_prompt_or_remote_code(
+    installed, tmp_path
+):
+    from tests.fixtures.llada import build_llada
+
+    src = build_llada(tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    assert "AutoConfig" in config["auto_map"], "the fixture must carry auto_map as real ones do"
+    # The remote code the auto_map names: running it would end the process.
+    for name in ("configuration_llada.py", "modeling_llada.py"):
+        (src / name).write_text("raise SystemExit('the remote code ran')\n")
+    out = tmp_path / "mlx"
+    _run(
+        [installed.python, "-m", "mlx_dllm_models", "convert", "--hf-path", src, "--mlx-path", out],
+        installed.workdir,
+    )
+
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
+    assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
+    assert not list(out.glob("*.py")), "the remote code was copied into the output"
+    card = (out / "README.md").read_text()
+    assert "mlx_dllm generate --model" in card and "library_name: mlx" in card
+
+    rc, text = _run_on_a_pty([installed.python, "-c", PTY_LOAD, out], installed.workdir, _env())
+    assert rc == 0, text
+    assert "Do you wish to run the custom code" not in text and "remote code ran" not in text
+    got = json.loads(next(ln for ln in text.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["module"] == "mlx_dllm_models.models.llada"
+    assert got["seconds"] < 5, got

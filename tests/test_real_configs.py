@@ -288,19 +288,26 @@ def _xfail(reason):
 
 
 DREAM_README = (
-    "DreamLM/Dream README (Instruct example): diffusion_generate(max_new_tokens=512, steps=512, "
-    "temperature=0.2, top_p=0.95, alg='entropy', alg_temp=0.); the checkpoint's "
-    "generation_config.json says alg 'origin', temperature 0.0, top_p null"
+    "DreamLM/Dream README (Instruct example): max_new_tokens=512 with steps=512; the package keeps "
+    "its max_tokens default of 128 (and steps follow max_tokens, so the recipe's one token per "
+    "step holds)"
 )
-SDAR_README = (
-    "SDAR model card / JetAstra/SDAR README: low_confidence_dynamic with dynamic_threshold=0.9 "
-    "(JetEngine and LMDeploy examples); the package uses generate.py's confidence_threshold 0.85"
-)
-LLADA21_README = (
-    "LLaDA2.1-mini model card, Best Practices: threshold=0.7, editing_threshold=0.5 (Quality "
-    "Mode) or 0.5 / 0.0 (Speed Mode), max_post_steps 16; config.json is byte-identical to "
-    "LLaDA2.0-mini's, so nothing in it selects 2.1 defaults"
-)
+
+# Parameter names of LLaDA2MoeModelLM.generate in the checkpoints' own modeling_llada2_moe.py
+# (read with loader.remote_generate_params from Xenearkr/DARE: LLaDA2.0-mini's blob 3d29a17 at
+# 7016e0e, LLaDA2.1-mini's blob 55de70f at 5877371; the code itself is not kept here). config.json
+# and the tokenizer files of the two are byte-identical; this is what tells them apart.
+REMOTE_GENERATE_PARAMS = {
+    "inclusionAI__LLaDA2.0-mini": frozenset(
+        "self inputs temperature block_length steps gen_length top_p top_k eos_early_stop "
+        "minimal_topk threshold eos_id mask_id".split()
+    ),
+    "inclusionAI__LLaDA2.1-mini": frozenset(
+        "self inputs temperature block_length steps gen_length top_p top_k eos_early_stop "
+        "minimal_topk threshold editing_threshold max_post_steps eos_id mask_id "
+        "num_to_transfer".split()
+    ),
+}
 
 # (checkpoint, setting, value recommended upstream, xfail reason when the package differs)
 SETTINGS = [
@@ -311,12 +318,17 @@ SETTINGS = [
     ("GSAI-ML__LLaDA-8B-Instruct", "steps", 32, None),
     ("GSAI-ML__LLaDA-8B-Instruct", "temperature", 0.0, None),
     ("GSAI-ML__LLaDA-8B-Instruct", "max_tokens", 128, None),
+    # Dream README (Instruct example): diffusion_generate(max_new_tokens=512, steps=512,
+    # temperature=0.2, top_p=0.95, alg="entropy", alg_temp=0.): steps = new tokens. The
+    # checkpoint's generation_config.json (alg origin, steps 512, temperature 0) is not read for
+    # these (models/dream.py says why).
     ("Dream-org__Dream-v0-Instruct-7B", "sampler", "dream", None),
-    ("Dream-org__Dream-v0-Instruct-7B", "steps", 512, None),
+    ("Dream-org__Dream-v0-Instruct-7B", "steps", 128, None),  # = max_tokens
     ("Dream-org__Dream-v0-Instruct-7B", "eps", 0.001, None),
-    ("Dream-org__Dream-v0-Instruct-7B", "alg", "entropy", DREAM_README),
-    ("Dream-org__Dream-v0-Instruct-7B", "temperature", 0.2, DREAM_README),
-    ("Dream-org__Dream-v0-Instruct-7B", "top_p", 0.95, DREAM_README),
+    ("Dream-org__Dream-v0-Instruct-7B", "alg", "entropy", None),
+    ("Dream-org__Dream-v0-Instruct-7B", "alg_temp", 0.0, None),
+    ("Dream-org__Dream-v0-Instruct-7B", "temperature", 0.2, None),
+    ("Dream-org__Dream-v0-Instruct-7B", "top_p", 0.95, None),
     ("Dream-org__Dream-v0-Instruct-7B", "max_tokens", 512, DREAM_README),
     # SDAR README: "greedy decoding with block_length = 4, denoising_steps = 4".
     ("JetLM__SDAR-8B-Chat", "block_length", 4, None),
@@ -325,12 +337,14 @@ SETTINGS = [
     ("JetLM__SDAR-8B-Chat", "sampler", "threshold", None),
     ("JetLM__SDAR-8B-Chat", "top_k", None, None),  # generation_config's AR top_k 20 is not read
     ("JetLM__SDAR-8B-Chat", "top_p", None, None),
-    ("JetLM__SDAR-8B-Chat", "threshold", 0.9, SDAR_README),
+    # SDAR README: JetEngine (dynamic_threshold=0.9) and LMDeploy (dllm_confidence_threshold=0.9,
+    # greedy) examples; generate.py's script default is 0.85.
+    ("JetLM__SDAR-8B-Chat", "threshold", 0.9, None),
     ("JetLM__SDAR-30B-A3B-Chat", "block_length", 4, None),
     ("JetLM__SDAR-30B-A3B-Chat", "steps", 4, None),
     ("JetLM__SDAR-30B-A3B-Chat", "temperature", 0.0, None),
     ("JetLM__SDAR-30B-A3B-Chat", "sampler", "threshold", None),
-    ("JetLM__SDAR-30B-A3B-Chat", "threshold", 0.9, SDAR_README),
+    ("JetLM__SDAR-30B-A3B-Chat", "threshold", 0.9, None),
     # LLaDA2.0-mini model card: temperature 0.0, block_length 32, steps 32 (generate's threshold
     # default 0.95); "we recommend using an output length of 32768 tokens".
     ("inclusionAI__LLaDA2.0-mini", "block_length", 32, None),
@@ -339,6 +353,7 @@ SETTINGS = [
     ("inclusionAI__LLaDA2.0-mini", "sampler", "threshold", None),
     ("inclusionAI__LLaDA2.0-mini", "threshold", 0.95, None),
     ("inclusionAI__LLaDA2.0-mini", "editing_threshold", None, None),
+    ("inclusionAI__LLaDA2.0-mini", "editing_mode", "off", None),
     (
         "inclusionAI__LLaDA2.0-mini",
         "max_tokens",
@@ -350,9 +365,12 @@ SETTINGS = [
     ("inclusionAI__LLaDA2.1-mini", "temperature", 0.0, None),
     ("inclusionAI__LLaDA2.1-mini", "top_p", None, None),
     ("inclusionAI__LLaDA2.1-mini", "top_k", None, None),
+    # LLaDA2.1-mini model card, Best Practices: Quality Mode threshold=0.7, editing_threshold=0.5,
+    # max_post_steps 16 (Speed Mode: 0.5 / 0.0, editing_mode="speed").
     ("inclusionAI__LLaDA2.1-mini", "max_post_steps", 16, None),
-    ("inclusionAI__LLaDA2.1-mini", "threshold", 0.7, LLADA21_README),
-    ("inclusionAI__LLaDA2.1-mini", "editing_threshold", 0.5, LLADA21_README),
+    ("inclusionAI__LLaDA2.1-mini", "editing_mode", "quality", None),
+    ("inclusionAI__LLaDA2.1-mini", "threshold", 0.7, None),
+    ("inclusionAI__LLaDA2.1-mini", "editing_threshold", 0.5, None),
     (
         "inclusionAI__LLaDA2.1-mini",
         "max_tokens",
@@ -375,6 +393,7 @@ def _settings_params():
 def _resolved(name):
     _, model, spec = _built(name)
     model.generation_config = _load(name, "generation_config.json") or {}
+    model.remote_generate_params = REMOTE_GENERATE_PARAMS.get(name, frozenset())
     return resolve_settings(spec, {}, checkpoint_settings(model, spec))
 
 

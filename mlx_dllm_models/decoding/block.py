@@ -3,7 +3,7 @@
 SDAR's remasking strategies map onto the engine's samplers: `low_confidence_static` is "quota"
 (the block length split over the steps, front-loaded), `low_confidence_dynamic` is "threshold"
 (every mask above the threshold, > as in the reference, with the step's quota as the fallback),
-and `sequential` is the rule below.
+and `sequential` and `entropy_bounded` are the rules below.
 
 LLaDA2.1 token editing (T2T) is not a sampler: it runs next to any commit rule, driven by the
 `editing_threshold` and `max_post_steps` settings of a family that declares them (see
@@ -11,8 +11,6 @@ engine.MaskedBlockDecoder). LLaDA2.0 is the threshold sampler with editing off.
 
 Where the engine departs from the references, on purpose:
 
-* Positions past max_tokens in the last block stay masks (the references decode the whole last
-  block), so the last block's tokens can differ when prompt + max_tokens is not a block multiple.
 * A step commits min(quota, masks left). SDAR's top-k runs over the whole block with confidence
   -inf outside the masks, so a quota above the masks left rewrites committed or prompt tokens.
 * The mask token is never proposed. LLaDA2.1's edits can write it back (turning a token into a
@@ -39,6 +37,31 @@ def sequential_commit(stats, cand, ctx):
 
 
 sequential_commit.exact_floor = lambda settings: True
+
+
+def entropy_bounded_commit(stats, cand, ctx):
+    """SDAR `entropy_bounded` (JetAstra/SDAR generate.py, `eb_threshold`), as upstream computes it.
+
+    Its entropy is taken of x0_p, the (B, L) probabilities of the sampled tokens, over the last
+    axis: E = -sum_i p_i log p_i summed over the block's positions (masked or not), one value per
+    row that every mask shares, not a per-token entropy over the vocabulary (the shared "entropy"
+    sampler's EB-Sampler rule). The masks sorted by it all tie at E, so the running sum n * E
+    commits k = #{n >= 1: n E < eb_threshold} masks, at least one and at most the masks left;
+    which ones is the sort's order among ties, position order here (torch.sort on CPU). The step's
+    quota floor is the leftmost masks too: max(k, floor) leftmost masks, which is k at the default
+    steps == block_length (the floor is 1 there); upstream has no floor.
+
+    The sum covers the positions the engine computes logits for: the block from its first
+    generated position. Upstream's block also holds the prompt tokens that share the first block;
+    they agree whenever the prompt ends on a block edge."""
+    p = mx.maximum(stats.confidence.astype(mx.float32), 1e-12)
+    e = -(p * mx.log(p)).sum(axis=-1, keepdims=True)  # (B, 1)
+    masked = cand.sum(axis=-1, keepdims=True)
+    running = mx.cumsum(mx.broadcast_to(e, cand.shape), axis=-1)  # n * E, n = 1..L
+    n = (running < ctx.settings["eb_threshold"]).sum(axis=-1, keepdims=True)
+    k = mx.maximum(mx.maximum(mx.minimum(n, masked), 1), ctx.floor[:, None])
+    leftmost_first = -mx.arange(cand.shape[-1], dtype=mx.float32)
+    return quota_commit(mx.broadcast_to(leftmost_first, cand.shape), cand, k[:, 0])
 
 
 def token_edits(stats, tokens, editable, threshold: float, strict: bool = True):

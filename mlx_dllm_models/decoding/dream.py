@@ -27,6 +27,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..errors import SettingsError
 from .rules import quota_commit
 
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -69,6 +70,15 @@ def timesteps(steps: int, eps: float) -> np.ndarray:
     return np.where(i < n // 2, from_start, from_end).astype(np.float32)
 
 
+def _timestep(i: int, steps: int, eps: float) -> np.float32:
+    """timesteps(steps, eps)[i], computed alone (same operations), without the (steps + 1,) array."""
+    n = steps + 1
+    start, end = np.float32(1.0), np.float32(eps)
+    step = float((end - start) / np.float32(n - 1))
+    value = float(start) + step * i if i < n // 2 else float(end) - step * (n - 1 - i)
+    return np.float32(value)
+
+
 def _transfer_ratios(steps: int, eps: float) -> np.ndarray:
     """(steps,) float32: 1 - s/t of each step, 1 at the last."""
     t = timesteps(steps, eps)
@@ -77,17 +87,62 @@ def _transfer_ratios(steps: int, eps: float) -> np.ndarray:
     return ratio.astype(np.float32)
 
 
+def _transfer_ratio(i: int, steps: int, eps: float) -> np.float32:
+    """_transfer_ratios(steps, eps)[i] without the (steps,) array (origin reads one per step)."""
+    if i == steps - 1:
+        return np.float32(1)
+    return np.float32(np.float32(1) - _timestep(i + 1, steps, eps) / _timestep(i, steps, eps))
+
+
+# Dream's exact schedule is a loop over its steps; past this many it is only computed where it is
+# known to be all at the last step (below), and refused otherwise.
+MAX_SCHEDULED_STEPS = 1 << 20
+# alg="origin" takes one forward per step, as the reference does, however few masks are left; more
+# steps than this many per mask would be forwards that commit almost nothing.
+MAX_ORIGIN_STEPS_PER_MASK = 16
+
+
+def _ranked_all_at_last(most: int, steps: int, eps: float) -> bool:
+    """Whether every count of the ranked schedule but the last is 0 for up to `most` masks:
+    int(m * r_i) = 0 when m * r_i < 1, and r_i = 1 - t_{i+1}/t_i <= (t_i - t_{i+1}) / t_i (plus
+    float32 rounding), with t_i - t_{i+1} <= (1 - eps)/steps + 2 ulp(1) and t_i >= eps."""
+    gap = (1 - eps) / steps + 2.0**-22
+    ratio = gap / (eps * (1 - 1e-6)) + 2.0**-23
+    return most * ratio * (1 + 1e-6) < 1
+
+
 def dream_schedule(masks: mx.array, steps: int, settings) -> mx.array:
-    """(B, steps) int32 per-row commit counts of Dream's schedule, summing to `masks` (B,).
+    """(B, K) int32 per-row commit counts of the first K <= steps steps of Dream's schedule,
+    summing to `masks` (B,); every later step's count is 0.
 
     Ranked algorithms: n_i = int(m_i * (1 - s/t)) with m_i the masks left, all of them at the
-    last step. origin commits a random number per step, so its floor is 0 until the last step,
-    which takes everything left."""
+    last step. When `steps` is so large that every count but the last is 0, the one step that
+    commits is given alone (K = 1): the steps before it change nothing and run no forward (their
+    index is not read by the ranked rules), so `steps` above that costs nothing. origin commits a
+    random number per step, all that are left at the last (where its transfer probability is 1),
+    so its floor is 0: a (B, 1) zero schedule, however many steps."""
     m = np.array(masks, dtype=np.int64)
-    out = np.zeros((m.shape[0], steps), np.int64)
+    most = int(m.max()) if m.size else 0
     if settings["alg"] == "origin":
-        out[:, -1] = m
+        if steps > max(most, 1) * MAX_ORIGIN_STEPS_PER_MASK:
+            raise SettingsError(
+                f"steps={steps} for {most} masks: alg='origin' runs one forward per step (as "
+                f"Dream's reference does), so at most {MAX_ORIGIN_STEPS_PER_MASK} steps per mask "
+                f"are allowed; lower steps, or use a ranked alg (maskgit_plus, topk_margin, "
+                "entropy), which skips steps that commit nothing"
+            )
+        out = np.zeros((m.shape[0], 1), np.int64)
+        if steps == 1:
+            out[:, 0] = m
         return mx.array(out.astype(np.int32))
+    if steps > 1 and _ranked_all_at_last(most, steps, settings["eps"]):
+        return mx.array(m[:, None].astype(np.int32))
+    if steps > MAX_SCHEDULED_STEPS:
+        raise SettingsError(
+            f"steps={steps} with eps={settings['eps']}: Dream's schedule would have to be computed "
+            f"step by step; use steps <= {MAX_SCHEDULED_STEPS}, or a larger eps"
+        )
+    out = np.zeros((m.shape[0], steps), np.int64)
     ratio = _transfer_ratios(steps, settings["eps"])
     left = m.copy()
     for i in range(steps):
@@ -112,7 +167,7 @@ def dream_commit(stats, cand, ctx):
     s = ctx.settings
     alg = s["alg"]
     if alg == "origin":
-        p = float(_transfer_ratios(ctx.steps, s["eps"])[ctx.step])
+        p = float(_transfer_ratio(ctx.step, ctx.steps, s["eps"]))
         hit = uniform(ctx.key, cand.shape) < mx.array(p, dtype=mx.float32)
         return (cand & hit) | quota_commit(stats.confidence, cand, ctx.floor)
     if alg == "maskgit_plus":

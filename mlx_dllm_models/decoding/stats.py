@@ -72,6 +72,7 @@ def token_stats(
     confidence: str = "raw",
     order: Sequence[str] = ("top_k", "top_p", "temperature"),
     extras: Sequence[str] = (),
+    confidence_suppress_ids: Sequence[int] = (),
 ) -> TokenStats:
     """Propose a token per position and score it.
 
@@ -90,6 +91,8 @@ def token_stats(
     family's reference order: Dream divides by the temperature, then top-p, then top-k; top-p
     depends on where the temperature comes). extras: names of optional statistics to compute, see
     TokenStats ("margin", "processed_entropy").
+    confidence_suppress_ids: ids whose logit is -inf in the raw softmax the confidence reads, after
+    the proposal is drawn (LLaDA's confidence_eos_eot_inf: a proposed EoT scores 0).
     """
     logits = logits.astype(mx.float32)
     logits = mx.where(mx.isnan(logits), _NEG_INF, logits)
@@ -117,6 +120,11 @@ def token_stats(
     x0 = mx.argmax(proposal, axis=-1)
 
     p_raw, finite, entropy = _softmax_stats(logits)
+    if confidence_suppress_ids:
+        ids = mx.array(list(confidence_suppress_ids))
+        keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
+        keep[ids] = False
+        p_raw, _, _ = _softmax_stats(mx.where(keep, logits, _NEG_INF))
     unknown = set(extras) - {"margin", "processed_entropy"}
     if unknown:
         raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")

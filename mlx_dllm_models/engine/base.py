@@ -6,6 +6,8 @@ from typing import AbstractSet, List, Sequence
 
 import mlx.core as mx
 
+from ..errors import CheckpointError
+
 
 @dataclass
 class StepEvent:
@@ -50,6 +52,20 @@ def block_event(
         emitted.append(list(toks) if cut is None else list(toks[:cut]))
         finished.append(cut is not None or bool(limit))
     return BlockEvent(list(rows), emitted, hit, finished, nfe)
+
+
+def check_finite(logits: mx.array, model) -> None:
+    """Refuse to decode from non-finite logits: NaN or inf weights (a corrupt download or a bad
+    conversion) would otherwise decode to garbage, the same token everywhere, with no warning.
+    Each decoding loop calls it once, on its first forward's logits (one host sync)."""
+    if mx.isfinite(logits).all().item():
+        return
+    where = getattr(model, "checkpoint_path", None)
+    where = f"the checkpoint at {where}" if where else f"this {type(model).__module__} model"
+    raise CheckpointError(
+        f"the first forward of {where} gave NaN or infinite logits: its weights are corrupt (or "
+        "overflow in this dtype); re-download or re-convert the checkpoint"
+    )
 
 
 def replaced(obj, **fields):

@@ -23,7 +23,7 @@ from typing import List
 
 import mlx.core as mx
 
-from ..cache import PrefixKVCache
+from ..cache import PrefixKVCache, PriorKV
 from ..masks import block_causal_mask
 from .base import replaced
 
@@ -47,6 +47,7 @@ class PrefixCache:
         # The first column of the first block that holds a generated position of some row.
         self.prefix = (min(layout.starts) // self.block) * self.block
         self.nfe = 0
+        self.reused = 0  # prompt columns whose K/V came from an earlier run (resume)
         self.prefill_forwards = 0
         self.commits_folded = 0  # finished blocks whose K/V came with the next block's forward
         self.commits_saved = 0  # commit forwards avoided: one per finished block
@@ -58,9 +59,9 @@ class PrefixCache:
             x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span
         )
 
-    def prefill(self, x):
+    def prefill(self, x, first=0):
         chunk = max(1, PREFILL_TOKENS // self.block) * self.block
-        for start in range(0, self.prefix, chunk):
+        for start in range(first, self.prefix, chunk):
             stop = min(start + chunk, self.prefix)
             # Only the K/V are wanted: the head runs over one row (not zero rows: mlx's
             # quantized matmul dies with SIGFPE on an empty input, as a 4-bit head would get).
@@ -68,6 +69,22 @@ class PrefixCache:
             mx.eval(out, [(c.keys, c.values) for c in self.cache])
             self.prefill_forwards += 1
             self.cache.commit(stop)
+
+    def resume(self, x, prior: PriorKV):
+        """prefill, reusing `prior`'s K/V over the whole blocks the prompt shares with it: a
+        block's K/V depend on its own tokens and the blocks before it only."""
+        prior.check(self._kind())
+        keep = prior.shared(x[0].tolist(), self.block, limit=self.prefix)
+        self.cache = prior.cache_for(self.width, keep)
+        self.reused = keep
+        self.prefill(x, first=keep)
+
+    def kv_prefix(self, x) -> PriorKV:
+        committed = self.cache.committed
+        return PriorKV(x[0, :committed].tolist(), self.cache, self._kind())
+
+    def _kind(self):
+        return f"block-causal (block_length {self.block})"
 
     def begin_block(self, x, start, stop):
         return x

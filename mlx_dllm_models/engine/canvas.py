@@ -13,9 +13,10 @@ the model's encoder cache; a canvas starts as uniformly random ids and each deno
 
 The canvas appended to the output, and encoded for the next one, is the argmax of the last step, as
 in the reference (not the accepted canvas). Differences from the reference: output stops at the
-first EOS, which is not returned, and at max_tokens; the last canvas is only as long as the tokens
-still wanted (at least min_canvas_length); rows of a batch are left-padded and each draws the noise
-it would draw alone.
+first EOS, which is not returned, and at max_tokens (every canvas is the trained length, as in
+the reference, unless min_canvas_length is set below it: then the last canvas is only as long as
+the tokens still wanted, at least min_canvas_length); rows of a batch are left-padded and each
+draws the noise it would draw alone.
 """
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from ..decoding import (
     threshold_commit,
 )
 from ..settings import SettingsError
-from .base import StepEvent, block_event
+from .base import StepEvent, block_event, check_finite
 
 
 @dataclass
@@ -92,7 +93,8 @@ class CanvasDecoder:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
         self.eos = set(int(e) for e in eos_token_ids)
         self.noise = CanvasNoise(settings["seed"])
-        self.images = images  # the processor's pixel values for the (single) prompt, if any
+        # One entry per prompt: the processor's pixel values for that prompt, or None.
+        self.images = images
         self.nfe = 0
 
     def canvas_length(self, remaining: int) -> int:
@@ -101,8 +103,23 @@ class CanvasDecoder:
 
     def run(self, prompts: Sequence[Sequence[int]]) -> Iterator[object]:
         s, model = self.s, self.model
-        if self.images is not None and len(prompts) != 1:
-            raise SettingsError("images go with a single prompt; generate one prompt at a time")
+        pixel_values = None
+        if self.images is not None:
+            if len(self.images) != len(prompts):
+                raise SettingsError(
+                    f"{len(self.images)} image entries for {len(prompts)} prompts; give one per "
+                    "prompt (None for a prompt without images)"
+                )
+            # Each row's images go through the tower on their own (its list form), exactly as in
+            # a run of that row alone; the features are placed in row order, which is the order
+            # of the image tokens in the left-padded batch.
+            pixel_values = []
+            for p in self.images:
+                if isinstance(p, (list, tuple)):  # images of different sizes, one array each
+                    pixel_values.extend(p)
+                elif p is not None:
+                    pixel_values.append(p)
+            pixel_values = pixel_values or None
         longest = max(len(p) for p in prompts)
         pads = [longest - len(p) for p in prompts]
         tokens = [[0] * pad + [int(t) for t in p] for pad, p in zip(pads, prompts)]
@@ -112,7 +129,7 @@ class CanvasDecoder:
             valid = mx.arange(longest)[None, :] >= mx.array(pads)[:, None]
         rows = list(range(len(prompts)))
         cache = model.make_cache()
-        model.encode(tokens, cache, valid=valid, pixel_values=self.images)
+        model.encode(tokens, cache, valid=valid, pixel_values=pixel_values)
         mx.eval([(c.keys, c.values) for c in cache])
         before = mx.zeros((len(rows), 0), dtype=mx.int32)  # finished canvases, for the live view
         total = 0
@@ -156,6 +173,9 @@ class CanvasDecoder:
     def _denoise(self, cache, rows: List[int], length: int, mask, before):
         s, model, vocab = self.s, self.model, self.spec.vocab_size
         steps = s["max_denoising_steps"]
+        # A canvas cannot be stable for more steps than it runs: a larger stability_threshold
+        # stops nothing more, and would size the argmax history (k, B, C) by the setting.
+        stability = min(s["stability_threshold"], steps)
         threshold = s["sampler"] == "threshold"
         B = len(rows)
         done = [False] * B
@@ -169,6 +189,8 @@ class CanvasDecoder:
             temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
             logits = model.decode(canvas, cache, self_cond, mask=mask)
             self.nfe += 1
+            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
+                check_finite(logits, model)
             uniform = self._draw(self.noise.uniform, rows, done, length)
             st = canvas_stats(logits, temperature, uniform)
             if threshold:
@@ -193,7 +215,7 @@ class CanvasDecoder:
                 if threshold:
                     keep = mx.where(frozen, revealed, keep)
             stop, history = stable_and_confident(
-                history, new_argmax, st.entropy, s["stability_threshold"], s["confidence_threshold"]
+                history, new_argmax, st.entropy, stability, s["confidence_threshold"]
             )
             if threshold:
                 stop = stop | keep.all(axis=-1)

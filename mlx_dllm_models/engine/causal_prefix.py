@@ -18,7 +18,7 @@ from typing import List
 
 import mlx.core as mx
 
-from ..cache import Positions, PrefixKVCache
+from ..cache import Positions, PrefixKVCache, PriorKV
 from ..decoding import token_stats
 from ..masks import causal_prefix_mask
 from .base import replaced
@@ -117,6 +117,7 @@ class CausalPrefixCache:
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.seed = None  # (B,) the AR head's token for the next block's first position
         self.pending = None  # the finished block whose causal forward has not run yet
+        self.reused = 0  # prompt columns whose K/V came from an earlier run (resume)
         self.nfe = 0
 
     def _seed_after(self, x, start, stop):
@@ -126,6 +127,20 @@ class CausalPrefixCache:
 
     def prefill(self, x):
         self._seed_after(x, 0, self.prompt_end)
+
+    def resume(self, x, prior: PriorKV):
+        """prefill, reusing `prior`'s K/V over the prefix the prompt shares with it (causal K/V
+        depend on the tokens up to their own only); the prompt's last token is always computed,
+        for the AR head's seed of the first block."""
+        prior.check("causal")
+        keep = prior.shared(x[0].tolist(), 1, limit=self.prompt_end - 1)
+        self.fwd.cache = prior.cache_for(self.fwd.cache.width, keep)
+        self.reused = keep
+        self._seed_after(x, keep, self.prompt_end)
+
+    def kv_prefix(self, x) -> PriorKV:
+        committed = self.fwd.cache.committed
+        return PriorKV(x[0, :committed].tolist(), self.fwd.cache, "causal")
 
     def begin_block(self, x, start, stop):
         if self.pending is not None:
@@ -156,3 +171,6 @@ class CausalPrefixRecompute(CausalPrefixCache):
     """The same decoding by full recompute: the reference mode the cache must reproduce."""
 
     forwards = _RecomputeForwards
+    # No K/V to keep or reuse: every forward recomputes the whole sequence.
+    resume = None
+    kv_prefix = None

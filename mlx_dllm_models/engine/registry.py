@@ -13,12 +13,14 @@ from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, ENCODER_CANVAS
 from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
+from .fast_dllm import ApproxPrefixCache, DualCache
 from .masked import FullRecompute, MaskedBlockDecoder
 from .self_spec import SelfSpeculativeDecoder
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
 BACKENDS: Dict[str, Dict[str, type]] = {
-    BIDIRECTIONAL: {"none": FullRecompute},
+    # Fast-dLLM's prefix and dual caches are approximations: opt-in, never "auto".
+    BIDIRECTIONAL: {"none": FullRecompute, "prefix": ApproxPrefixCache, "dual": DualCache},
     BLOCK_CAUSAL: {"prefix": PrefixCache, "none": FullRecompute},
     CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},
     # The canvas decoder keeps its encoder's KV cache itself: nothing to choose.
@@ -51,7 +53,11 @@ def select_backend(spec, settings):
             f"cache={cache!r} is not available for the {spec.family} family "
             f"({spec.attention} attention); choose one of: {', '.join(cache_choices(spec.attention))}"
         )
-    return table[cache]
+    backend = table[cache]
+    check = getattr(backend, "check_settings", None)
+    if check is not None:
+        check(spec, settings)  # settings a backend cannot honour fail before decoding starts
+    return backend
 
 
 def select_decoder(spec, settings):
@@ -64,10 +70,15 @@ def select_decoder(spec, settings):
     return DECODERS[name]
 
 
-def make_decoder(model, settings, eos_token_ids, images=None):
+def make_decoder(model, settings, eos_token_ids, images=None, eot_token_id=None, suffix=()):
     """The decoding loop for a model and resolved settings, with its backend; `images` (the
-    processor's pixel values) go to the decoder of a family that reads them."""
+    processor's pixel values) go to the decoder of a family that reads them; `eot_token_id` (LLaDA's
+    confidence_eos_eot_inf) and `suffix` (infilling) to the masked decoder."""
     spec = model.diffusion_spec
     decoder = select_decoder(spec, settings)
     extra = {} if images is None else {"images": images}
+    if eot_token_id is not None:
+        extra["eot_token_id"] = eot_token_id
+    if suffix:
+        extra["suffix"] = suffix
     return decoder(model, settings, eos_token_ids, backend=select_backend(spec, settings), **extra)

@@ -6,14 +6,20 @@ same forward as the verify (see SelfSpeculativeDecoder). At temperature 0 the ou
 decoding, token for token; above it, drafts are accepted by speculative sampling (keep d with
 probability min(1, p(d)/q(d)), else resample from max(0, p - q)), so the output keeps the AR model's
 distribution, which the reference's comparison of two samples does not.
+
+With the checkpoint's `linear_spec_lora` draft adapter (models/nemotron_labs_diffusion.py), rounds
+run as the reference's `linear_spec_generate` with its LoRA: the block [last confirmed token, masks]
+is drafted bidirectionally against the causal prefix with the adapter on, then verified by a causal
+forward over the block with it off. The two cannot share a forward (they run different weights), so
+a round takes two; the output is still the adapter-off AR model's, token for token at temperature 0.
 """
 
 from typing import List, Sequence
 
 import mlx.core as mx
 
-from ..decoding import filter_logits
-from .base import block_event
+from ..decoding import filter_logits, threshold_commit
+from .base import block_event, check_finite
 from .causal_prefix import next_key, sample_tokens
 
 
@@ -30,6 +36,13 @@ def _probs(logits, settings, spec, suppress=()):
     if suppress:  # after the filters, as token_stats does
         scores[..., mx.array(list(suppress))] = float("-inf")
     return mx.softmax(scores, axis=-1)
+
+
+def _set_draft_adapter(model, active: bool):
+    """Switch the checkpoint's draft adapter on or off; a no-op for a model without one."""
+    switch = getattr(model, "set_draft_adapter", None)
+    if switch is not None:
+        switch(active)
 
 
 def _draw(weights, key):
@@ -89,8 +102,11 @@ class SelfSpeculativeDecoder:
         self.accepted = 0  # drafts kept
 
     def run(self, prompts: Sequence[Sequence[int]]):
+        adapter = getattr(self.model, "has_draft_adapter", False)
+        linear = adapter or self.s.get("draft_threshold") is not None
+        run_row = self._run_row_linear if linear else self._run_row
         for row, prompt in enumerate(prompts):
-            yield from self._run_row(row, [int(t) for t in prompt])
+            yield from run_row(row, [int(t) for t in prompt])
 
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
@@ -119,6 +135,8 @@ class SelfSpeculativeDecoder:
             self.nfe += 1
             rows = (known - 1 - committed, stop - committed)
             logits = run.mixed(x, committed, split, stop, head_span=rows)[0]
+            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
+                check_finite(logits, self.model)
             verify, window_logits = logits[: k + 1], logits[k + 2 :]
             if greedy:
                 ar = self._tokens(verify)
@@ -143,3 +161,83 @@ class SelfSpeculativeDecoder:
             yield event
             if event.finished[0]:
                 return
+
+    def _accept(self, verify, drafts, q):
+        """The kept drafts and the causal model's own next token (greedy match, or speculative
+        sampling above temperature 0)."""
+        if self.s["temperature"] == 0:
+            ar = self._tokens(verify)
+            n = next((i for i in range(len(drafts)) if ar[i] != drafts[i]), len(drafts))
+            return drafts[:n] + [ar[n]]
+        return speculative_accept(_probs(verify, self.s, self.spec), q, drafts, next_key(self))
+
+    def _draft(self, run, x, start, stop):
+        """The block's drafts (columns start+1..stop-1) and, above temperature 0, the distributions
+        they were drawn from. One forward fills every mask; with `draft_threshold`, forwards repeat
+        and each reveals the masks whose confidence (the softmax probability of the proposal)
+        reaches it, at least the most confident one (linear_spec_generate's threshold > 0)."""
+        s, spec, model = self.s, self.spec, self.model
+        mask_id, threshold = spec.mask_token_id, s.get("draft_threshold")
+        sampled = s["temperature"] != 0
+        masked = mx.ones((stop - start - 1,), dtype=mx.bool_)
+        q = None
+        while True:
+            _set_draft_adapter(model, True)
+            try:
+                self.nfe += 1
+                logits = run.bidirectional(x, start, stop)[0, 1:]
+            finally:
+                _set_draft_adapter(model, False)
+            tokens = mx.array(self._tokens(logits, suppress=(mask_id,)), dtype=mx.int32)
+            if threshold is None:
+                reveal = masked
+            else:
+                p = mx.softmax(logits.astype(mx.float32), axis=-1)
+                confidence = mx.take_along_axis(p, tokens[:, None], axis=-1)[:, 0]
+                reveal = threshold_commit(confidence[None], masked[None], threshold)[0]
+            if sampled:
+                probs = _probs(logits, s, spec, suppress=(mask_id,))
+                q = probs if q is None else mx.where(reveal[:, None], probs, q)
+            x[0, start + 1 : stop] = mx.where(reveal, tokens, x[0, start + 1 : stop])
+            masked = masked & ~reveal
+            if not masked.any().item():
+                return x[0, start + 1 : stop].tolist(), q
+
+    def _run_row_linear(self, row, prompt):
+        """One prompt, rounds of the reference's `linear_spec_generate` (used with the draft
+        adapter, or with `draft_threshold`): the block [t, masks] at columns start..stop-1 (t the
+        last confirmed token, whose K/V are not computed yet) is drafted with the adapter on,
+        attending to the final K/V before it and to itself; a causal forward over the block with
+        the adapter off verifies the drafts; the kept ones and the causal next token are returned,
+        and the cache keeps the K/V of t and of the kept drafts."""
+        s, spec, model = self.s, self.spec, self.model
+        mask_id, max_tokens, window = spec.mask_token_id, s["max_tokens"], s["block_length"]
+        start = len(prompt)
+        x = mx.array([prompt + [mask_id] * (max_tokens + window)], dtype=mx.int32)
+        run = self.forwards(model, x.shape[1], None)
+        _set_draft_adapter(model, False)
+        self.nfe += 1
+        logits = run.causal(x, 0, start, head_span=(start - 1, start))[0]
+        check_finite(logits, model)
+        new = self._tokens(logits)
+        made = 0
+        while True:
+            x[:, start] = new[-1]
+            made += len(new)
+            event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
+            yield event
+            if event.finished[0]:
+                return
+            stop = start + window
+            x[:, start + 1 : stop] = mask_id
+            drafts, q = self._draft(run, x, start, stop)
+            self.nfe += 1
+            verify = run.mixed(x, start, stop, stop)[0]
+            new = self._accept(verify, drafts, q)
+            n = len(new) - 1
+            self.drafted += len(drafts)
+            self.accepted += n
+            # t and the kept drafts have final K/V; the causal next token goes at start + 1 + n.
+            run.keep(start + 1 + n)
+            new = new[: max_tokens - made]
+            start += 1 + n

@@ -48,6 +48,30 @@ def masked_forward(model, embed, inputs, cache, mask, head_span) -> mx.array:
     return project(h, head_span, model.model.norm, embed, head)
 
 
+# ----------------------------------------------------------------------- mlx-lm's AR tools
+
+
+class NotAutoregressiveError(ValueError):
+    pass
+
+
+def refuse_autoregressive_tools(model):
+    """`Model.make_cache` of the masked-diffusion families (assign it in the class body).
+
+    mlx-lm's generate, chat, server, evaluate and cache_prompt all start with
+    `mlx_lm.models.cache.make_prompt_cache(model)`, which asks `model.make_cache()` first; they would
+    otherwise decode a masked-diffusion model token by token and print nonsense (an empty answer on
+    the embedded default). This package's engine builds its own caches (cache.py) and never calls
+    it, so refusing here stops exactly mlx-lm's autoregressive path, before any forward pass."""
+    raise NotAutoregressiveError(
+        f"{model.args.model_type} is a masked-diffusion model, not an autoregressive one: "
+        "mlx-lm's generate, chat, server, evaluate and cache_prompt cannot decode it. Use this "
+        "package's commands instead: `mlx_dllm generate --model PATH --prompt TEXT` (also "
+        "`mlx_dllm evaluate`, `mlx_dllm lora`), or from Python `mlx_dllm_models.load` and "
+        "`generate_diffusion`."
+    )
+
+
 # ----------------------------------------------------------------------------------- checkpoint
 
 # Suffixes of tensors that quantized layers add next to their `.weight`.
@@ -230,6 +254,16 @@ def check_special_ids(
     check_token_ids(args.model_type, args.vocab_size, {k: getattr(args, k) for k in keys})
 
 
+def check_context_length(family: str, key: str, value) -> None:
+    """A context length from config.json is a positive integer or absent: 0 is not "no limit"."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(
+        f"{family}: config.json's {key} (the context length) must be a positive integer, got "
+        f"{value!r}; set it to the length the checkpoint was trained with, or remove the field"
+    )
+
+
 # ---------------------------------------------------------------------------------------- spec
 
 
@@ -247,6 +281,8 @@ def build_spec(
             f"decoded by diffusion; {missing_mask}"
         )
     fields.setdefault("max_position_embeddings", args.max_position_embeddings)
+    context = fields["max_position_embeddings"]
+    check_context_length(args.model_type, "max_position_embeddings", context)
     return DiffusionSpec(
         family=family,
         attention=attention,

@@ -35,12 +35,14 @@ from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import vision
 from ..spec import ENCODER_CANVAS, DiffusionSpec
+from . import sharding
 from .common import cached_spec, check_token_ids, check_weights, eos_token_ids, select_span
 
 _NAME = "diffusion_gemma"
@@ -58,9 +60,10 @@ FAMILY_DEFAULTS = {
     "confidence_threshold": 0.005,
 }
 
-# Short requests get a canvas of their own length, but not below this: a canvas far shorter than
-# the trained one (256) is a different task for the denoiser. mlx-vlm uses the same floor.
-MIN_CANVAS_LENGTH = 64
+# Every canvas, the last one included, is the trained canvas_length, and the output is cut at
+# max_tokens afterwards, as transformers' generate does (ceil(max_new_tokens / canvas_length)
+# canvases of config.canvas_length each): a shorter canvas is a length the denoiser was never
+# trained on. min_canvas_length below canvas_length opts into shorter last canvases.
 
 # generation_config.json key (dotted for nested ones) -> setting.
 GENERATION_CONFIG_KEYS = {
@@ -264,6 +267,23 @@ class ModelArgs(BaseModelArgs):
         )
 
 
+class Experts(gemma4_text.Experts):
+    """gemma4_text's routed experts; once sharded (`sharding_group` set by Model.shard) each rank
+    holds a slice of every expert's intermediate dimension and the weighted sum is reduced here,
+    before the layer's post-expert norm."""
+
+    def __init__(self, config: gemma4_text.ModelArgs):
+        super().__init__(config)
+        self.sharding_group = None
+
+    def __call__(self, x, top_k_indices, top_k_weights):
+        if self.sharding_group is None:
+            return super().__call__(x, top_k_indices, top_k_weights)
+        x = sum_gradients(self.sharding_group)(x)
+        y = super().__call__(x, top_k_indices, top_k_weights)
+        return mx.distributed.all_sum(y, group=self.sharding_group)
+
+
 class DiffusionGemmaLayer(gemma4_text.DecoderLayer):
     """gemma4_text's MoE layer, with one output scalar per tower: the encoder and decoder share
     every other weight, but the checkpoint's `layer_scalar` differs between them."""
@@ -272,6 +292,7 @@ class DiffusionGemmaLayer(gemma4_text.DecoderLayer):
         super().__init__(args, layer_idx)
         # None turns off the parent's single scalar; the tower picks its own below.
         self.layer_scalar = None
+        self.experts = Experts(args)
         self.decoder_layer_scalar = mx.ones((1,))
         self.encoder_layer_scalar = mx.ones((1,))
 
@@ -538,6 +559,32 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group`, in mlx-lm's way, over the one set of weights both
+        towers read (so the encoder pass and every denoising step are sharded alike): attention
+        heads split (K=V full layers included; where a layer has fewer K/V heads than ranks, each
+        rank keeps the one its query heads read), the dense MLP and the self-conditioning MLP
+        split, the experts split over their intermediate dimension under one all-reduce. The
+        router, the tied embedding / head (which self-conditioning also reads back), the
+        per-tower layer scalars and the vision tower stay replicated."""
+        group = sharding.group_of(group)
+        t = self.args.text_config
+        sizes = {
+            "text_config.num_attention_heads": t.num_attention_heads,
+            "text_config.intermediate_size": t.intermediate_size,
+            "text_config.moe_intermediate_size": t.moe_intermediate_size,
+        }
+        kv = {"text_config.num_key_value_heads": t.num_key_value_heads}
+        if "full_attention" in t.layer_types:
+            kv["num_global_key_value_heads"] = t.num_global_key_value_heads
+        sharding.check_divisible(_NAME, group, sizes, kv, model=self)
+        for layer in self.layers:
+            sharding.shard_attention(layer.self_attn, group)
+            sharding.shard_mlp(layer.mlp, group)
+            layer.experts.sharding_group = group
+            sharding.shard_mlp_inplace(layer.experts.switch_glu, group, _NAME)
+        sharding.shard_mlp(self.model.self_conditioning, group)
+
     # -- checkpoint ------------------------------------------------------------------------------
 
     def sanitize(self, weights):
@@ -623,7 +670,7 @@ class Model(nn.Module):
         eos = eos_token_ids(a.eos_token_id if a.eos_token_id is not None else t.eos_token_id)
         defaults = dict(
             FAMILY_DEFAULTS,
-            min_canvas_length=min(MIN_CANVAS_LENGTH, a.canvas_length),
+            min_canvas_length=a.canvas_length,
             max_canvas_length=a.canvas_length,
         )
         gen = a.generation_config or {}

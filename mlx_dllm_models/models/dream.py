@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen2
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -25,23 +26,31 @@ from .common import (
     drop_tied_head,
     drop_unused_buffers,
     masked_forward,
+    refuse_autoregressive_tools,
 )
 
-# Dream-v0-Instruct-7B generation_config.json (alg, alg_temp, eps, steps, temperature, top_p, top_k).
-# The reference pairs steps=512 with max_new_tokens=512; max_tokens keeps the package-wide 128.
-# Its steps count over the whole canvas, which the "dream" sampler decodes as one block; with the
-# block-wise shared samplers, steps >= block_length amounts to steps = block_length.
+# The recipe of Dream's README (DreamLM/Dream, Dream-v0-Instruct-7B usage example and model card):
+# diffusion_generate(max_new_tokens=512, steps=512, temperature=0.2, top_p=0.95, alg="entropy",
+# alg_temp=0.), i.e. steps = the number of new tokens, one token per step. steps stays unset here,
+# so that it follows max_tokens (the "dream" sampler's block is the whole canvas, and steps
+# default to the block's length, settings.resolve_settings); max_tokens keeps the package-wide
+# 128. Dream's schedule commits int(m * (1 - s/t)) tokens a step, 0 on some steps: the engine
+# skips those without a forward, so a request of N tokens costs at most N forwards.
 REFERENCE_DEFAULTS = {
     "sampler": "dream",
-    "alg": "origin",
-    "alg_temp": None,
+    "alg": "entropy",
+    "alg_temp": 0.0,
     "eps": 1e-3,
-    "steps": 512,
-    "temperature": 0.0,
-    "top_p": None,
+    "temperature": 0.2,
+    "top_p": 0.95,
     "top_k": None,
     "max_tokens": 128,
 }
+# Dream-v0-*-7B's generation_config.json is DreamGenerationConfig with its class defaults
+# (alg "origin", steps 512, temperature 0.0, top_p null): not a recipe (the README's calls pass
+# their own), and steps 512 whatever max_tokens is would cost 512 forwards for 16 tokens with
+# "origin". These keys are not read from it; eps and alg_temp are.
+IGNORED_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
 
 
 @dataclass
@@ -84,6 +93,9 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
     def __call__(
         self,
         inputs: mx.array,
@@ -105,6 +117,19 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard (attention heads and
+        MLP split; embeddings and head replicated)."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "intermediate_size": a.intermediate_size,
+        }
+        sharding.check_divisible("dream", group, sizes, model=self)
+        qwen2.Model.shard(self, group)
+
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
@@ -119,12 +144,8 @@ class Model(nn.Module):
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
             samplers=("dream",) + SHARED_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
-            generation_config_keys={
-                "alg": "alg",
-                "alg_temp": "alg_temp",
-                "eps": "eps",
-                "steps": "steps",
-            },
+            generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
+            ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
             sampler_defaults={"dream": {"block_length": None}},  # the whole canvas is one block
         )

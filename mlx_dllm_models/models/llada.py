@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.qwen3_moe import MLP
@@ -28,12 +29,15 @@ from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
+    check_context_length,
     check_special_ids,
     check_weights,
     masked_forward,
+    refuse_autoregressive_tools,
 )
 
 # LLaDA generate.py / Fast-dLLM settings, in this package's vocabulary (steps are per block).
@@ -45,7 +49,19 @@ REFERENCE_DEFAULTS = {
     "factor": 1.0,
     "entropy_bound": 0.1,
     "max_tokens": 128,
+    # generate.py's options, off as upstream's defaults.
+    "cfg_scale": 0.0,
+    "logits_eos_inf": False,
+    "confidence_eos_eot_inf": False,
 }
+
+# generate.py's remasking="random" is the sampler "random" (decoding.llada.random_commit).
+LLADA_SAMPLERS = SHARED_SAMPLERS + ("random",)
+
+# The end-of-turn token that confidence_eos_eot_inf scores 0 (generate.py hard-codes 126348, LLaDA
+# 8B's <|eot_id|>), by name, resolved through the checkpoint's tokenizer; LLaDA-MoE's chat template
+# ends a turn with <|role_end|>.
+EOT_TOKENS = ("<|eot_id|>", "<|role_end|>")
 
 
 @dataclass
@@ -117,6 +133,8 @@ class ModelArgs(BaseModelArgs):
         else:
             self._check_dense()
         check_special_ids(self)
+        for key in ("max_sequence_length", "max_position_embeddings"):
+            check_context_length(self.model_type, key, getattr(self, key))
 
     def _require(self, names, variant):
         missing = [n for n in names if getattr(self, n) is None]
@@ -289,16 +307,22 @@ class SparseMoeBlock(nn.Module):
         )
         if args.moe_router_enable_expert_bias:
             self.expert_bias = mx.zeros((args.num_experts,))
+        # Set by Model.shard: the experts are split over the group, their outputs summed here.
+        self.sharding_group = None
 
     def __call__(self, x):
+        if self.sharding_group is not None:
+            x = sum_gradients(self.sharding_group)(x)
         scores = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         if "expert_bias" in self:
             scores = scores + self.expert_bias.astype(mx.float32)
         k = self.top_k
         inds = mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
         weights = mx.take_along_axis(scores, inds, axis=-1).astype(x.dtype)
-        y = self.switch_mlp(x, inds)
-        return (y * weights[..., None]).sum(axis=-2)
+        y = (self.switch_mlp(x, inds) * weights[..., None]).sum(axis=-2)
+        if self.sharding_group is not None:
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
+        return y
 
 
 class MoEDecoderLayer(nn.Module):
@@ -371,6 +395,9 @@ class Model(nn.Module):
             head_bias = args.include_bias and not args.is_moe
             self.lm_head = nn.Linear(args.dims, args.rows_of_vocab, bias=head_bias)
 
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         logits = masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
         if self.args.scale_logits and not self.args.is_moe:
@@ -440,12 +467,45 @@ class Model(nn.Module):
                 weights[stacked] = mx.stack([weights.pop(k) for k in keys])
                 origin[stacked] = f"{prefix}.experts.*.{name}.weight"
 
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group`: LLaDA 8B as mlx-lm's llama.Model.shard; LLaDA-MoE as
+        qwen3_moe.Model.shard (attention heads, dense MLPs and the shared expert split, the
+        routed experts split over their intermediate dimension; router and expert_bias
+        replicated)."""
+        group = sharding.group_of(group)
+        a = self.args
+        if not a.is_moe:
+            sizes = {"n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads}
+            sharding.check_divisible(
+                "llada", group, dict(sizes, mlp_hidden_size=a.mlp_hidden_size), model=self
+            )
+            return llama.Model.shard(self, group)
+        sizes = {"num_attention_heads": a.num_attention_heads}
+        for name in (
+            "expert_intermediate_size",
+            "dense_intermediate_size",
+            "shared_expert_intermediate_size",
+        ):
+            if getattr(a, name) is not None:
+                sizes[name] = getattr(a, name)
+        kv = {"num_key_value_heads": a.num_key_value_heads}
+        sharding.check_divisible("llada", group, sizes, kv, model=self)
+        for layer in self.layers:
+            sharding.shard_attention(layer.self_attn, group)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.sharding_group = group
+                sharding.shard_mlp_inplace(layer.mlp.switch_mlp, group, "llada")
+            else:
+                sharding.shard_mlp(layer.mlp, group)
+            if "shared_expert" in layer:
+                sharding.shard_mlp(layer.shared_expert, group)
+
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a = self.args
         max_pos = a.max_position_embeddings
-        if not a.is_moe:
-            max_pos = a.max_sequence_length or max_pos
+        if not a.is_moe and a.max_sequence_length is not None:
+            max_pos = a.max_sequence_length  # 0 is a bad value (build_spec says so), not "unset"
         return build_spec(
             a,
             "llada",
@@ -453,7 +513,8 @@ class Model(nn.Module):
             logit_shift=0,
             confidence="raw",
             quota_base="masks",
-            samplers=SHARED_SAMPLERS,
+            samplers=LLADA_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
+            eot_token_names=EOT_TOKENS,
             max_position_embeddings=max_pos,
         )

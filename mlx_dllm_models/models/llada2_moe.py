@@ -19,21 +19,33 @@ from typing import List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear, sum_gradients
 from mlx_lm.models import bailing_moe
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
     check_weights,
     masked_forward,
+    refuse_autoregressive_tools,
     sanitize_experts,
 )
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|> of the Ling tokenizer
 LLADA2_BLOCK_LENGTH = 32
+
+# The LLaDA2.1-mini model card, Best Practices: "threshold=0.7, editing_threshold=0.5 for Quality
+# Mode and threshold=0.5, editing_threshold=0.0 for Speed Mode ... We recommend 16 [max_post_steps]
+# as a balanced default"; "off" is 2.0's generate (threshold 0.95, no editing).
+LLADA2_EDITING_MODES = {
+    "quality": {"threshold": 0.7, "editing_threshold": 0.5, "max_post_steps": 16},
+    "speed": {"threshold": 0.5, "editing_threshold": 0.0, "max_post_steps": 16},
+    "off": {"threshold": 0.95, "editing_threshold": None},
+}
 
 
 @dataclass
@@ -113,6 +125,15 @@ class SparseMoeBlock(bailing_moe.BailingMoeSparseMoeBlock):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.gate = Gate(args)
+        # Set by Model.shard: routed and shared experts are split over the group, and their
+        # summed output is reduced here once (deepseek_v3's MoE in mlx-lm does the same).
+        self.sharding_group = None
+
+    def __call__(self, x):
+        if self.sharding_group is None:
+            return super().__call__(x)
+        y = super().__call__(sum_gradients(self.sharding_group)(x))
+        return mx.distributed.all_sum(y, group=self.sharding_group)
 
 
 class Attention(bailing_moe.BailingMoeAttention):
@@ -176,6 +197,9 @@ class Model(bailing_moe.Model):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, head_span)
 
@@ -194,6 +218,45 @@ class Model(bailing_moe.Model):
         )
         return check_weights(self, weights, "llada2_moe", layout, keys)
 
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group` in mlx-lm's way: the fused query_key_value split per
+        q / k / v segment by heads, `dense` summed over the group; dense MLPs split; routed and
+        shared experts split over their intermediate dimension under one all-reduce per MoE
+        block. The router (float32 gate and expert_bias) stays replicated, so every rank picks
+        the same experts."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "intermediate_size": a.intermediate_size,
+            "moe_intermediate_size": a.moe_intermediate_size,
+        }
+        if a.moe_shared_expert_intermediate_size:
+            sizes["moe_shared_expert_intermediate_size"] = a.moe_shared_expert_intermediate_size
+        sharding.check_divisible("llada2_moe", group, sizes, model=self)
+        n = group.size()
+        for layer in self.layers:
+            attn = layer.attention
+            q_size = attn.num_attention_heads * attn.head_dim
+            kv_size = attn.num_key_value_heads * attn.head_dim
+            attn.query_key_value = shard_linear(
+                attn.query_key_value,
+                "all-to-sharded",
+                segments=[q_size, q_size + kv_size],
+                group=group,
+            )
+            attn.dense = shard_linear(attn.dense, "sharded-to-all", group=group)
+            attn.num_attention_heads //= n
+            attn.num_key_value_heads //= n
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.sharding_group = group
+                sharding.shard_mlp_inplace(layer.mlp.switch_mlp, group, "llada2_moe")
+                if layer.mlp.shared_experts is not None:
+                    sharding.shard_mlp_inplace(layer.mlp.shared_experts, group, "llada2_moe")
+            else:
+                sharding.shard_mlp(layer.mlp, group)
+
     @property
     def quant_predicate(self):
         def predicate(path, _):
@@ -201,6 +264,10 @@ class Model(bailing_moe.Model):
             return not path.endswith("mlp.gate.gate_proj")
 
         return predicate
+
+    def _edit_control_tokens(self):
+        args = self.args
+        return tuple(t for t in (args.delete_token_id, args.split_token_id) if t is not None)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
@@ -215,14 +282,12 @@ class Model(bailing_moe.Model):
             # generate: tokens with probability > threshold, the step's quota as the fallback.
             strict_threshold=True,
             # LLaDA2.2: substitution editing only (the 2.1 rule); DELETE / SPLIT never proposed.
-            suppressed_token_ids=tuple(
-                t for t in (args.delete_token_id, args.split_token_id) if t is not None
-            ),
+            suppressed_token_ids=self._edit_control_tokens(),
             # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
-            # modeling_llada2_moe.generate defaults; LLaDA2.1 adds token editing (engine), off
-            # unless editing_threshold is set (None = 2.0 decoding).
+            # modeling_llada2_moe.generate defaults (2.0: threshold 0.95, no editing); 2.1 / 2.2
+            # default to the model card's Quality Mode (editing_mode, below).
             defaults={
                 "block_length": trained,
                 "sampler": "threshold",
@@ -231,6 +296,12 @@ class Model(bailing_moe.Model):
                 "editing_threshold": None,
                 "max_post_steps": 16,
                 "max_tokens": 128,
+                "editing_mode": "quality" if self._edit_control_tokens() else "off",
             },
+            presets={"editing_mode": LLADA2_EDITING_MODES},
+            # LLaDA2.1's config.json and tokenizer files are byte-identical to 2.0's; its remote
+            # code's generate is what differs (it takes editing_threshold). 2.2 is known from
+            # config.json (its edit-control token ids).
+            remote_generate_settings={"editing_threshold": {"editing_mode": "quality"}},
             trained_block_length=trained,
         )

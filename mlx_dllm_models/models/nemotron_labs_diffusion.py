@@ -12,9 +12,16 @@ caller chooses one per forward:
   cache whose class comes from `mlx_lm.models.cache`, with no mask given, means "AR use": the
   forward is causal. Caches of any other origin (this package's diffusion caches) keep the
   protocol's bidirectional default; an explicit mask always wins.
+
+The checkpoint may ship `linear_spec_lora/`, the LoRA draft adapter of the remote code's
+`linear_spec_generate` (a PEFT adapter: `adapter_config.json` and `adapter_model.safetensors`);
+`load_draft_adapter` puts it on its target layers, switched off, and self-speculation switches it on
+for its draft forwards only (`set_draft_adapter`).
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -23,6 +30,7 @@ from mlx_lm.models import ministral3
 from mlx_lm.models.base import create_attention_mask
 
 from ..spec import CAUSAL_PREFIX, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -106,6 +114,71 @@ class Encoder(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
+class DraftLoRALinear(nn.Module):
+    """A linear layer carrying the `linear_spec_lora` delta, applied only while `active`:
+    y = base(x) + scale (x A^T) B^T, in PEFT's layout (A (r, in), B (out, r), scale = lora_alpha / r),
+    as the remote code's PEFT LoRA with its adapters toggled on for drafts (mlx-lm's port:
+    `SpecLoRALinear`). Switched off, it is the base layer, bit for bit."""
+
+    def __init__(self, base: nn.Module, lora_a: mx.array, lora_b: mx.array, scale: float):
+        super().__init__()
+        self.base = base
+        self.lora_a = lora_a
+        self.lora_b = lora_b
+        self.scale = scale
+        self.active = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        if not self.active:
+            return y
+        delta = (x @ self.lora_a.T.astype(x.dtype)) @ self.lora_b.T.astype(x.dtype)
+        return y + (self.scale * delta).astype(y.dtype)
+
+
+def _layer_module(layer, path: str):
+    parent = layer
+    *parents, name = path.split(".")
+    for part in parents:
+        parent = getattr(parent, part, None)
+    return parent, name, getattr(parent, name, None) if parent is not None else None
+
+
+def load_draft_adapter(model, path) -> int:
+    """Put the PEFT adapter in `path` (linear_spec_lora/) on `model`'s layers, switched off.
+    Its tensors are `...layers.<i>.<module path>.lora_A.weight` / `lora_B.weight`; returns how many
+    layers it wraps. A file that matches no layer is an error, not a silent no-op."""
+    path = Path(path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    try:
+        scale = float(config["lora_alpha"]) / int(config["r"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ValueError(
+            f"{path / 'adapter_config.json'} needs PEFT's r (> 0) and lora_alpha"
+        ) from None
+    weights = mx.load(str(path / "adapter_model.safetensors"))
+    pairs = {}
+    for key, value in weights.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in key and ".layers." in key:
+                where = key.split(".layers.", 1)[1].split(marker)[0]  # "<i>.<module path>"
+                index, module = where.split(".", 1)
+                pairs.setdefault((int(index), module), {})[part] = value
+    wrapped = 0
+    for (index, module), ab in sorted(pairs.items()):
+        if index >= len(model.layers) or set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{path}: adapter tensors for layer {index} {module} do not fit")
+        parent, name, base = _layer_module(model.layers[index], module)
+        if base is None:
+            raise ValueError(f"{path}: the model has no layers.{index}.{module} to adapt")
+        setattr(parent, name, DraftLoRALinear(base, ab["lora_A"], ab["lora_B"], scale))
+        wrapped += 1
+    if not wrapped:
+        raise ValueError(f"{path}: adapter_model.safetensors holds no lora_A / lora_B tensors")
+    return wrapped
+
+
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -156,6 +229,39 @@ class Model(nn.Module):
     def layers(self):
         return self.encoder.layers
 
+    def load_draft_adapter(self, path) -> int:
+        """The checkpoint's `linear_spec_lora` draft adapter (see `load_draft_adapter`)."""
+        return load_draft_adapter(self, path)
+
+    def draft_adapters(self):
+        return [m for _, m in self.named_modules() if isinstance(m, DraftLoRALinear)]
+
+    @property
+    def has_draft_adapter(self) -> bool:
+        return bool(self.draft_adapters())
+
+    def set_draft_adapter(self, active: bool):
+        """Switch the draft adapter on (self-speculation's draft forwards) or off (everything
+        else: AR, verification, diffusion mode)."""
+        for m in self.draft_adapters():
+            m.active = active
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """mlx-lm's ministral3.Model.shard over `encoder.layers`: attention heads and MLP split
+        over `group`. The embedding and the diffusion head (tied or not) stay replicated, so both
+        attention modes and the AR head read the same full logits on every rank."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "intermediate_size": a.intermediate_size,
+        }
+        kv = {"num_key_value_heads": a.num_key_value_heads}
+        sharding.check_divisible(_NAME, group, sizes, kv, model=self)
+        for layer in self.layers:
+            sharding.shard_attention(layer.self_attn, group)
+            sharding.shard_mlp(layer.mlp, group)
+
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a = self.args
@@ -167,10 +273,15 @@ class Model(nn.Module):
             "checkpoint as an AR model with mlx_lm.generate.",
             confidence="raw",
             quota_base="masks",
-            # The HF reference denoises one token per step over a block of block_size.
+            # Diffusion mode is confidence-thresholded unmasking at 0.9: NVlabs/Nemotron-Labs-
+            # Diffusion's README ("dlm: block-diffusion sampling with confidence-thresholded
+            # unmasking"), vLLM's nemotron_dllm sampler (confidence_threshold=0.9), the mlx-vlm
+            # and dllm ports. The remote code's generate defaults to threshold=None, one token a
+            # step: sampler="quota". Blocks are block_size, one step per position at most.
+            eos_ends_block=True,  # generate breaks a block's steps at an EOS with no mask before
             defaults={
                 "block_length": a.block_size,
-                "sampler": "quota",
+                "sampler": "threshold",
                 "threshold": 0.9,
                 "temperature": 0.0,
                 "max_tokens": 128,

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3
 
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -20,13 +21,18 @@ from .common import (
     check_weights,
     drop_unused_buffers,
     masked_forward,
+    refuse_autoregressive_tools,
 )
 
 # The id SDAR/TraDo checkpoints use for <|MASK|>; their HF config.json does not carry it.
 SDAR_MASK_TOKEN_ID = 151669
 SDAR_BLOCK_SIZE = 4
-# JetAstra/SDAR generate.py: `confidence_threshold` default of both the function and the CLI.
-SDAR_THRESHOLD = 0.85
+# JetAstra/SDAR README: both engine examples (JetEngine `dynamic_threshold=0.9`, LMDeploy
+# `dllm_confidence_threshold=0.9`, the latter greedy) decode low_confidence_dynamic at 0.9;
+# generate.py's own default, 0.85, is a script default, not the model card's recipe.
+SDAR_THRESHOLD = 0.9
+# generate.py's `eb_threshold` default (remasking_strategy="entropy_bounded").
+SDAR_EB_THRESHOLD = 0.35
 # The special ids SDAR configs carry besides the mask id, checked against the vocabulary.
 SDAR_SPECIAL_IDS = ("eos_token_id", "pad_token_id")
 # What `check_weights` says to compare with the checkpoint.
@@ -47,8 +53,10 @@ def sdar_spec(args) -> DiffusionSpec:
         strict_threshold=True,
         # sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
         sampling_order=("temperature", "top_k", "top_p"),
-        # low_confidence_static = "quota", low_confidence_dynamic = "threshold", sequential.
-        samplers=SHARED_SAMPLERS + ("sequential",),
+        # low_confidence_static = "quota", low_confidence_dynamic = "threshold", sequential,
+        # entropy_bounded (its own rule: decoding.block.entropy_bounded_commit).
+        samplers=SHARED_SAMPLERS + ("sequential", "entropy_bounded"),
+        sampler_defaults={"entropy_bounded": {"eb_threshold": SDAR_EB_THRESHOLD}},
         defaults={
             "block_length": block,
             # The reference splits a block over `denoising_steps`; README/TraDo use steps == block.
@@ -82,6 +90,9 @@ class ModelArgs(qwen3.ModelArgs):
 class Model(qwen3.Model):
     """SDARForCausalLM: qwen3.Model whose forward takes the attention mask from the caller."""
 
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
 
@@ -89,6 +100,19 @@ class Model(qwen3.Model):
         weights = super().sanitize(drop_unused_buffers(weights))
         layout = "Qwen3's layout (e.g. 'model.layers.0.self_attn.q_norm.weight')"
         return check_weights(self, weights, "sdar", layout, SDAR_CONFIG_KEYS)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """mlx-lm's qwen3.Model.shard (attention heads and MLP split over `group`), after a
+        readable check that the group divides them."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "intermediate_size": a.intermediate_size,
+        }
+        sharding.check_divisible("sdar", group, sizes, model=self)
+        super().shard(group)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

@@ -10,7 +10,15 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
 from ..spec import DiffusionSpec
-from .common import cached_spec, check_special_ids, check_weights, masked_forward, sanitize_experts
+from . import sharding
+from .common import (
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    masked_forward,
+    refuse_autoregressive_tools,
+    sanitize_experts,
+)
 from .sdar import (
     SDAR_BLOCK_SIZE,
     SDAR_CONFIG_KEYS,
@@ -34,6 +42,9 @@ class ModelArgs(qwen3_moe.ModelArgs):
 class Model(qwen3_moe.Model):
     """SDARMoeForCausalLM: qwen3_moe.Model whose forward takes the attention mask from the caller."""
 
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
 
@@ -42,6 +53,21 @@ class Model(qwen3_moe.Model):
         layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
         keys = f"{SDAR_CONFIG_KEYS}, num_experts, moe_intermediate_size"
         return check_weights(self, weights, "sdar_moe", layout, keys)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """mlx-lm's qwen3_moe.Model.shard (attention heads and dense MLPs split over `group`, the
+        experts split over their intermediate dimension, the router replicated), after a readable
+        check that the group divides them."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "moe_intermediate_size": a.moe_intermediate_size,
+            "intermediate_size": a.intermediate_size,
+        }
+        sharding.check_divisible("sdar_moe", group, sizes, model=self)
+        super().shard(group)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

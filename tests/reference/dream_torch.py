@@ -235,3 +235,39 @@ def dream_generate(
             history.append(x.clone().numpy())
     out = x.numpy().astype(np.int64)
     return (out, history) if output_history else out
+
+
+def dream_log_likelihood(
+    forward, prefix, target, draws, batch_size, *, mask_token_id, sampling_eps=1e-3
+):
+    """DreamLM/Dream `eval/eval.py` `_eval_target_nll_mc` with log_type "ftb" (and the sign
+    flip of `loglikelihood`), transcribed with its draws given: `draws` holds one (t, u) per
+    batch, t (B,) the rows' noise levels `(u0 + b/B) % 1` and u (B, L) the `torch.rand` mask draws.
+    `target` already ends with the EOS that `_encode_pair` appends. `forward(ids)` -> unshifted
+    logits (B, L, V)."""
+    prefix = torch.as_tensor(np.asarray(prefix), dtype=torch.long)
+    target = torch.as_tensor(np.asarray(target), dtype=torch.long)
+    seq = torch.cat([prefix, target])[None, :].repeat((batch_size, 1))
+
+    def forward_process(batch, t, u):
+        b, l = batch.shape
+        t = torch.as_tensor(np.asarray(t), dtype=torch.float32)
+        p_mask = (1 - sampling_eps) * t + sampling_eps
+        p_mask = p_mask[:, None].repeat(1, l)
+        mask_indices = torch.as_tensor(np.asarray(u), dtype=torch.float32) < p_mask
+        mask_indices[:, 0] = False
+        mask_indices[:, -1] = False
+        return torch.where(mask_indices, mask_token_id, batch), p_mask
+
+    loss_acc = []
+    for t, u in draws:
+        perturbed_seq = seq.clone()
+        perturbed_seq_, p_mask = forward_process(seq, t, u)
+        perturbed_seq[:, -len(target) :] = perturbed_seq_[:, -len(target) :]
+        mask_indices = perturbed_seq == mask_token_id
+        logits = torch.as_tensor(np.asarray(forward(perturbed_seq))).double()
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        loss = F.cross_entropy(logits[mask_indices], seq[mask_indices], reduction="none")
+        loss = loss / p_mask[mask_indices]
+        loss_acc.append(loss.sum().item() / batch_size)
+    return -sum(loss_acc) / len(loss_acc)

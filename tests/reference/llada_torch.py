@@ -207,12 +207,16 @@ def reference_logits(ckpt_path, input_ids: np.ndarray, causal: bool = False) -> 
 # --- generation ------------------------------------------------------------------------------
 
 
-def add_gumbel_noise(logits, temperature):
-    """LLaDA: exp(logits) / (-log u)^T in float64; its argmax is a temperature-T sample."""
+def add_gumbel_noise(logits, temperature, rand=None):
+    """LLaDA: exp(logits) / (-log u)^T in float64; its argmax is a temperature-T sample. `rand(shape)`
+    replaces torch.rand_like's draws (tests replay the engine's)."""
     if temperature == 0:
         return logits
     logits = logits.to(torch.float64)
-    noise = torch.rand_like(logits, dtype=torch.float64)
+    if rand is None:
+        noise = torch.rand_like(logits, dtype=torch.float64)
+    else:
+        noise = torch.as_tensor(np.asarray(rand(tuple(logits.shape)))).to(torch.float64)
     return logits.exp() / (-torch.log(noise)) ** temperature
 
 
@@ -238,16 +242,41 @@ def llada_generate(
     mask_id,
     threshold=None,
     return_nfe=False,
+    cfg_scale=0.0,
+    remasking="low_confidence",
+    rand=None,
+    logits_eos_inf=False,
+    confidence_eos_eot_inf=False,
+    eos_id=None,
+    eot_id=None,
+    suffix_ids=None,
+    fill_prompt_masks=False,
+    gumbel_rand=None,
 ):
     """LLaDA `generate` (semi-autoregressive blocks, low_confidence remasking), or with `threshold`
     Fast-dLLM's threshold rule. `steps` is the total over all blocks, as in the reference.
-    Returns the full x (prompt + canvas) as numpy; with `return_nfe`, (x, number of forwards)."""
+    Returns the full x (prompt + canvas) as numpy; with `return_nfe`, (x, number of forwards).
+
+    The options of ML-GSAI/LLaDA generate.py: `cfg_scale` (prompt_index = x != mask_id at the
+    start; the unconditional row masks it), `remasking` "low_confidence" / "random" (`rand(shape)`
+    gives the uniform draws, torch.rand by default), `logits_eos_inf` and `confidence_eos_eot_inf`
+    with the EOS / EoT ids that upstream hard-codes (126081 / 126348).
+    Extensions for infilling: `suffix_ids` follow the canvas (x = [prompt, masks, suffix]; upstream
+    puts the canvas last, its code is otherwise unchanged); `fill_prompt_masks` counts every mask
+    before the block's end in the block's quota (upstream counts the block's only, and so leaves as
+    many masks as the prompt held; the package fills them). `gumbel_rand(shape)` gives the Gumbel
+    noise's uniform draws (torch.rand_like by default)."""
     prompt = torch.as_tensor(np.asarray(prompt_ids), dtype=torch.long)
     if prompt.ndim == 1:
         prompt = prompt[None]
     B, P = prompt.shape
-    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long)
+    suffix = torch.as_tensor(np.asarray(suffix_ids if suffix_ids is not None else []))
+    x = torch.full((B, P + gen_length + len(suffix)), mask_id, dtype=torch.long)
     x[:, :P] = prompt.clone()
+    if len(suffix):
+        x[:, P + gen_length :] = suffix.long()
+    prompt_index = x != mask_id
+    rand = rand or (lambda shape: torch.rand(shape))
 
     assert gen_length % block_length == 0
     num_blocks = gen_length // block_length
@@ -258,7 +287,8 @@ def llada_generate(
     for num_block in range(num_blocks):
         start = P + num_block * block_length
         end = start + block_length
-        num_transfer_tokens = get_num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+        counted = x[:, :end] if fill_prompt_masks else x[:, start:end]
+        num_transfer_tokens = get_num_transfer_tokens(counted == mask_id, steps_per_block)
         i = 0
         while True:
             if threshold is None and i == steps_per_block:
@@ -266,13 +296,32 @@ def llada_generate(
             if threshold is not None and (x[:, start:end] == mask_id).sum() == 0:
                 break
             mask_index = x == mask_id
-            logits = forward(x)
+            if cfg_scale > 0.0:
+                un_x = x.clone()
+                un_x[prompt_index] = mask_id
+                logits, un_logits = torch.chunk(forward(torch.cat([x, un_x], dim=0)), 2, dim=0)
+                logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
+            else:
+                logits = forward(x)
             nfe += 1
+            if logits_eos_inf:
+                logits[:, :, eos_id] = -torch.inf
 
-            x0 = torch.argmax(add_gumbel_noise(logits, temperature), dim=-1)
-            # Confidence is read from the raw logits (no temperature), in float64.
-            p = F.softmax(logits.to(torch.float64), dim=-1)
-            x0_p = torch.gather(p, dim=-1, index=x0[..., None])[..., 0]
+            logits_with_noise = add_gumbel_noise(logits, temperature, gumbel_rand)
+            x0 = torch.argmax(logits_with_noise, dim=-1)
+            if confidence_eos_eot_inf:
+                # Upstream's line, as is: at temperature 0 `logits_with_noise` IS `logits`, so both
+                # EOS and EoT leave the confidence's softmax; above 0 it is a new array that is
+                # never read again, and only EoT does.
+                logits_with_noise[:, :, eos_id] = logits[:, :, eot_id] = -torch.inf
+            if remasking == "low_confidence":
+                # Confidence is read from the raw logits (no temperature), in float64.
+                p = F.softmax(logits.to(torch.float64), dim=-1)
+                x0_p = torch.gather(p, dim=-1, index=x0[..., None])[..., 0]
+            elif remasking == "random":
+                x0_p = rand((x0.shape[0], x0.shape[1])).to(torch.float64)
+            else:
+                raise NotImplementedError(remasking)
             x0_p[:, end:] = -np.inf
 
             x0 = torch.where(mask_index, x0, x)
@@ -296,3 +345,71 @@ def llada_generate(
 
     out = x.numpy()
     return (out, nfe) if return_nfe else out
+
+
+# --- likelihood ------------------------------------------------------------------------------
+
+
+def get_log_likelihood(forward, prompt, answer, draws, batch_size, cfg_scale=0.0, *, mask_id):
+    """ML-GSAI/LLaDA `get_log_likelihood.py`, transcribed, with its random draws given: `draws`
+    holds one (k, perms) per Monte-Carlo batch, k the `torch.randint(1, L + 1)` draw and perms
+    (B, L) the rows' `torch.randperm(L)` results. `forward(ids)` -> logits (B, N, V)."""
+    prompt = torch.as_tensor(np.asarray(prompt), dtype=torch.long)
+    answer = torch.as_tensor(np.asarray(answer), dtype=torch.long)
+    seq = torch.cat([prompt, answer])[None, :].repeat((batch_size, 1))
+    prompt_index = torch.arange(seq.shape[1]) < len(prompt)
+
+    def forward_process(batch, k, perms):
+        b, l = batch.shape
+        target_len = (l - prompt_index.sum()).item()
+        x = torch.round(torch.linspace(float(k), k + (b - 1) * (target_len / b), steps=b)).long()
+        x = ((x - 1) % target_len) + 1
+        assert x.min() >= 1 and x.max() <= target_len
+        indices = torch.arange(target_len).repeat(b, 1)
+        is_mask = indices < x.unsqueeze(1)
+        for i in range(b):
+            is_mask[i] = is_mask[i][torch.as_tensor(np.asarray(perms[i]), dtype=torch.long)]
+        is_mask = torch.cat((torch.zeros(b, prompt_index.sum(), dtype=torch.bool), is_mask), dim=1)
+        noisy_batch = torch.where(is_mask, mask_id, batch)
+        return noisy_batch, (x / target_len).unsqueeze(1).repeat(1, l)
+
+    def get_logits(batch):
+        if cfg_scale > 0.0:
+            index = prompt_index.unsqueeze(0).repeat(batch.shape[0], 1)
+            un_batch = batch.clone()
+            un_batch[index] = mask_id
+            batch = torch.cat([batch, un_batch])
+        logits = torch.as_tensor(np.asarray(forward(batch))).double()
+        if cfg_scale > 0.0:
+            logits, un_logits = torch.chunk(logits, 2, dim=0)
+            logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
+        return logits
+
+    loss_ = []
+    for k, perms in draws:
+        perturbed_seq, p_mask = forward_process(seq, k, perms)
+        mask_index = perturbed_seq == mask_id
+        logits = get_logits(perturbed_seq)
+        loss = F.cross_entropy(logits[mask_index], seq[mask_index], reduction="none")
+        loss = loss / p_mask[mask_index]
+        loss_.append(loss.sum().item() / batch_size)
+    return -sum(loss_) / len(loss_)
+
+
+def suffix_greedy_prediction(forward, prefix, target, *, mask_id):
+    """LLaDA `eval_llada.py`'s suffix_greedy_prediction (cfg 0): one token per step, the most
+    confident of the masked positions, then compare with the target."""
+    prefix = torch.as_tensor(np.asarray(prefix), dtype=torch.long)
+    target = torch.as_tensor(np.asarray(target), dtype=torch.long)
+    seq = torch.full((1, len(prefix) + len(target)), mask_id, dtype=torch.long)
+    seq[0, : len(prefix)] = prefix
+    for _ in range(len(target)):
+        mask_index = seq == mask_id
+        logits = torch.as_tensor(np.asarray(forward(seq)))[mask_index]
+        x0 = torch.argmax(logits, dim=-1)
+        p = torch.softmax(logits.to(torch.float32), dim=-1)
+        confidence = torch.gather(p, dim=-1, index=torch.unsqueeze(x0, -1)).squeeze(dim=-1)
+        _, index = torch.sort(confidence, descending=True)
+        x0[index[1:]] = mask_id
+        seq[mask_index] = x0.clone()
+    return bool(torch.all(target == seq[0, len(prefix) :]))

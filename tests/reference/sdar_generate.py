@@ -91,6 +91,7 @@ def sdar_generate(
     confidence_threshold=0.85,
     stopping_criteria_idx=None,
     topk_over_masks_only=False,
+    eb_threshold=None,
 ):
     """Returns (x, forwards): the whole canvas (prompt, blocks, trailing masks) and the number of
     model forwards the reference would run with its KV cache."""
@@ -132,6 +133,19 @@ def sdar_generate(
                     transfer[0] = high
                 else:
                     transfer[0, torch.topk(confidence[0], top).indices] = True
+            elif remasking_strategy == "entropy_bounded":
+                # As upstream: the "entropy" of x0_p (1, B) summed over its last axis, i.e. over
+                # the block's positions, broadcast to every mask; ties sorted in position order
+                # (stable=True says so; upstream's torch.sort is unstable by contract).
+                eps = 1e-12
+                p = x0_p.clamp_min(eps)
+                entropies = -(p * p.log()).sum(dim=-1)
+                entropies = torch.where(mask_index, entropies, torch.inf)
+                ent_sorted, order = torch.sort(entropies, dim=1, descending=False, stable=True)
+                cumsum = torch.cumsum(ent_sorted, dim=1)
+                n = torch.searchsorted(cumsum[0], torch.tensor(eb_threshold), right=False).item()
+                n = max(1, min(n, int(mask_index[0].sum().item())))
+                transfer[0, order[0, :n]] = True
             else:
                 raise ValueError(remasking_strategy)
             cur_x[transfer] = x0[transfer]

@@ -1,0 +1,170 @@
+"""Concurrency of `mlx_dllm serve`: aggregate tok/s and request latency at 1, 4 and 8 concurrent
+clients, against serving the same requests one at a time.
+
+    python benchmarks/bench_server.py [--requests 16] [--max-tokens 64] [--block-length 8]
+        [--runs 3] [--clients 1,4,8]
+
+The model is the dense random model of bench_vs_mlx_vlm.py (Nemotron-Labs-Diffusion: hidden 512,
+6 layers, causal-prefix KV cache), served by `mlx_dllm serve` in a
+subprocess on 127.0.0.1. Each measurement sends the same --requests completion requests (distinct
+prompts of different lengths, greedy, the family's default sampler) from N client threads, each
+sending its next request when its previous one is answered (closed loop): with N = 1 the server
+serves them one at a time. Requests that arrive while others decode join the running batch at the
+next block boundary. The table quotes medians of --runs runs after a warm-up (the client counts
+alternate run by run, so the machine's load hits each alike), latency percentiles over every
+measured request, and whether every answer equals the one-at-a-time answer. The machine is shared
+and noisy: compare the rows of one table.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_vs_mlx_vlm import build_nemotron  # noqa: E402
+
+import mlx_dllm_models_hook  # noqa: E402,F401
+
+
+def post(url, body, timeout=600):
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def start_server(path, port):
+    cmd = [sys.executable, "-m", "mlx_dllm_models", "serve", "--model", str(path)]
+    cmd += ["--port", str(port), "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def load_run(url, bodies, clients):
+    """Send every body from `clients` closed-loop threads: (wall s, completion tokens, latencies,
+    texts)."""
+    todo = list(range(len(bodies)))
+    lock = threading.Lock()
+    latencies, texts, tokens = [None] * len(bodies), [None] * len(bodies), [0] * len(bodies)
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            tic = time.perf_counter()
+            out = post(url, bodies[i])
+            latencies[i] = time.perf_counter() - tic
+            texts[i] = out["choices"][0]["text"]
+            tokens[i] = out["usage"]["completion_tokens"]
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    tic = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - tic, sum(tokens), latencies, texts
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-length", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--port", type=int, default=8765)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path, cfg = build_nemotron(Path(tmp) / "nemotron")
+        proc, url = start_server(path, args.port)
+        try:
+            topics = ["the sea", "a mountain", "rain", "the city at night", "a small cat"]
+            bodies = [
+                {
+                    "prompt": f"Request {i}: write about {topics[i % 5]}" + " please" * (i % 4),
+                    "max_tokens": args.max_tokens,
+                    "block_length": args.block_length,
+                    "temperature": 0,
+                }
+                for i in range(args.requests)
+            ]
+            load_run(url, bodies[:2], 1)  # warm-up
+            walls = {c: [] for c in levels}
+            tps = {c: [] for c in levels}
+            lat = {c: [] for c in levels}
+            answers = {}
+            for r in range(args.runs):
+                for c in levels if r % 2 == 0 else reversed(levels):
+                    wall, toks, latencies, texts = load_run(url, bodies, c)
+                    walls[c].append(wall)
+                    tps[c].append(toks / wall)
+                    lat[c].extend(latencies)
+                    answers.setdefault(c, texts)
+                    same = texts == answers[c]
+                    first = answers[levels[0]] if levels[0] in answers else texts
+                    differ = [i for i, (a, b) in enumerate(zip(texts, first)) if a != b]
+                    if differ:
+                        print(f"  answers that differ from one at a time: requests {differ}")
+                    print(
+                        f"run {r} clients {c}: {wall:.2f} s, {toks / wall:.1f} tok/s, "
+                        f"deterministic {same}",
+                        flush=True,
+                    )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+    base = statistics.median(tps[levels[0]])
+    print()
+    print(
+        f"nemotron: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers; "
+        f"{args.requests} requests of "
+        f"{args.max_tokens} tokens, block {args.block_length}; medians of {args.runs} runs"
+    )
+    print(
+        "| clients | aggregate tok/s | vs one at a time | latency p50 s | p90 s | max s | "
+        "same answers as one at a time |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for c in levels:
+        q = statistics.quantiles(lat[c], n=10)
+        med = statistics.median(tps[c])
+        print(
+            f"| {c} | {med:.1f} | {med / base:.2f}x | {statistics.median(lat[c]):.2f} | "
+            f"{q[8]:.2f} | {max(lat[c]):.2f} | {'yes' if answers[c] == answers[levels[0]] else 'no'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

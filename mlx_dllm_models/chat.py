@@ -1,0 +1,177 @@
+"""`mlx_dllm chat`: an interactive conversation, as `mlx_lm.chat` has it.
+
+The conversation is kept and the chat template applied to all of it at every turn; the reply's
+canvas fills in live on a terminal. `q` or `/exit` ends, `r` or `/reset` starts over, `h` or
+`/help` lists the commands (mlx_lm.chat's letters, and the slash forms).
+
+Reuse of the previous turns' K/V: block-causal families (SDAR, LLaDA2.x) and the causal-prefix one
+(Nemotron) keep the final K/V of a turn (the decoder's `kv_prefix`), and the next turn's prefill
+starts after the prefix its prompt shares with them (whole blocks for block-causal families), so a
+turn's tokens are those of a fresh run over the whole conversation. Bidirectional families (LLaDA,
+Dream) recompute the whole conversation every step anyway: every position attends to every other,
+so no K/V outlives a forward. Nemotron's self-speculation and DiffusionGemma's canvas decoder keep no
+reusable K/V here either: they recompute the conversation's prefill.
+"""
+
+import argparse
+import sys
+from typing import Callable, List, Optional
+
+from .cli_common import (
+    LiveView,
+    add_loading_flags,
+    add_setting_flags,
+    chosen_settings,
+    load_for_cli,
+    render,
+    template_kwargs,
+)
+from .generate import responses, stats_line, stream_events
+from .vision import text_tokenizer
+
+HELP = "commands: q or /exit  quit | r or /reset  new conversation | h or /help  this help"
+EXIT = ("q", "/exit", "/quit")
+RESET = ("r", "/reset")
+HELP_WORDS = ("h", "/help")
+
+
+class ChatSession:
+    """A conversation with a diffusion model: `send(text)` adds a user turn, generates the reply
+    (yielding nothing; `on_step` sees the live steps) and keeps both. `reuse_kv=False` recomputes
+    the whole conversation at every turn (the reference the reuse must equal)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        settings: Optional[dict] = None,
+        system_prompt: Optional[str] = None,
+        chat_template_kwargs: Optional[dict] = None,
+        reuse_kv: bool = True,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.text_tokenizer = text_tokenizer(tokenizer)
+        if not getattr(self.text_tokenizer, "chat_template", None):
+            raise ValueError(
+                "this checkpoint's tokenizer has no chat template, so a conversation cannot be "
+                "laid out; use `mlx_dllm generate --ignore-chat-template` for raw prompts"
+            )
+        self.settings = dict(settings or {})
+        self.system_prompt = system_prompt
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.reuse_kv = reuse_kv
+        self.reset()
+
+    def reset(self):
+        self.messages: List[dict] = []
+        if self.system_prompt:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+        self.prior = None  # the last turn's final K/V (cache.PriorKV), where the backend keeps any
+        self.reused = 0  # prompt tokens of the last turn whose K/V were reused
+
+    def prompt(self, messages) -> str:
+        return self.text_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
+
+    def send(self, text: str, on_step: Optional[Callable] = None, on_block=None):
+        """Generate the reply to `text`; returns (reply text, its token ids, the last
+        DiffusionResponse). `on_step(event, decoder)` sees every denoising step, `on_block(text)`
+        every committed block's new text. A failure (the conversation outgrew the context, a bad
+        setting) leaves the conversation as it was."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        _, ids, decoder = stream_events(
+            self.model, self.tokenizer, [self.prompt(messages)], **self.settings
+        )
+        step = None if on_step is None else (lambda event: on_step(event, decoder))
+        reply, tokens, last = "", [], None
+        for last in responses(decoder, ids, self.tokenizer, on_step=step, prior=self.prior):
+            reply += last.text
+            tokens += last.tokens
+            if on_block is not None:
+                on_block(last.text)
+        backend = getattr(decoder, "backend", None)
+        self.reused = getattr(backend, "reused", 0) if self.prior is not None else 0
+        kv_prefix = getattr(decoder, "kv_prefix", None)
+        self.prior = kv_prefix() if self.reuse_kv and kv_prefix is not None else None
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        return reply, tokens, last
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="mlx_dllm chat",
+        description="Chat with a diffusion language model (as mlx_lm.chat). " + HELP,
+        allow_abbrev=False,
+    )
+    add_loading_flags(p)
+    p.add_argument("--system-prompt", default=None, help="system prompt of the conversation")
+    p.add_argument(
+        "--no-live", action="store_true", help="no live canvas, print blocks as they come"
+    )
+    add_setting_flags(p)
+    return p
+
+
+def chat_main(argv):
+    args = _parser().parse_args(argv)
+    model, tokenizer = load_for_cli(args)
+    try:
+        session = ChatSession(
+            model,
+            tokenizer,
+            chosen_settings(args),
+            system_prompt=args.system_prompt,
+            chat_template_kwargs=template_kwargs(args),
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    spec = model.diffusion_spec
+    view = LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
+    print(f"[chat with {args.model or 'the embedded model'}] {HELP}", flush=True)
+
+    def on_step(event, decoder):
+        pending = getattr(event, "pending", None)
+        pending = pending[0].tolist() if pending is not None else None
+        view.draw(render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
+
+    def on_block(text):
+        print(text, end="", flush=True)
+
+    while True:
+        try:
+            query = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        command = query.strip()
+        if command in EXIT:
+            break
+        if command in RESET:
+            session.reset()
+            print("[conversation reset]", flush=True)
+            continue
+        if command in HELP_WORDS:
+            print(HELP, flush=True)
+            continue
+        if not command:
+            continue
+        if view is not None:
+            view.reset()
+        try:
+            reply, _, last = session.send(
+                query,
+                on_step=on_step if view is not None else None,
+                on_block=None if view is not None else on_block,
+            )
+        except ValueError as e:
+            print(f"error: {e}", flush=True)
+            continue
+        if view is not None:
+            view.draw(reply, final=True)
+        else:
+            print()
+        reused = f" | reused K/V: {session.reused} tokens" if session.reused else ""
+        print(f"[{stats_line(last)}{reused}]", flush=True)
+    print("bye", flush=True)
+    return 0

@@ -1,0 +1,110 @@
+"""One checkpoint over several processes: MLX's distributed group as `mlx.launch` sets it up
+(ring backend over TCP or Thunderbolt, MPI, JACCL), tensor-parallel models (each family's
+`Model.shard`, models/sharding.py) and mlx-lm's `sharded_load`.
+
+Every rank runs the same program on the same prompt: the engine is unchanged and each rank holds
+the whole canvas. The models' sharded layers end in an all-reduce, whose result is bitwise the
+same on every rank (the ring backend reduces each segment once and copies it to the others), and
+what follows (norms, the replicated LM head, the decoding statistics, seeded draws) is the same
+computation on the same bits. So every commit decision is identical on all ranks without being
+broadcast; this holds for ranks that run the same MLX build on the same kind of device.
+
+Conventions for front ends (`mlx_dllm generate`, a server):
+
+* `launch_group()` is the group when launched with more than one process, else None;
+  `load(path, group=launch_group())` loads each rank's shard.
+* Rank 0 prints (`rank0_prints`) and, for a server, takes the requests: `share(obj, group)` hands
+  rank 0's request to every rank so that all of them run the same decoder calls in the same order
+  (mlx_lm.server's `_share_object`).
+* A rank that dies makes the others' next collective fail; `lost_rank_exits` turns that into a
+  one-line error and a non-zero exit instead of a traceback.
+"""
+
+import contextlib
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .errors import SettingsError
+
+# Prefixes of the distributed backends' own error messages (mlx/distributed/*).
+_BACKENDS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]")
+
+
+def launch_group() -> Optional[mx.distributed.Group]:
+    """The group `mlx.launch` (or MPI) started this process in, or None for a single process."""
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def sharded_load(path, group: mx.distributed.Group, tokenizer_config: dict, **kwargs):
+    """mlx-lm's `sharded_load` (mlx_lm.utils) with tensor parallelism over `group`, for a local
+    checkpoint: the model is built with lazy weights, the family's `shard(group)` slices them,
+    and only then are they read, so that each rank keeps its own shard (about weights / ranks,
+    plus the replicated embeddings, head and norms). The ranks synchronise before returning.
+
+    One difference: the parameters are evaluated one tensor at a time. mlx-lm evaluates them all
+    at once, and MLX then reads every full tensor before slicing any, so that the peak while
+    loading is the whole checkpoint plus the shard; one at a time it is the shard plus the
+    largest tensor."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if kwargs:
+        raise SettingsError(
+            f"load(..., group=...) does not take {', '.join(sorted(kwargs))}: a sharded load "
+            "reads the checkpoint as it is (fuse adapters and convert it first, or load it on "
+            "one machine)"
+        )
+    path = Path(path)
+    model, config = load_model(path, lazy=True)
+    tokenizer = load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    model.shard(group)
+    for _, value in tree_flatten(model.parameters()):
+        mx.eval(value)
+    # Every rank has its shard before any of them starts (mlx-lm's synchronisation).
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
+    return model, tokenizer
+
+
+def rank0_prints(group: Optional[mx.distributed.Group]) -> None:
+    """Silence standard output on every rank but 0: all ranks compute the same text, one shows
+    it. Errors (standard error) still come from any rank."""
+    if group is not None and group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+
+
+def share(obj: Any, group: Optional[mx.distributed.Group]) -> Any:
+    """Rank 0's `obj` (picklable) on every rank; the other ranks' argument is ignored. Every rank
+    must call it at the same point (it is a collective)."""
+    if group is None or group.size() == 1:
+        return obj
+    if group.rank() == 0:
+        data = mx.array(memoryview(pickle.dumps(obj)), dtype=mx.uint8)
+        mx.eval(mx.distributed.all_sum(data.size, group=group))
+        mx.eval(mx.distributed.all_sum(data, group=group))
+        return obj
+    size = mx.distributed.all_sum(0, group=group).item()
+    data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=group)
+    return pickle.loads(bytes(memoryview(data)))
+
+
+@contextlib.contextmanager
+def lost_rank_exits(group: Optional[mx.distributed.Group] = None):
+    """A collective that fails because another rank died (its connection closed) ends this rank
+    with a one-line error naming what happened (SystemExit), rather than a traceback from deep
+    inside mlx. `group` None: the launch's group."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith(_BACKENDS):
+            raise
+        group = group or mx.distributed.init()
+        raise SystemExit(
+            f"error: rank {group.rank()} of {group.size()} lost contact with another rank ({e}); "
+            "every rank must run until the end: see the other ranks' output for why one stopped"
+        ) from None

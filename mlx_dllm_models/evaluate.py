@@ -1,0 +1,215 @@
+"""`mlx_dllm evaluate`: lm-evaluation-harness on a diffusion model, with mlx_lm.evaluate's flags.
+
+mlx_lm.evaluate's `MLXLM` scores a continuation by next-token log-probabilities and generates
+autoregressively; neither means anything for a masked-diffusion model. `DiffusionLM` answers
+lm-eval's three requests the way the diffusion references evaluate:
+
+* `loglikelihood`: the Monte-Carlo ELBO of likelihood.log_likelihood (LLaDA's
+  get_log_likelihood.py, Dream's eval.py), and likelihood.greedy_matches for the `is_greedy` flag
+  (LLaDA eval_llada.py's suffix greedy check);
+* `generate_until`: generate.batch_generate_diffusion, each answer cut at the task's stop strings;
+* `loglikelihood_rolling` (perplexity tasks): no reference estimator; a clear error.
+
+Needs the optional `[eval]` extra (lm-eval), as mlx-lm's evaluate does.
+"""
+
+import argparse
+import json
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+import lm_eval
+from lm_eval.api.model import LM
+from lm_eval.tasks import TaskManager
+
+from .generate import batch_generate_diffusion
+from .likelihood import greedy_matches, log_likelihood
+from .settings import SettingsError
+from .vision import text_tokenizer
+
+
+def _cut_at(text: str, until) -> str:
+    """The text before the first stop string (mlx_lm.evaluate's `_rstrip_until`)."""
+    stops = [text.find(u) for u in until or () if u]
+    stops = [i for i in stops if i >= 0]
+    return text[: min(stops)] if stops else text
+
+
+class DiffusionLM(LM):
+    """An lm-eval model over a loaded diffusion model (`mlx_dllm_models.load`)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        batch_size: int = 8,
+        max_tokens=None,
+        use_chat_template=None,
+        chat_template_args=None,
+        mc_samples: int = 128,
+        cfg_scale: float = 0.0,
+        seed: int = 0,
+        settings=None,
+    ):
+        super().__init__()
+        self.model, self.tokenizer = model, tokenizer
+        self.text_tokenizer = text_tokenizer(tokenizer)
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        if use_chat_template is None:
+            use_chat_template = getattr(self.text_tokenizer, "chat_template", None) is not None
+        self.use_chat_template = use_chat_template
+        self.chat_template_args = dict(chat_template_args or {})
+        self.mc_samples, self.cfg_scale, self.seed = mc_samples, cfg_scale, seed
+        self.settings = dict(settings or {})
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.text_tokenizer, "name_or_path", "tokenizer").replace("/", "__")
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
+        return self.text_tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+            **self.chat_template_args,
+        )
+
+    def loglikelihood(self, requests) -> list:
+        out = []
+        for i, request in enumerate(requests):
+            context, continuation = request.args
+            ll = log_likelihood(
+                self.model,
+                self.tokenizer,
+                context,
+                continuation,
+                mc_samples=self.mc_samples,
+                batch_size=min(self.batch_size, self.mc_samples),
+                cfg_scale=self.cfg_scale,
+                seed=self.seed + i,
+            )
+            greedy = greedy_matches(
+                self.model, self.tokenizer, context, continuation, cfg_scale=self.cfg_scale
+            )
+            out.append((float(ll), bool(greedy)))
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list:
+        raise SettingsError(
+            "perplexity tasks (loglikelihood_rolling) have no diffusion reference estimator: "
+            "choose multiple-choice (loglikelihood) or generate_until tasks"
+        )
+
+    def generate_until(self, requests) -> list:
+        out = [None] * len(requests)
+        # One batch per generation budget: the canvas length is shared by a batch's rows.
+        groups = {}
+        for i, request in enumerate(requests):
+            context, options = request.args
+            n = self.max_tokens or options.get("max_gen_toks") or 256
+            groups.setdefault(n, []).append(i)
+        for n, rows in groups.items():
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                prompts = [requests[i].args[0] for i in chunk]
+                texts = batch_generate_diffusion(
+                    self.model, self.tokenizer, prompts, max_tokens=n, **self.settings
+                ).texts
+                for i, text in zip(chunk, texts):
+                    out[i] = _cut_at(text, requests[i].args[1].get("until"))
+        return out
+
+
+def build_parser():
+    """mlx_lm.evaluate's flags, and the likelihood estimator's."""
+    p = argparse.ArgumentParser(
+        prog="mlx_dllm evaluate",
+        description="Evaluate a diffusion language model with lm-evaluation-harness: "
+        "loglikelihood from the masked-diffusion ELBO, generate_until from diffusion decoding.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id")
+    p.add_argument("--adapter-path", default=None, help="LoRA adapters (mlx_dllm lora's output)")
+    p.add_argument("--tasks", nargs="+", required=True)
+    p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAMLs")
+    p.add_argument("--output-dir", default=".", help="Output directory for result files.")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="rows per forward: Monte-Carlo samples when scoring, prompts when generating",
+    )
+    p.add_argument("--num-shots", type=int, default=None, help="Number of shots")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens (over task defaults)")
+    p.add_argument("--limit", type=int, default=None, help="Limit the number of examples per task.")
+    p.add_argument("--seed", type=int, default=123, help="Random seed.")
+    p.add_argument("--fewshot-as-multiturn", action="store_true", default=False)
+    p.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chat-template-args", type=json.loads, default="{}")
+    p.add_argument("--confirm-run-unsafe-code", action="store_true", default=False)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature when generating")
+    p.add_argument(
+        "--mc-samples",
+        type=int,
+        default=128,
+        help="Monte-Carlo samples of the likelihood estimate (LLaDA's default 128)",
+    )
+    p.add_argument("--cfg-scale", type=float, default=0.0, help="LLaDA's guidance when scoring")
+    return p
+
+
+def main(argv):
+    from .loader import load
+
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_path = args.model
+    if model_path is None:
+        from .default import default_checkpoint
+
+        model_path = default_checkpoint()
+    kwargs = {"tokenizer_config": {"trust_remote_code": args.trust_remote_code}}
+    if args.adapter_path:
+        kwargs["adapter_path"] = args.adapter_path
+    model, tokenizer = load(model_path, **kwargs)
+    lm = DiffusionLM(
+        model,
+        tokenizer,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        use_chat_template=args.apply_chat_template,
+        chat_template_args=args.chat_template_args,
+        mc_samples=args.mc_samples,
+        cfg_scale=args.cfg_scale,
+        seed=args.seed,
+        settings={"temperature": args.temp, "seed": args.seed},
+    )
+    task_manager = TaskManager(include_path=args.include_path)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=args.tasks,
+        task_manager=task_manager,
+        fewshot_as_multiturn=args.fewshot_as_multiturn,
+        apply_chat_template=lm.use_chat_template,
+        num_fewshot=args.num_shots,
+        limit=args.limit,
+        random_seed=args.seed,
+        numpy_random_seed=args.seed,
+        torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed,
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code,
+    )
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    keys = ["eval", str(model_path).strip("/").replace("/", "_"), version("lm_eval")]
+    keys += [f"{args.num_shots:02d}"] if args.num_shots is not None else []
+    (output_dir / "_".join(keys + args.tasks)).write_text(json.dumps(results["results"], indent=4))
+    print("Results:")
+    for result in results["results"].values():
+        print(json.dumps(result, indent=4))
+    return results

@@ -1,0 +1,248 @@
+"""`mlx_dllm lora` and `mlx_dllm fuse`: mlx-lm's fine-tuning workflow with the masked-diffusion loss.
+
+Everything a user of `mlx_lm.lora` knows carries over: its flags and YAML config (mlx_lm.lora's own
+parser), its data formats (chat / completions / text jsonl in --data, read by
+mlx_lm.tuner.datasets), its trainer (mlx_lm.tuner.trainer.train: reports, validation, periodic
+saves) and its adapter files (adapters.safetensors + adapter_config.json, which `load(path,
+adapter_path=...)`, `mlx_dllm generate --adapter-path` and `mlx_lm.fuse` read back). Only the loss
+differs: next-token cross-entropy would train a diffusion model for a decoding it never does, so
+the trainer gets LLaDA's SFT loss (training.diffusion_loss: the prompt is never masked, the answer
+and its EOS padding are masked at a random rate t and weighted by 1/t).
+"""
+
+import sys
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .training import diffusion_loss
+
+# mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
+# download, and the prompt kept out of the loss (the SFT form needs the prompt length of each row).
+DEFAULTS = {"model": None, "mask_prompt": True}
+
+
+def sft_loss(spec, eps: float = 1e-3):
+    """A loss with mlx-lm's trainer signature `loss(model, batch, lengths) -> (loss, ntoks)`.
+
+    `batch` (B, L) is mlx-lm's zero-padded batch and `lengths` (B, 2) its (prompt offset, length)
+    per row. Past its length a row is padded with EOS, as LLaDA's SFT pads its answers (that is how
+    a fixed canvas learns to end), and the masked-diffusion SFT loss is taken with the offsets as
+    prompt lengths; `ntoks` counts the answer positions (mlx-lm weights validation losses by it)."""
+    if spec.mask_token_id is None:
+        raise ValueError(
+            f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
+            "loss of `mlx_dllm lora` does not apply to it"
+        )
+    if not spec.eos_token_ids:
+        raise ValueError(
+            "the checkpoint's config.json has no eos_token_id, which the SFT loss pads answers "
+            "with; add it"
+        )
+    eos = spec.eos_token_ids[0]
+
+    def loss(model, batch, lengths):
+        B, L = batch.shape
+        positions = mx.arange(L)[None]
+        tokens = mx.where(positions < lengths[:, 1:2], batch, eos)
+        prompt_lengths = mx.minimum(lengths[:, 0], L - 1)
+        # The noise draws come from mlx's global key, which mlx-lm's compiled step tracks.
+        t = mx.random.uniform(shape=(B,))
+        u = mx.random.uniform(shape=(B, L))
+        value = diffusion_loss(
+            model,
+            tokens,
+            t,
+            u,
+            mask_token_id=spec.mask_token_id,
+            logit_shift=spec.logit_shift,
+            prompt_lengths=prompt_lengths,
+            eps=eps,
+        )
+        return value, (L - prompt_lengths).sum()
+
+    return loss
+
+
+def _optimizer(args):
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.utils import build_schedule
+
+    classes = {
+        "adam": optim.Adam,
+        "adamw": optim.AdamW,
+        "muon": optim.Muon,
+        "sgd": optim.SGD,
+        "adafactor": optim.Adafactor,
+    }
+    name = args.optimizer.lower()
+    if name not in classes:
+        raise ValueError(f"unknown optimizer {args.optimizer!r}; one of {', '.join(classes)}")
+    lr = build_schedule(args.lr_schedule) if args.lr_schedule else args.learning_rate
+    return classes[name](learning_rate=lr, **args.optimizer_config.get(name, {}))
+
+
+def train_model(args, model: nn.Module, train_set, valid_set, training_callback=None):
+    """mlx_lm.lora.train_model with the diffusion loss: LoRA / DoRA / full layers as
+    --fine-tune-type says, adapter_config.json written first, mlx-lm's trainer."""
+    from mlx_lm.tuner.datasets import CacheDataset
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers, print_trainable_parameters
+    from mlx_lm.utils import save_config
+
+    mx.random.seed(args.seed)
+    model.freeze()
+    if args.num_layers > len(model.layers):
+        raise ValueError(
+            f"--num-layers {args.num_layers}: the model has only {len(model.layers)} layers"
+        )
+    if args.fine_tune_type == "full":
+        for layer in model.layers[-max(args.num_layers, 0) :]:
+            layer.unfreeze()
+        args.lora_parameters = None
+    elif args.fine_tune_type in ("lora", "dora"):
+        linear_to_lora_layers(
+            model,
+            args.num_layers,
+            args.lora_parameters,
+            use_dora=args.fine_tune_type == "dora",
+        )
+    else:
+        raise ValueError(f"unknown --fine-tune-type {args.fine_tune_type!r}: lora, dora or full")
+    if args.resume_adapter_file is not None:
+        model.load_weights(args.resume_adapter_file, strict=False)
+    print_trainable_parameters(model)
+
+    adapter_path = Path(args.adapter_path)
+    adapter_path.mkdir(parents=True, exist_ok=True)
+    save_config(vars(args), adapter_path / "adapter_config.json")
+    training_args = TrainingArgs(
+        batch_size=args.batch_size,
+        iters=args.iters,
+        val_batches=args.val_batches,
+        steps_per_report=args.steps_per_report,
+        steps_per_eval=args.steps_per_eval,
+        steps_per_save=args.save_every,
+        adapter_file=adapter_path / "adapters.safetensors",
+        max_seq_length=args.max_seq_length,
+        grad_checkpoint=args.grad_checkpoint,
+        grad_accumulation_steps=args.grad_accumulation_steps,
+    )
+    train(
+        model=model,
+        optimizer=_optimizer(args),
+        train_dataset=CacheDataset(train_set),
+        val_dataset=CacheDataset(valid_set),
+        args=training_args,
+        loss=sft_loss(model.diffusion_spec),
+        training_callback=training_callback,
+    )
+
+
+def _load_datasets(args, tokenizer):
+    from mlx_lm.tuner.datasets import load_dataset
+
+    data = str(args.data)
+    parts = data.split("/")
+    on_hub = len(parts) == 2 and all(parts) and not data.startswith((".", "~"))
+    if not getattr(args, "hf_dataset", None) and not Path(data).exists() and not on_hub:
+        raise ValueError(
+            f"--data {data}: no such folder. Give a folder holding train.jsonl and valid.jsonl "
+            "(and test.jsonl for --test), one JSON object a line in mlx-lm's chat "
+            '({"messages": [...]}), completions ({"prompt", "completion"}) or text ({"text"}) '
+            "form, or a Hugging Face dataset id ('org/name')"
+        )
+    try:
+        return load_dataset(args, tokenizer)
+    except ValueError as e:
+        # Text data has no prompt to keep out of the loss: every position may be masked.
+        if args.mask_prompt and "not supported for text dataset" in str(e):
+            args.mask_prompt = False
+            return load_dataset(args, tokenizer)
+        raise
+
+
+def run(args, training_callback=None):
+    """mlx_lm.lora.run with this package's loader (repo ids, checks) and loss."""
+    from mlx_lm.tuner.datasets import CacheDataset
+    from mlx_lm.tuner.trainer import evaluate
+    from mlx_lm.tuner.utils import load_adapters
+
+    from .loader import load
+
+    if args.model is None:
+        from .default import default_checkpoint
+
+        args.model = default_checkpoint()
+    model, tokenizer = load(
+        args.model, tokenizer_config={"trust_remote_code": args.trust_remote_code}
+    )
+    train_set, valid_set, test_set = _load_datasets(args, tokenizer)
+    if args.train:
+        train_model(args, model, train_set, valid_set, training_callback)
+    elif args.test:
+        if args.adapter_path:
+            load_adapters(model, args.adapter_path)
+    else:
+        raise ValueError("give --train, --test or both")
+    if args.test:
+        test_loss = evaluate(
+            model=model,
+            dataset=CacheDataset(test_set),
+            batch_size=args.batch_size,
+            num_batches=args.test_batches,
+            max_seq_length=args.max_seq_length,
+            loss=sft_loss(model.diffusion_spec),
+        )
+        print(f"Test loss (masked-diffusion ELBO bound per answer token) {test_loss:.3f}")
+    return model, tokenizer
+
+
+def parse_args(argv):
+    """mlx_lm.lora's flags and YAML config, with this package's defaults."""
+    import yaml
+    from mlx_lm.lora import CONFIG_DEFAULTS, build_parser, yaml_loader
+
+    parser = build_parser()
+    parser.prog = "mlx_dllm lora"
+    parser.description = (
+        "Fine-tune a diffusion language model with mlx-lm's data formats, trainer and adapter "
+        "files, and the masked-diffusion SFT loss (the prompt is never masked)."
+    )
+    args = vars(parser.parse_args(argv))
+    if args.get("config"):
+        with open(args["config"]) as f:
+            for k, v in yaml.load(f, yaml_loader).items():
+                if args.get(k) is None:
+                    args[k] = v
+    for k, v in {**CONFIG_DEFAULTS, **DEFAULTS}.items():
+        if args.get(k) is None:
+            args[k] = v
+    return types.SimpleNamespace(**args)
+
+
+def lora_main(argv):
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    return 0
+
+
+def fuse_main(argv):
+    """mlx_lm.fuse (adapters folded into the weights, saved as a checkpoint), then the same
+    remote-code removal and model card as `mlx_dllm convert`."""
+    import importlib
+
+    from .conversion import finish_conversion
+
+    # `mlx_lm.fuse` the attribute may be shadowed; the module holds the CLI's main().
+    fuse = importlib.import_module("mlx_lm.fuse")
+    sys.argv = ["mlx_dllm fuse"] + list(argv)
+    args = fuse.parse_arguments()
+    fuse.main()
+    finish_conversion(args.save_path, None)
+    return 0

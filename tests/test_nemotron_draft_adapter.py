@@ -1,0 +1,139 @@
+"""Nemotron-Labs-Diffusion's `linear_spec_lora` draft adapter: loaded when the checkpoint ships it,
+switched on for self-speculation's draft forwards only (the reference's linear_spec_generate with its
+LoRA), and self-speculation stays lossless: identical to AR greedy at temperature 0."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from conftest import load_fixture, spy_forwards
+from fixtures import nemotron as fx
+from mlx_dllm_models import load, stream_generate_diffusion
+from mlx_dllm_models.errors import CheckpointError
+from mlx_dllm_models.models.nemotron_labs_diffusion import DraftLoRALinear
+
+
+@pytest.fixture(scope="module")
+def with_adapter(tmp_path_factory):
+    path = fx.build_with_draft_adapter(tmp_path_factory.mktemp("nemotron_lora") / "ckpt")
+    return path, load(path)
+
+
+@pytest.fixture(scope="module")
+def without_adapter(tmp_path_factory):
+    return load_fixture(fx.build(tmp_path_factory.mktemp("nemotron") / "ckpt"))
+
+
+def _ar_greedy(model, prompt, max_tokens):
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if token == fx.EOS:
+            break
+        out.append(int(token))
+    return out
+
+
+def _ours(model, tok, prompt, **kw):
+    return [t for r in stream_generate_diffusion(model, tok, prompt, **kw) for t in r.tokens]
+
+
+def test_the_adapter_is_loaded_switched_off(with_adapter, without_adapter):
+    _, (model, _) = with_adapter
+    base, _ = without_adapter
+    assert model.has_draft_adapter and not base.has_draft_adapter
+    assert len(model.draft_adapters()) == fx.LAYERS * len(fx.DRAFT_ADAPTER_TARGETS)
+    x = mx.array([[5, 6, 7, fx.MASK, fx.MASK, fx.MASK]])
+    off = np.array(model(x))
+    np.testing.assert_array_equal(off, np.array(base(x)))  # off: the base model, bit for bit
+    model.set_draft_adapter(True)
+    try:
+        on = np.array(model(x))
+    finally:
+        model.set_draft_adapter(False)
+    assert np.abs(on - off).max() > 1e-2
+    # The delta is PEFT's scale (x A^T) B^T with scale = lora_alpha / r.
+    layer = model.layers[0].self_attn.q_proj
+    assert isinstance(layer, DraftLoRALinear) and layer.scale == 8.0 / 4
+
+
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_self_spec_with_the_adapter_equals_greedy_ar(with_adapter, cache):
+    _, (model, tok) = with_adapter
+    rng = np.random.default_rng(2)
+    for n in (5, 9):
+        prompt = rng.integers(20, 250, n).tolist()
+        got = _ours(model, tok, prompt, max_tokens=14, mode="self_spec", cache=cache)
+        assert got == _ar_greedy(model, prompt, 14)
+
+
+def test_drafts_run_with_the_adapter_and_verification_without(with_adapter):
+    """Draft forwards (a bidirectional window: no mask) have the adapter on; the prefill and the
+    verify forwards (causal) have it off; every round is one of each."""
+    _, (model, tok) = with_adapter
+    seen = []
+
+    def record(inputs, cache, mask, head_span):
+        seen.append((mask is None, model.draft_adapters()[0].active))
+
+    with spy_forwards(model, record):
+        _ours(model, tok, [30, 31, 32, 33], max_tokens=10, mode="self_spec")
+    assert seen[0] == (False, False)  # the causal prefill
+    drafts = [active for bidirectional, active in seen if bidirectional]
+    verifies = [active for bidirectional, active in seen[1:] if not bidirectional]
+    assert drafts and all(drafts) and verifies and not any(verifies)
+    assert len(drafts) == len(verifies)
+    assert not model.draft_adapters()[0].active  # left off
+
+
+def test_sampling_with_the_adapter_is_seeded(with_adapter):
+    _, (model, tok) = with_adapter
+    kw = dict(max_tokens=10, mode="self_spec", temperature=0.8, seed=4)
+    a = _ours(model, tok, [30, 31, 32], **kw)
+    assert a == _ours(model, tok, [30, 31, 32], **kw) and len(a) > 0
+
+
+def test_an_adapter_that_fits_nothing_is_a_clear_error(tmp_path):
+    path = fx.build_with_draft_adapter(tmp_path / "ckpt")
+    (path / "linear_spec_lora" / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    with pytest.raises(CheckpointError, match="linear_spec_lora.*lora_alpha"):
+        load(path)
+
+
+@pytest.mark.parametrize("adapter", [True, False])
+def test_draft_threshold_drafts_over_several_forwards_and_stays_lossless(
+    with_adapter, without_adapter, adapter
+):
+    """linear_spec_generate's threshold > 0: a block's drafts take several forwards (each reveals
+    the masks at or above the threshold, at least one); the output is still AR greedy."""
+    model, tok = with_adapter[1] if adapter else without_adapter
+    prompt = [30, 31, 32, 33, 34]
+    seen = []
+
+    def record(inputs, cache, mask, head_span):
+        seen.append(mask is None)
+
+    with spy_forwards(model, record):
+        got = _ours(model, tok, prompt, max_tokens=12, mode="self_spec", draft_threshold=0.99)
+    assert got == _ar_greedy(model, prompt, 12)
+    # Runs of draft forwards between verifies: some round drafted in more than one forward.
+    runs, n = [], 0
+    for bidirectional in seen[1:]:
+        if bidirectional:
+            n += 1
+        else:
+            runs.append(n)
+            n = 0
+    assert runs and max(runs) > 1
+
+
+def test_draft_threshold_is_self_spec_only(without_adapter):
+    from mlx_dllm_models.settings import SettingsError
+
+    model, tok = without_adapter
+    with pytest.raises(SettingsError, match="draft_threshold only acts with mode='self_spec'"):
+        _ours(model, tok, [30, 31], max_tokens=4, mode="diffusion", draft_threshold=0.5)
+    with pytest.raises(SettingsError, match="draft_threshold must be"):
+        _ours(model, tok, [30, 31], max_tokens=4, mode="self_spec", draft_threshold=1.5)
