@@ -121,12 +121,7 @@ class Model(nn.Module):
         """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard (attention heads and
         MLP split; embeddings and head replicated)."""
         group = sharding.group_of(group)
-        a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "intermediate_size": a.intermediate_size,
-        }
+        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
         sharding.check_divisible("dream", group, sizes, model=self)
         qwen2.Model.shard(self, group)
 

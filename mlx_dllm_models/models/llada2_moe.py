@@ -226,14 +226,13 @@ class Model(bailing_moe.Model):
         the same experts."""
         group = sharding.group_of(group)
         a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "intermediate_size": a.intermediate_size,
-            "moe_intermediate_size": a.moe_intermediate_size,
-        }
-        if a.moe_shared_expert_intermediate_size:
-            sizes["moe_shared_expert_intermediate_size"] = a.moe_shared_expert_intermediate_size
+        sizes = sharding.config_sizes(
+            a,
+            *sharding.HEADS,
+            "intermediate_size",
+            "moe_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+        )
         sharding.check_divisible("llada2_moe", group, sizes, model=self)
         n = group.size()
         for layer in self.layers:

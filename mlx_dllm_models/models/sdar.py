@@ -105,12 +105,7 @@ class Model(qwen3.Model):
         """mlx-lm's qwen3.Model.shard (attention heads and MLP split over `group`), after a
         readable check that the group divides them."""
         group = sharding.group_of(group)
-        a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "intermediate_size": a.intermediate_size,
-        }
+        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
         sharding.check_divisible("sdar", group, sizes, model=self)
         super().shard(group)
 

@@ -59,13 +59,9 @@ class Model(qwen3_moe.Model):
         experts split over their intermediate dimension, the router replicated), after a readable
         check that the group divides them."""
         group = sharding.group_of(group)
-        a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "moe_intermediate_size": a.moe_intermediate_size,
-            "intermediate_size": a.intermediate_size,
-        }
+        sizes = sharding.config_sizes(
+            self.args, *sharding.HEADS, "moe_intermediate_size", "intermediate_size"
+        )
         sharding.check_divisible("sdar_moe", group, sizes, model=self)
         super().shard(group)
 

@@ -35,6 +35,15 @@ def group_of(group: Optional[mx.distributed.Group]) -> mx.distributed.Group:
 # The layers every family splits over their inputs (`sharded-to-all`).
 SPLIT_INPUTS = ("o_proj", "dense", "down_proj")
 
+# The config sizes a tensor-parallel split of attention divides.
+HEADS = ("num_attention_heads", "num_key_value_heads")
+
+
+def config_sizes(args, *names) -> dict:
+    """{config key: value} of the sizes a split must divide; keys the config leaves unset (None
+    or 0, e.g. no shared expert) are left out."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None)}
+
 
 def check_divisible(family: str, group, sizes: dict, kv_heads: dict = (), model=None) -> None:
     """A SettingsError naming every size that the group cannot split evenly, before any weight is
