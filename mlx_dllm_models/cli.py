@@ -23,7 +23,7 @@ from .cli_common import (
     template_kwargs,
 )
 from .cli_common import render as _render
-from .distributed import launch_group, lost_rank_exits
+from .distributed import lost_rank_exits
 from .errors import CheckpointError, SettingsError
 
 
@@ -171,13 +171,7 @@ def serve_main(argv):
     """`mlx_dllm serve`: server.py (imported on use, as generate_main imports the engine)."""
     from .server import main as serve
 
-    if launch_group() is not None:
-        # Every rank would serve on its own and their collectives would interleave: the server
-        # must take requests on rank 0 and hand them to the others (distributed.share) first.
-        raise SystemExit(
-            "error: mlx_dllm serve does not run over several ranks yet; under mlx.launch use "
-            "mlx_dllm generate, or serve on one machine"
-        )
+    # Under mlx.launch, rank 0 serves and hands each request to the others (server.Scheduler).
     return serve(argv)
 
 

@@ -84,13 +84,23 @@ def share(obj: Any, group: Optional[mx.distributed.Group]) -> Any:
     if group is None or group.size() == 1:
         return obj
     if group.rank() == 0:
+        if obj is None:  # "nothing": one collective, not two (a server's idle tick)
+            mx.eval(mx.distributed.all_sum(0, group=group))
+            return None
         data = mx.array(memoryview(pickle.dumps(obj)), dtype=mx.uint8)
         mx.eval(mx.distributed.all_sum(data.size, group=group))
         mx.eval(mx.distributed.all_sum(data, group=group))
         return obj
     size = mx.distributed.all_sum(0, group=group).item()
+    if size == 0:
+        return None
     data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=group)
     return pickle.loads(bytes(memoryview(data)))
+
+
+def lost_rank(error: BaseException) -> bool:
+    """Whether `error` is a distributed backend's failure (another rank died or went away)."""
+    return isinstance(error, RuntimeError) and str(error).startswith(_BACKENDS)
 
 
 @contextlib.contextmanager
@@ -101,7 +111,7 @@ def lost_rank_exits(group: Optional[mx.distributed.Group] = None):
     try:
         yield
     except RuntimeError as e:
-        if not str(e).startswith(_BACKENDS):
+        if not lost_rank(e):
             raise
         group = group or mx.distributed.init()
         raise SystemExit(

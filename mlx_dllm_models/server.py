@@ -57,14 +57,21 @@ sampler, family settings, temperature, seed...) take turns block by block. Withi
 
 At temperature > 0 a batched row's draws depend on its batch-mates (the masked decoder draws one
 batch-wide key per step), as with any batched sampler: `seed` reproduces a request served alone.
+
+Sharded (`mlx.launch -n N ... serve`): every rank loads its shard and runs the scheduler; rank 0
+alone serves HTTP, and each step begins with rank 0 handing the others what it saw since the last
+one (Scheduler docstring), as mlx_lm.server shares its requests across ranks. Rank 0 stops every
+rank (SIGTERM / Ctrl-C); a rank that dies stops the others with distributed.py's one-line error.
 """
 
 import argparse
 import base64
+import itertools
 import json
 import logging
 import queue
 import select
+import signal
 import socket
 import threading
 import time
@@ -77,6 +84,7 @@ from urllib.request import urlopen
 from mlx_lm import server as lm_server
 
 from .cli_common import add_setting_flags, chosen_settings, load_for_cli
+from .distributed import launch_group, lost_rank, lost_rank_exits, share
 from .engine import FullRecompute, MaskedBlockDecoder, make_decoder
 from .engine.block_cache import PrefixCache
 from .engine.causal_prefix import CausalPrefixCache, CausalPrefixRecompute
@@ -137,7 +145,9 @@ class Job:
 
     The scheduler posts to `events`: ("accepted", prompt_tokens), ("error", message), or
     ("block", tokens, finished, eos) per committed block. The handler sets `cancelled` (client
-    gone, stop string met); the scheduler drops the row at the next block boundary."""
+    gone, stop string met) at any time; the scheduler reads it once per step, into `dropped`
+    (the value every rank of a sharded server acts on), and drops the row at the next block
+    boundary."""
 
     def __init__(self, prompt, overrides: dict, images=None):
         self.prompt = prompt
@@ -145,12 +155,21 @@ class Job:
         self.images = images
         self.events: "queue.Queue" = queue.Queue()
         self.cancelled = False
+        self.dropped = False
+        self.uid: Optional[int] = None  # the admission order: the same on every rank
         self.done = False
         self.ids: List[int] = []
         self.pixel_values = None
         self.settings: Dict[str, Any] = {}
         self.tokens: List[int] = []  # committed so far
         self.nfe = 0  # forwards of the runs this row took part in
+
+
+class _NoEvents:
+    """The events of a request that rank 0 answers, on another rank: nothing reads them."""
+
+    def put(self, event):
+        pass
 
 
 class Group:
@@ -176,9 +195,18 @@ class Group:
 class Scheduler:
     """Continuous batching at block granularity (see the module docstring). `step()` admits new
     requests and advances one group by one block, on the thread that built the model;
-    `Scheduler.on_thread(load_model)` runs it on a worker thread that builds the model."""
+    `Scheduler.on_thread(load_model)` runs it on a worker thread that builds the model.
 
-    def __init__(self, model, tokenizer, max_batch: int = 32):
+    Sharded over `group` (mlx.launch): every rank runs this scheduler on its shard; rank 0 takes
+    the requests. At the start of each step rank 0 hands every rank what it saw since the last
+    one (new requests, cancellations, a stop: `distributed.share`) before any of them acts on it.
+    Everything else the scheduler decides follows from that and from the decoders' outputs,
+    which are bitwise the same on every rank, so all ranks make the same forwards in the same
+    order. The other ranks' jobs post their events nowhere."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 32, group=None):
+        self.group = group
+        self.rank = 0 if group is None else group.rank()
         self.model, self.tokenizer = model, tokenizer
         self.spec = model.diffusion_spec
         self.eos = _eos_ids(model, tokenizer, self.spec)
@@ -186,7 +214,10 @@ class Scheduler:
         self.inbox: "queue.Queue[Job]" = queue.Queue()
         self.groups: Dict[str, Group] = {}
         self.thread: Optional[threading.Thread] = None
-        self.stopped = threading.Event()
+        self.stopped = threading.Event()  # asked to stop (rank 0 shares it at the next step)
+        self.ended = False  # the step that every rank stops at has run
+        self.error: Optional[str] = None  # why a sharded scheduler stopped serving, if it failed
+        self._uids = itertools.count()
         # Counters the tests and the benchmark read.
         self.joins = 0  # runs restarted to take in rows that arrived while a batch decoded
         self.blocks = 0
@@ -202,7 +233,9 @@ class Scheduler:
     # -- the worker
 
     @classmethod
-    def on_thread(cls, load_model: Callable[[], tuple], max_batch: int = 32) -> "Scheduler":
+    def on_thread(
+        cls, load_model: Callable[[], tuple], max_batch: int = 32, group=None
+    ) -> "Scheduler":
         """A scheduler whose worker thread first loads the model (`load_model()` -> (model,
         tokenizer)), then serves. MLX streams belong to a thread, and the arrays a model builds
         lazily (RoPE frequencies, masks) can only be evaluated on the thread that built them: the
@@ -212,7 +245,8 @@ class Scheduler:
 
         def work():
             try:
-                scheduler = box["scheduler"] = cls(*load_model(), max_batch=max_batch)
+                scheduler = cls(*load_model(), max_batch=max_batch, group=group)
+                box["scheduler"] = scheduler
             except BaseException as e:  # raised again in the caller's thread
                 box["error"] = e
                 ready.set()
@@ -237,12 +271,32 @@ class Scheduler:
         return self.thread is not None and self.thread.is_alive() and not self.stopped.is_set()
 
     def _loop(self):
-        while not self.stopped.is_set():
-            try:
-                self.step(wait=0.05)
-            except Exception:  # a bug must not take the server down with every request in it
-                logger.exception("scheduler step failed")
-                self._fail_all("internal error in the decoding loop (see the server log)")
+        try:
+            with lost_rank_exits(self.group):
+                while not self.ended:
+                    try:
+                        self.step(wait=0.05)
+                    except Exception as e:
+                        # A bug must not take the server down with every request in it. Across
+                        # ranks it must: the ranks could no longer agree on their collectives.
+                        if self.group is not None or lost_rank(e):
+                            raise
+                        logger.exception("scheduler step failed")
+                        self._fail_all("internal error in the decoding loop (see the server log)")
+        except SystemExit as e:  # lost_rank_exits: another rank died
+            self._end(str(e))
+        except Exception:
+            logger.exception("scheduler step failed")
+            self._end(
+                f"error: rank {self.rank} of {self.group.size()}: the decoding loop failed (see "
+                "the traceback above); the ranks can no longer agree on their forwards, so all stop"
+            )
+
+    def _end(self, message: str):
+        """A sharded scheduler stops serving: its requests get the error, and the process exits
+        with it (server.main), which ends the other ranks too (their next collective fails)."""
+        self.error = message
+        self._fail_all(message)
 
     def _fail_all(self, message):
         for group in self.groups.values():
@@ -253,10 +307,19 @@ class Scheduler:
         self.groups.clear()
 
     def step(self, wait: float = 0.0) -> bool:
-        """Admit what arrived, then advance the next group with work by one block. Returns whether
-        a block was decoded."""
+        """Admit what arrived (waiting up to `wait` seconds for it when no group has work), apply
+        the cancellations, then advance the next group with work by one block. Returns whether a
+        block was decoded."""
         busy = any(not g.idle for g in self.groups.values())
-        self._admit(None if busy else wait)
+        news = self._news(None if busy else wait)
+        if news is not None:
+            jobs, cancelled, stop = news
+            self._admit(jobs)
+            for job in self._live():
+                job.dropped = job.dropped or job.uid in cancelled
+            if stop:
+                self.ended = True
+                return False
         for key in list(self.groups):
             group = self.groups[key]
             if group.idle:
@@ -268,7 +331,27 @@ class Scheduler:
             return True
         return False
 
-    def _admit(self, wait: Optional[float]):
+    def _live(self):
+        for group in self.groups.values():
+            yield from (job for job in group.jobs + group.waiting if not job.done)
+
+    def _news(self, wait: Optional[float]):
+        """(new jobs, uids of the jobs cancelled since the last step, stop) as rank 0 saw them,
+        the same on every rank; None when nothing happened. Rank 0 waits for requests on its
+        inbox for up to `wait` seconds (idle); the other ranks wait in the collective, which
+        polls (the ring backend keeps about a third of a core busy while it waits), so an idle
+        rank sleeps most of rank 0's wait before it enters it."""
+        if self.rank != 0:
+            if wait:
+                time.sleep(0.8 * wait)
+            shared = share(None, self.group)
+            if shared is None:
+                return None
+            requests, cancelled, stop = shared
+            jobs = [Job(*request) for request in requests]
+            for job in jobs:
+                job.events = _NoEvents()
+            return jobs, set(cancelled), stop
         jobs = []
         try:
             jobs.append(self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait())
@@ -276,9 +359,20 @@ class Scheduler:
                 jobs.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
+        jobs = [job for job in jobs if not job.cancelled]
+        cancelled = {job.uid for job in self._live() if job.cancelled and not job.dropped}
+        stop = self.stopped.is_set()
+        if not (jobs or cancelled or stop):
+            share(None, self.group)
+            return None
+        if self.group is not None:
+            requests = [(job.prompt, job.overrides, job.images) for job in jobs]
+            share((requests, sorted(cancelled), stop), self.group)
+        return jobs, cancelled, stop
+
+    def _admit(self, jobs: List[Job]):
         for job in jobs:
-            if job.cancelled:
-                continue
+            job.uid = next(self._uids)
             try:
                 images = None if job.images is None else [job.images]
                 spec, s, ids, pixel_values = _prepare(
@@ -311,7 +405,7 @@ class Scheduler:
 
     def _start(self, group: Group):
         for job in group.jobs + group.waiting:
-            if job.cancelled:
+            if job.dropped:
                 job.done = True
         live = [j for j in group.jobs if not j.done]
         group.waiting = [j for j in group.waiting if not j.done]
@@ -347,7 +441,7 @@ class Scheduler:
         if group.masked:
             # The masked decoder drops these rows when it resumes, before its next block.
             for row, job in enumerate(group.jobs):
-                if job.cancelled and not job.done:
+                if job.dropped and not job.done:
                     group.cancelled.add(row)
                     job.done = True
         event = None
@@ -370,7 +464,7 @@ class Scheduler:
                 continue
             job.tokens.extend(toks)
             job.nfe += delta
-            if job.cancelled:
+            if job.dropped:
                 job.done = True
                 continue
             job.done = finished
@@ -386,7 +480,7 @@ class Scheduler:
         the run's end), which bounds that re-encoding by the newcomers' own prefill."""
         if not (group.mergeable and group.waiting):
             return False
-        live = sum(not j.done and not j.cancelled for j in group.jobs)
+        live = sum(not j.done and not j.dropped for j in group.jobs)
         if live >= self.max_batch:
             return False
         return group.free_join or len(group.waiting) >= live
@@ -767,11 +861,13 @@ def make_server(
     chat_template_args: Optional[dict] = None,
     allowed_origins=("*",),
     max_batch: int = 32,
+    group=None,
 ):
     """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
     thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
-    raised here). `server.serve_forever()` serves; `shutdown(server)` stops both."""
-    scheduler = Scheduler.on_thread(load_model, max_batch=max_batch)
+    raised here). `server.serve_forever()` serves; `shutdown(server)` stops both. `group`: rank 0
+    of a sharded server (the other ranks run `follow`)."""
+    scheduler = Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
     model, tokenizer = scheduler.model, scheduler.tokenizer
     service = Service(
         model, tokenizer, scheduler, model_id, defaults, chat_template_args, allowed_origins
@@ -790,7 +886,24 @@ def make_server(
         scheduler.stop()
         raise
     server.service = service
+    if group is not None:
+        # A sharded scheduler that fails (a rank died) ends the serving too: main() then exits
+        # with its error. (shutdown() may come before serve_forever starts: it then returns at
+        # once.)
+        def stop_serving():
+            scheduler.thread.join()
+            if scheduler.error is not None:
+                server.shutdown()
+
+        threading.Thread(target=stop_serving, name="mlx_dllm-watch", daemon=True).start()
     return server
+
+
+def follow(load_model: Callable[[], tuple], group, max_batch: int = 32) -> Scheduler:
+    """A rank other than 0 of a sharded server: the scheduler thread (loading this rank's shard
+    with `load_model()`) that makes rank 0's decisions on it, until rank 0 stops (`thread` ends;
+    `error` says why when it failed)."""
+    return Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
 
 
 def shutdown(server, serving: bool = True):
@@ -866,6 +979,10 @@ def main(argv=None) -> int:
         level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
     )
     defaults = chosen_settings(args)
+    # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
+    group = launch_group()
+    if group is not None and group.rank() != 0:
+        return _follow_main(args, defaults, group)
     try:
         # Loaded as `mlx_dllm generate` loads (its errors are one-line SystemExits), on the
         # scheduler's thread.
@@ -878,6 +995,7 @@ def main(argv=None) -> int:
             chat_template_args=args.chat_template_args,
             allowed_origins=args.allowed_origins,
             max_batch=args.decode_concurrency,
+            group=group,
         )
     except ValueError as e:  # CheckpointError, SettingsError
         raise SystemExit(f"error: {e}")
@@ -892,10 +1010,56 @@ def main(argv=None) -> int:
         shutdown(server, serving=False)
         raise SystemExit(f"error: {e}")
     logger.info("serving %s on http://%s:%d", service.model_id, args.host, server.server_address[1])
+    previous = _sigterm_interrupts()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         shutdown(server)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if service.scheduler.error is not None:
+        raise SystemExit(service.scheduler.error)
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_interrupts():
+    """SIGTERM stops the server as Ctrl-C does (a sharded server's rank 0 then tells the other
+    ranks to stop). Returns the previous handler, None when not on the main thread (where Python
+    takes no signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _follow_main(args, defaults: dict, group) -> int:
+    """`mlx_dllm serve` on a rank other than 0: no HTTP server, the scheduler loop on this rank's
+    shard until rank 0 stops. Ctrl-C reaches every rank of `mlx.launch`: rank 0 alone decides when
+    they stop (it tells the others), so this rank ignores it."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        try:
+            scheduler = follow(lambda: load_for_cli(args), group, args.decode_concurrency)
+        except ValueError as e:  # CheckpointError, SettingsError
+            raise SystemExit(f"error: {e}")
+        try:  # the same check as rank 0's, which then stops every rank
+            resolve_settings(
+                scheduler.spec, defaults, checkpoint_settings(scheduler.model, scheduler.spec)
+            )
+        except SettingsError as e:
+            scheduler.stop()
+            raise SystemExit(f"error: {e}")
+        scheduler.thread.join()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if scheduler.error is not None:
+        raise SystemExit(scheduler.error)
     return 0

@@ -2,14 +2,22 @@
 the baseline): for each checkpoint of the plan, load it (sharded over the launch's group when
 there is one), record the logits of one forward, the tokens of a greedy generation and the memory
 the load took, and write them to OUT/rank<r>.npz; then run `mlx_dllm generate` with the plan's
-`cli` arguments, each rank's standard output in OUT/cli_rank<r>.txt, and `mlx_dllm serve` (which
-refuses several ranks), its error in OUT/serve_rank<r>.txt.
+`cli` arguments, each rank's standard output in OUT/cli_rank<r>.txt; then `mlx_dllm serve` with
+the plan's `serve` entry (launched over several ranks only): rank 0 also runs a client thread that
+waits for the server, sends the plan's requests concurrently, writes the answers' texts to
+OUT/serve_answers.json and stops the server with SIGTERM; each rank's exit in
+OUT/serve_rank<r>.code.
 
     python tests/distributed_worker.py PLAN.json OUT
 """
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,13 +63,73 @@ def run(plan: dict, out: Path) -> None:
             finally:
                 sys.stdout = stdout
         (out / f"cli_rank{rank}.code").write_text(str(code))
-    if "cli" in plan and group is not None:  # alone, serve would start serving
+    if "serve" in plan and group is not None:  # alone, the tests serve in process
+        entry = plan["serve"]
+        if rank == 0:
+            args = (entry["port"], entry["requests"], out)
+            threading.Thread(target=_clients, args=args, daemon=True).start()
+        argv = ["serve", "--model", entry["model"], "--port", str(entry["port"])]
         try:
-            main(["serve", "--model", plan["cli"][2]])
-            refused = ""
+            code = str(main(argv + ["--log-level", "ERROR"]))
         except SystemExit as e:
-            refused = str(e)
-        (out / f"serve_rank{rank}.txt").write_text(refused)
+            code = str(e)
+        (out / f"serve_rank{rank}.code").write_text(code)
+
+
+def _ask(url: str, request: dict) -> str:
+    """The text of one completion (the concatenated chunks of a streamed one; only the first
+    chunk's when the request says `disconnect`: the client then hangs up)."""
+    body = json.dumps(request["body"]).encode()
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url + request["path"], data=body, headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        if request.get("disconnect"):
+            for line in r:
+                if line.startswith(b"data: {"):
+                    return json.loads(line[len("data: ") :])["choices"][0]["text"] or ""
+            raise AssertionError("the stream ended before its first chunk")
+        if not request["body"].get("stream"):
+            choice = json.loads(r.read())["choices"][0]
+            return choice["message"]["content"] if "message" in choice else choice["text"]
+        text = ""
+        for line in r.read().decode().splitlines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+                text += piece or ""
+        return text
+
+
+def _clients(port: int, requests: dict, out: Path) -> None:
+    url = f"http://127.0.0.1:{port}"
+    answers = {}
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+
+        def ask(name, request):
+            try:
+                answers[name] = _ask(url, request)
+            except Exception as e:
+                answers[name] = f"failed: {e!r}"
+
+        threads = [threading.Thread(target=ask, args=item) for item in requests.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    except Exception as e:
+        answers["error"] = repr(e)
+    finally:
+        (out / "serve_answers.json").write_text(json.dumps(answers))
+        os.kill(os.getpid(), signal.SIGTERM)  # as a user stops the server (rank 0 only)
 
 
 if __name__ == "__main__":

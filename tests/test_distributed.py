@@ -1,8 +1,9 @@
 """Tensor parallelism (each family's `Model.shard`, `load(..., group=...)`) over MLX's ring backend:
 two processes on loopback launched by `mlx.launch`, against one process.
 
-One launch runs every family (tests/distributed_worker.py) and `mlx_dllm generate`; a second pair
-of processes checks that a rank that dies ends the other with an error instead of a hang.
+One launch runs every family (tests/distributed_worker.py), `mlx_dllm generate` and `mlx_dllm
+serve` (concurrent requests, then SIGTERM to rank 0); a second pair of processes checks that a rank
+that dies ends the other with an error instead of a hang.
 """
 
 import json
@@ -18,7 +19,9 @@ import pytest
 from distributed_worker import run
 
 from fixtures import all_checkpoints
+from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.tiny import build_tiny_llada
+from mlx_dllm_models.vision import text_tokenizer
 
 pytestmark = pytest.mark.distributed
 
@@ -42,6 +45,18 @@ SETTINGS = {"dream": {"steps": 8}, "diffusion_gemma": {"max_denoising_steps": 4}
 # Large enough that the sharded layers dominate the replicated embeddings and head: 8 layers of
 # d_model 512 (about 84 MB of float32 weights, 0.3 MB of them replicated, 2 MB the largest).
 BIG = dict(d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1024)
+# Concurrent requests to the sharded server: completions and a chat, one streamed, two settings
+# groups (so that groups take turns block by block) and several blocks each.
+CHAT = [{"role": "user", "content": "Why is the sky blue?"}]
+SERVE = {
+    "completion": {"prompt": "Once upon a time", "max_tokens": 16, "block_length": 8},
+    "streamed": {"prompt": "hello world", "max_tokens": 16, "block_length": 8, "stream": True},
+    "chat": {"messages": CHAT, "max_tokens": 16, "block_length": 8},
+    "other_group": {"prompt": "a b c d", "max_tokens": 12, "block_length": 4, "steps": 2},
+    # Streamed; its client hangs up after the first block: rank 0 shares the cancellation and
+    # every rank drops the row at the same block (else their batches, and collectives, differ).
+    "disconnected": {"prompt": "tell me more", "max_tokens": 64, "block_length": 8, "stream": True},
+}
 
 
 def _free_port() -> int:
@@ -74,7 +89,16 @@ def plan(tmp_path_factory):
         checkpoints[name] = {"path": str(path), "prompt": PROMPT, "settings": settings}
     cli = ["generate", "--model", checkpoints["llada"]["path"], "--prompt", "hi"]
     cli += ["--max-tokens", "8", "--no-live", "--ignore-chat-template"]
-    plan = {"checkpoints": checkpoints, "cli": cli}
+    requests = {
+        name: {
+            "path": "/v1/chat/completions" if "messages" in body else "/v1/completions",
+            "body": dict(body, temperature=0.0),
+            "disconnect": name == "disconnected",
+        }
+        for name, body in SERVE.items()
+    }
+    serve = {"model": checkpoints["llada"]["path"], "port": _free_port(), "requests": requests}
+    plan = {"checkpoints": checkpoints, "cli": cli, "serve": serve}
     (root / "plan.json").write_text(json.dumps(plan))
     return root
 
@@ -146,24 +170,49 @@ def test_cli_generate_sharded_prints_on_rank_0_only(single, sharded):
     assert (sharded / "cli_rank1.txt").read_text() == ""
 
 
-def test_serve_refuses_several_ranks(sharded):
-    for rank in (0, 1):
-        refused = (sharded / f"serve_rank{rank}.txt").read_text()
-        assert refused.startswith("error: mlx_dllm serve does not run over several ranks"), rank
+def test_serve_sharded_answers_as_one_process_and_stops_on_sigterm(plan, sharded):
+    """Rank 0 served the concurrent requests, each rank decoding on its shard; each answer is the
+    text of one single-process call at temperature 0. SIGTERM to rank 0 ended both ranks
+    cleanly (exit status 0)."""
+    answers = json.loads((sharded / "serve_answers.json").read_text())
+    assert "error" not in answers, answers["error"]
+    model, tokenizer = load(json.loads((plan / "plan.json").read_text())["serve"]["model"])
+    checked = []
+    for name, body in SERVE.items():
+        settings = {k: v for k, v in body.items() if k not in ("prompt", "messages", "stream")}
+        prompt = body.get("prompt")
+        if prompt is None:
+            prompt = text_tokenizer(tokenizer).apply_chat_template(
+                body["messages"], add_generation_prompt=True, tokenize=False
+            )
+        responses = stream_generate_diffusion(model, tokenizer, prompt, temperature=0.0, **settings)
+        want = "".join(r.text for r in responses)
+        assert want, name
+        if name == "disconnected":  # its first block only
+            assert want.startswith(answers[name]), name
+        else:
+            assert answers[name] == want, name
+        checked.append(name)
+    assert checked == list(SERVE)
+    assert [(sharded / f"serve_rank{r}.code").read_text() for r in (0, 1)] == ["0", "0"]
 
 
 def test_share_hands_rank_0s_object_to_every_rank(sharded):
     assert [int(_results(sharded, r)["share/from_rank"]) for r in (0, 1)] == [0, 0]
 
 
-def test_a_rank_that_dies_ends_the_other_with_an_error(plan):
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_rank_that_dies_ends_the_other_with_an_error(plan, command):
     path = json.loads((plan / "plan.json").read_text())["checkpoints"]["llada"]["path"]
     port = _free_port()
-    hosts = plan / "hosts.json"
+    hosts = plan / f"hosts_{command}.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     env = dict(os.environ, MLX_HOSTFILE=str(hosts))
-    generate = [PYTHON, "-m", "mlx_dllm_models", "generate", "--model", path, "--prompt", "hi"]
-    generate += ["--max-tokens", "64", "--no-live"]
+    generate = [PYTHON, "-m", "mlx_dllm_models", command, "--model", path]
+    if command == "generate":
+        generate += ["--prompt", "hi", "--max-tokens", "64", "--no-live"]
+    else:  # the server's first step hands rank 0's news to a rank that is gone
+        generate += ["--port", str(_free_port())]
     # Rank 1 takes part in the synchronisation that ends loading, then is killed (SIGKILL: no
     # clean-up of its sockets); it needs nothing but mlx for that.
     dies = (
