@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .training import diffusion_loss
+from .training import family_loss
 
 # mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
 # download, and the prompt kept out of the loss (the SFT form needs the prompt length of each row).
@@ -31,11 +31,7 @@ def sft_loss(spec, eps: float = 1e-3):
     per row. Past its length a row is padded with EOS, as LLaDA's SFT pads its answers (that is how
     a fixed canvas learns to end), and the masked-diffusion SFT loss is taken with the offsets as
     prompt lengths; `ntoks` counts the answer positions (mlx-lm weights validation losses by it)."""
-    if spec.mask_token_id is None:
-        raise ValueError(
-            f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
-            "loss of `mlx_dllm lora` does not apply to it"
-        )
+    diffusion = family_loss(spec, eps)
     if not spec.eos_token_ids:
         raise ValueError(
             "the checkpoint's config.json has no eos_token_id, which the SFT loss pads answers "
@@ -51,17 +47,7 @@ def sft_loss(spec, eps: float = 1e-3):
         # The noise draws come from mlx's global key, which mlx-lm's compiled step tracks.
         t = mx.random.uniform(shape=(B,))
         u = mx.random.uniform(shape=(B, L))
-        value = diffusion_loss(
-            model,
-            tokens,
-            t,
-            u,
-            mask_token_id=spec.mask_token_id,
-            logit_shift=spec.logit_shift,
-            prompt_lengths=prompt_lengths,
-            eps=eps,
-        )
-        return value, (L - prompt_lengths).sum()
+        return diffusion(model, tokens, t, u, prompt_lengths), (L - prompt_lengths).sum()
 
     return loss
 

@@ -98,6 +98,30 @@ def align_logits(logits: mx.array, logit_shift: int) -> mx.array:
     raise ValueError(f"logit_shift={logit_shift} is not supported (0 or 1)")
 
 
+def family_loss(spec, eps: float = 1e-3) -> Callable:
+    """`diffusion_loss` with a family's mask token and logit shift, as
+    f(model, tokens, t, u, prompt_lengths): what `train` and `mlx_dllm lora` minimise."""
+    if spec.mask_token_id is None:
+        raise ValueError(
+            f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
+            "loss does not apply to it"
+        )
+
+    def loss(model, tokens, t, u, prompt_lengths):
+        return diffusion_loss(
+            model,
+            tokens,
+            t,
+            u,
+            mask_token_id=spec.mask_token_id,
+            logit_shift=spec.logit_shift,
+            prompt_lengths=prompt_lengths,
+            eps=eps,
+        )
+
+    return loss
+
+
 def diffusion_loss(
     model: nn.Module,
     tokens: mx.array,
@@ -202,25 +226,8 @@ def train(
     parameters move (after `apply_lora`, the adapters). `low_discrepancy` spreads each batch's
     noise levels (see `sample_noise`). Returns the loss of each step."""
     spec = spec or model.diffusion_spec
-    if spec.mask_token_id is None:
-        raise ValueError(
-            f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
-            "loss does not apply to it"
-        )
+    loss_fn = family_loss(spec, eps)
     optimizer = optimizer or optim.AdamW(learning_rate=learning_rate)
-
-    def loss_fn(model, tokens, t, u, prompt_lengths):
-        return diffusion_loss(
-            model,
-            tokens,
-            t,
-            u,
-            mask_token_id=spec.mask_token_id,
-            logit_shift=spec.logit_shift,
-            prompt_lengths=prompt_lengths,
-            eps=eps,
-        )
-
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     key = mx.random.key(seed)
     model.train()
