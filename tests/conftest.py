@@ -1,4 +1,6 @@
 import contextlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +49,49 @@ def spy_forwards(model, record):
             cls.__call__ = real
         else:
             del cls.__call__
+
+
+def cli_env():
+    """The environment of a CLI subprocess: this checkout first on the import path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def run_cli(*args, timeout=300):
+    """`python -m mlx_dllm_models ARGS` in a fresh interpreter, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dllm_models", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=ROOT,
+    )
+
+
+def stream_tokens(model, tok, prompt, **settings):
+    """Every token the public stream returns for one prompt."""
+    from mlx_dllm_models import stream_generate_diffusion
+
+    return [t for r in stream_generate_diffusion(model, tok, prompt, **settings) for t in r.tokens]
+
+
+def torch_logits_fn(model):
+    """The model as a torch reference transcription calls it: ids -> float32 torch logits."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+
+    def forward(ids):
+        logits = model(mx.array(np.asarray(ids), dtype=mx.int32))
+        return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    return forward
+
+
+def cut_at_eos(tokens, eos):
+    """A reference's full canvas cut before its first EOS, as the package returns it."""
+    tokens = [int(t) for t in tokens]
+    at = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if at is None else tokens[:at]

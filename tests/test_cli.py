@@ -4,32 +4,15 @@ import os
 import pty
 import re
 import select
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import cli_env, run_cli
 from mlx_dllm_models.tiny import build_tiny_llada
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return env
-
-
-def _cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_dllm_models", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        cwd=ROOT,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +24,7 @@ STATS = re.compile(r"NFE: (\d+), ([\d.]+) tokens/forward \| Peak memory: [\d.]+ 
 
 
 def test_generate_prints_text_and_statistics(ckpt):
-    out = _cli(
+    out = run_cli(
         "generate",
         "--model",
         str(ckpt),
@@ -85,7 +68,7 @@ def test_live_canvas_on_a_terminal(ckpt):
                 "--steps",
                 "16",
             ],
-            _env(),
+            cli_env(),
         )
     chunks = []
     while True:
@@ -107,26 +90,26 @@ def test_live_canvas_on_a_terminal(ckpt):
 
 
 def test_unknown_setting_is_a_clear_error(ckpt):
-    out = _cli("generate", "--model", str(ckpt), "--prompt", "hi", "--alg", "entropy")
+    out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--alg", "entropy")
     assert out.returncode != 0
     assert "unknown setting(s) alg for the llada family" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_bad_value_is_a_clear_error(ckpt):
-    out = _cli("generate", "--model", str(ckpt), "--prompt", "hi", "--steps", "0")
+    out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--steps", "0")
     assert out.returncode != 0 and "steps must be an integer >= 1" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    out = _cli("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
+    out = run_cli("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
     assert out.returncode != 0 and "no checkpoint at" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
-    out = _cli(
+    out = run_cli(
         "convert",
         "--hf-path",
         str(ckpt),
@@ -139,7 +122,7 @@ def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
         "32",
     )
     assert out.returncode == 0, out.stderr
-    gen = _cli(
+    gen = run_cli(
         "generate",
         "--model",
         str(tmp_path / "q"),
@@ -158,6 +141,8 @@ def test_generate_runs_on_every_family(name, tmp_path):
     from fixtures import all_checkpoints
 
     path = all_checkpoints()[name](tmp_path / name)
-    out = _cli("generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "8", "--no-live")
+    out = run_cli(
+        "generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "8", "--no-live"
+    )
     assert out.returncode == 0, out.stderr
     assert STATS.search(out.stdout), out.stdout

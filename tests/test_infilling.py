@@ -8,16 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
+from conftest import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.dream import MASK as DREAM_MASK
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA
-from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, stream_generate_diffusion
+from mlx_dllm_models import batch_generate_diffusion, generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from reference.dream_torch import dream_generate, reference_forward
 from reference.llada_torch import llada_generate
@@ -41,33 +40,12 @@ def dream(tmp_path_factory):
     return path, model, tok
 
 
-def _forward(model):
-    def forward(ids):
-        logits = model(mx.array(np.asarray(ids), dtype=mx.int32))
-        return torch.from_numpy(np.array(logits.astype(mx.float32)))
-
-    return forward
-
-
-def _ours(model, tok, prompt, **kw):
-    out = []
-    for r in stream_generate_diffusion(model, tok, prompt, **kw):
-        out.extend(r.tokens)
-    return out
-
-
-def _cut(tokens, eos):
-    tokens = [int(t) for t in tokens]
-    at = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return tokens if at is None else tokens[:at]
-
-
 @pytest.mark.parametrize("gen, block, steps", [(16, 8, 8), (12, 12, 6)])
 def test_llada_suffix_matches_generate_py(llada, gen, block, steps):
     _, model, tok = llada
     spec = model.diffusion_spec
     x = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PREFIX]),
         steps=steps * (gen // block),
         gen_length=gen,
@@ -77,7 +55,7 @@ def test_llada_suffix_matches_generate_py(llada, gen, block, steps):
     )
     assert x[0, -len(SUFFIX) :].tolist() == SUFFIX
     plain = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PREFIX]),
         steps=steps * (gen // block),
         gen_length=gen,
@@ -86,8 +64,10 @@ def test_llada_suffix_matches_generate_py(llada, gen, block, steps):
     )
     span = x[0, len(PREFIX) : len(PREFIX) + gen]
     assert (span != plain[0, len(PREFIX) :]).any(), "the suffix changes nothing: could not fail"
-    want = _cut(span, set(spec.eos_token_ids))
-    got = _ours(model, tok, PREFIX, suffix=SUFFIX, max_tokens=gen, block_length=block, steps=steps)
+    want = cut_at_eos(span, set(spec.eos_token_ids))
+    got = stream_tokens(
+        model, tok, PREFIX, suffix=SUFFIX, max_tokens=gen, block_length=block, steps=steps
+    )
     assert got == want
 
 
@@ -98,15 +78,15 @@ def test_llada_masks_in_the_prompt_match_generate_py(llada):
     prompt = [40, 41, m, m, 44, m, 46]
     kw = dict(gen_length=16, block_length=8, mask_id=m)
     # Upstream's quota counts the block's masks only, and leaves as many masks as the prompt held.
-    upstream = llada_generate(_forward(model), torch.tensor([prompt]), steps=16, **kw)
+    upstream = llada_generate(torch_logits_fn(model), torch.tensor([prompt]), steps=16, **kw)
     assert int((upstream == m).sum()) == 3
     x = llada_generate(
-        _forward(model), torch.tensor([prompt]), steps=16, fill_prompt_masks=True, **kw
+        torch_logits_fn(model), torch.tensor([prompt]), steps=16, fill_prompt_masks=True, **kw
     )
     assert not (x == m).any()
     # The returned span starts at the prompt's first mask.
-    want = x[0, 2:7].tolist() + _cut(x[0, 7:], set(spec.eos_token_ids))
-    got = _ours(model, tok, prompt, max_tokens=16, block_length=8, steps=8)
+    want = x[0, 2:7].tolist() + cut_at_eos(x[0, 7:], set(spec.eos_token_ids))
+    got = stream_tokens(model, tok, prompt, max_tokens=16, block_length=8, steps=8)
     assert got == want
     assert got[2] == 44  # the prompt's own token between the masks comes back unchanged
     text = generate_diffusion(model, tok, prompt, max_tokens=16, block_length=8, steps=8)
@@ -120,7 +100,7 @@ def test_llada_cfg_with_suffix_masks_the_suffix_too(llada):
     model.lm_head.weight = model.lm_head.weight * 0.4
     spec = model.diffusion_spec
     x = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PREFIX]),
         steps=8,
         gen_length=8,
@@ -129,15 +109,17 @@ def test_llada_cfg_with_suffix_masks_the_suffix_too(llada):
         suffix_ids=SUFFIX,
         cfg_scale=0.5,
     )
-    want = _cut(x[0, len(PREFIX) : len(PREFIX) + 8], set(spec.eos_token_ids))
-    assert _ours(model, tok, PREFIX, suffix=SUFFIX, max_tokens=8, cfg_scale=0.5) == want
+    want = cut_at_eos(x[0, len(PREFIX) : len(PREFIX) + 8], set(spec.eos_token_ids))
+    assert stream_tokens(model, tok, PREFIX, suffix=SUFFIX, max_tokens=8, cfg_scale=0.5) == want
 
 
 def test_llada_batch_with_a_shared_suffix(llada):
     _, model, tok = llada
     prompts = [PREFIX, [5, 6, 7]]
     batch = batch_generate_diffusion(model, tok, prompts, suffix=SUFFIX, max_tokens=8)
-    assert batch.tokens == [_ours(model, tok, p, suffix=SUFFIX, max_tokens=8) for p in prompts]
+    assert batch.tokens == [
+        stream_tokens(model, tok, p, suffix=SUFFIX, max_tokens=8) for p in prompts
+    ]
 
 
 DREAM_KW = dict(sampler="dream", alg="maskgit_plus", temperature=0.0, top_p=1.0)
@@ -163,10 +145,10 @@ def test_dream_suffix_matches_diffusion_generate(dream):
     spec = model.diffusion_spec
     n, steps = 10, 5
     seq = _dream_reference(path, PREFIX + [DREAM_MASK] * n + SUFFIX, 0, steps)
-    want = _cut(seq[len(PREFIX) : len(PREFIX) + n], set(spec.eos_token_ids))
+    want = cut_at_eos(seq[len(PREFIX) : len(PREFIX) + n], set(spec.eos_token_ids))
     plain = _dream_reference(path, PREFIX, n, steps)
     assert list(seq[len(PREFIX) : len(PREFIX) + n]) != list(plain[len(PREFIX) :])
-    got = _ours(model, tok, PREFIX, suffix=SUFFIX, max_tokens=n, steps=steps, **DREAM_KW)
+    got = stream_tokens(model, tok, PREFIX, suffix=SUFFIX, max_tokens=n, steps=steps, **DREAM_KW)
     assert got == want
 
 
@@ -176,28 +158,30 @@ def test_dream_masks_in_the_prompt_match_diffusion_generate(dream):
     prompt = [40, DREAM_MASK, 42, DREAM_MASK, DREAM_MASK, 45]
     n, steps = 6, 4
     seq = _dream_reference(path, prompt, n, steps)
-    want = seq[1:6].tolist() + _cut(seq[6:], set(spec.eos_token_ids))
-    assert _ours(model, tok, prompt, max_tokens=n, steps=steps, **DREAM_KW) == want
+    want = seq[1:6].tolist() + cut_at_eos(seq[6:], set(spec.eos_token_ids))
+    assert stream_tokens(model, tok, prompt, max_tokens=n, steps=steps, **DREAM_KW) == want
 
 
 def test_dream_refuses_a_mask_at_the_first_position(dream):
     _, model, tok = dream
     with pytest.raises(SettingsError, match="first position"):
-        _ours(model, tok, [DREAM_MASK, 40, 41], max_tokens=4)
+        stream_tokens(model, tok, [DREAM_MASK, 40, 41], max_tokens=4)
 
 
 def test_suffix_holding_a_mask_is_refused(llada):
     _, model, tok = llada
     m = model.diffusion_spec.mask_token_id
     with pytest.raises(SettingsError, match="suffix holds the mask"):
-        _ours(model, tok, PREFIX, suffix=[60, m], max_tokens=4)
+        stream_tokens(model, tok, PREFIX, suffix=[60, m], max_tokens=4)
 
 
 def test_text_suffix(llada):
     _, model, tok = llada
     text = generate_diffusion(model, tok, "def f(x):", suffix="    return y", max_tokens=8)
     ids = tok.encode("    return y", add_special_tokens=False)
-    assert text == tok.decode(_ours(model, tok, tok.encode("def f(x):"), suffix=ids, max_tokens=8))
+    assert text == tok.decode(
+        stream_tokens(model, tok, tok.encode("def f(x):"), suffix=ids, max_tokens=8)
+    )
 
 
 def _other_family(name, tmp_path_factory):
@@ -217,11 +201,11 @@ def _other_family(name, tmp_path_factory):
 def test_other_layouts_refuse_infilling(family, tmp_path_factory):
     model, tok = _other_family(family, tmp_path_factory)
     with pytest.raises(SettingsError, match="infilling .*suffix="):
-        _ours(model, tok, [40, 41, 42], suffix=[50, 51], max_tokens=4)
+        stream_tokens(model, tok, [40, 41, 42], suffix=[50, 51], max_tokens=4)
     m = model.diffusion_spec.mask_token_id
     if m is not None:
         with pytest.raises(SettingsError, match="infilling .*mask token"):
-            _ours(model, tok, [40, m, 42], max_tokens=4)
+            stream_tokens(model, tok, [40, m, 42], max_tokens=4)
 
 
 def test_cli_suffix(llada):

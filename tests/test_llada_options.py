@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
+from conftest import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS
-from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
+from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from reference.llada_torch import llada_generate
 
@@ -42,31 +42,10 @@ def dense(tmp_path_factory):
     return _soften(model), tok
 
 
-def _forward(model):
-    def forward(ids):
-        logits = model(mx.array(np.asarray(ids), dtype=mx.int32))
-        return torch.from_numpy(np.array(logits.astype(mx.float32)))
-
-    return forward
-
-
-def _ours(model, tok, prompt, **kw):
-    out = []
-    for r in stream_generate_diffusion(model, tok, prompt, **kw):
-        out.extend(r.tokens)
-    return out
-
-
-def _cut(tokens, eos):
-    tokens = [int(t) for t in tokens]
-    at = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return tokens if at is None else tokens[:at]
-
-
 def _reference(model, prompts, gen, block, steps_per_block, **kw):
     spec = model.diffusion_spec
     x = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor(prompts),
         steps=steps_per_block * (gen // block),
         gen_length=gen,
@@ -75,7 +54,8 @@ def _reference(model, prompts, gen, block, steps_per_block, **kw):
         **kw,
     )
     return [
-        _cut(row[len(prompts[0]) : len(prompts[0]) + gen], set(spec.eos_token_ids)) for row in x
+        cut_at_eos(row[len(prompts[0]) : len(prompts[0]) + gen], set(spec.eos_token_ids))
+        for row in x
     ]
 
 
@@ -87,7 +67,7 @@ def test_cfg_scale_matches_generate_py(llada, cfg_scale):
     plain = _reference(model, PROMPTS, gen, block, steps)
     assert want != plain, "guidance changes nothing on these prompts: the test could not fail"
     for prompt, w in zip(PROMPTS, want):
-        got = _ours(
+        got = stream_tokens(
             model, tok, prompt, max_tokens=gen, block_length=block, steps=steps, cfg_scale=cfg_scale
         )
         assert got == w
@@ -104,7 +84,7 @@ def test_cfg_scale_with_padding_and_other_samplers_matches_one_by_one(dense, sam
     prompts = [PROMPTS[0], [5, 6, 7]]
     kw = dict(max_tokens=8, block_length=8, cfg_scale=1.0, sampler=sampler)
     batch = batch_generate_diffusion(model, tok, prompts, **kw)
-    assert batch.tokens == [_ours(model, tok, p, **kw) for p in prompts]
+    assert batch.tokens == [stream_tokens(model, tok, p, **kw) for p in prompts]
     assert (
         batch.tokens
         != batch_generate_diffusion(model, tok, prompts, **{**kw, "cfg_scale": 0.0}).tokens
@@ -122,7 +102,7 @@ def test_cfg_runs_both_rows_in_one_forward(dense):
 
     type(model).__call__ = spy
     try:
-        _ours(model, tok, PROMPTS[0], max_tokens=8, block_length=8, cfg_scale=1.0)
+        stream_tokens(model, tok, PROMPTS[0], max_tokens=8, block_length=8, cfg_scale=1.0)
     finally:
         type(model).__call__ = real
     assert seen and set(seen) == {2}
@@ -147,12 +127,12 @@ def test_random_remasking_matches_generate_py(dense):
 
     want = _reference(model, PROMPTS[:1], gen, block, block, remasking="random", rand=rand)[0]
     assert len(calls) == gen  # one draw per step, every step commits one token (no skipped step)
-    got = _ours(
+    got = stream_tokens(
         model, tok, PROMPTS[0], max_tokens=gen, block_length=block, sampler="random", seed=seed
     )
     assert got == want
-    assert got != _ours(model, tok, PROMPTS[0], max_tokens=gen, block_length=block)
-    other = _ours(
+    assert got != stream_tokens(model, tok, PROMPTS[0], max_tokens=gen, block_length=block)
+    other = stream_tokens(
         model, tok, PROMPTS[0], max_tokens=gen, block_length=block, sampler="random", seed=4
     )
     assert other != got  # seeded
@@ -190,7 +170,7 @@ def test_eos_options_match_generate_py(eos_heavy, options):
     spec = model.diffusion_spec
     # Compare whole canvases (no EOS cut): the options act on where EOS / EoT land.
     x = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PROMPTS[0]]),
         steps=steps,
         gen_length=gen,
@@ -200,7 +180,7 @@ def test_eos_options_match_generate_py(eos_heavy, options):
         **options,
     )
     plain = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PROMPTS[0]]),
         steps=steps,
         gen_length=gen,
@@ -208,8 +188,10 @@ def test_eos_options_match_generate_py(eos_heavy, options):
         mask_id=spec.mask_token_id,
     )
     assert (x != plain).any(), "the option changes nothing here: the test could not fail"
-    want = _cut(x[0, len(PROMPTS[0]) :], set(spec.eos_token_ids))
-    got = _ours(model, tok, PROMPTS[0], max_tokens=gen, block_length=block, steps=steps, **options)
+    want = cut_at_eos(x[0, len(PROMPTS[0]) :], set(spec.eos_token_ids))
+    got = stream_tokens(
+        model, tok, PROMPTS[0], max_tokens=gen, block_length=block, steps=steps, **options
+    )
     assert got == want
     if options.get("logits_eos_inf"):
         assert eos not in x[0]
@@ -236,7 +218,7 @@ def test_eot_id_comes_from_the_tokenizer(eos_heavy):
 def test_bad_llada_options(dense, settings, words):
     model, tok = dense
     with pytest.raises(SettingsError, match=words):
-        _ours(model, tok, PROMPTS[0], max_tokens=4, **settings)
+        stream_tokens(model, tok, PROMPTS[0], max_tokens=4, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +234,7 @@ def dream(tmp_path_factory):
 def test_llada_options_are_llada_only(dream, settings):
     model, tok = dream
     with pytest.raises(SettingsError, match="family only|random"):
-        _ours(model, tok, [5, 6, 7], max_tokens=4, **settings)
+        stream_tokens(model, tok, [5, 6, 7], max_tokens=4, **settings)
 
 
 def test_cli_flags(dense):
@@ -314,7 +296,7 @@ def test_options_at_temperature_match_generate_py_with_the_same_noise(eos_heavy,
     vocab = model.lm_head.weight.shape[0]
     rand, calls = _replayed_draws(7, len(PROMPTS[0]), block, vocab)
     x = llada_generate(
-        _forward(model),
+        torch_logits_fn(model),
         torch.tensor([PROMPTS[0]]),
         steps=gen,
         gen_length=gen,
@@ -327,8 +309,8 @@ def test_options_at_temperature_match_generate_py_with_the_same_noise(eos_heavy,
         **options,
     )
     assert len(calls) == gen
-    want = _cut(x[0, len(PROMPTS[0]) :], set(model.diffusion_spec.eos_token_ids))
-    got = _ours(
+    want = cut_at_eos(x[0, len(PROMPTS[0]) :], set(model.diffusion_spec.eos_token_ids))
+    got = stream_tokens(
         model,
         tok,
         PROMPTS[0],

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import load_fixture, spy_forwards
+from conftest import load_fixture, spy_forwards, stream_tokens
 from fixtures import nemotron as fx
-from mlx_dllm_models import load, stream_generate_diffusion
+from mlx_dllm_models import load
 from mlx_dllm_models.errors import CheckpointError
 from mlx_dllm_models.models.nemotron_labs_diffusion import DraftLoRALinear
 
@@ -34,10 +34,6 @@ def _ar_greedy(model, prompt, max_tokens):
             break
         out.append(int(token))
     return out
-
-
-def _ours(model, tok, prompt, **kw):
-    return [t for r in stream_generate_diffusion(model, tok, prompt, **kw) for t in r.tokens]
 
 
 def test_the_adapter_is_loaded_switched_off(with_adapter, without_adapter):
@@ -65,7 +61,7 @@ def test_self_spec_with_the_adapter_equals_greedy_ar(with_adapter, cache):
     rng = np.random.default_rng(2)
     for n in (5, 9):
         prompt = rng.integers(20, 250, n).tolist()
-        got = _ours(model, tok, prompt, max_tokens=14, mode="self_spec", cache=cache)
+        got = stream_tokens(model, tok, prompt, max_tokens=14, mode="self_spec", cache=cache)
         assert got == _ar_greedy(model, prompt, 14)
 
 
@@ -79,7 +75,7 @@ def test_drafts_run_with_the_adapter_and_verification_without(with_adapter):
         seen.append((mask is None, model.draft_adapters()[0].active))
 
     with spy_forwards(model, record):
-        _ours(model, tok, [30, 31, 32, 33], max_tokens=10, mode="self_spec")
+        stream_tokens(model, tok, [30, 31, 32, 33], max_tokens=10, mode="self_spec")
     assert seen[0] == (False, False)  # the causal prefill
     drafts = [active for bidirectional, active in seen if bidirectional]
     verifies = [active for bidirectional, active in seen[1:] if not bidirectional]
@@ -91,8 +87,8 @@ def test_drafts_run_with_the_adapter_and_verification_without(with_adapter):
 def test_sampling_with_the_adapter_is_seeded(with_adapter):
     _, (model, tok) = with_adapter
     kw = dict(max_tokens=10, mode="self_spec", temperature=0.8, seed=4)
-    a = _ours(model, tok, [30, 31, 32], **kw)
-    assert a == _ours(model, tok, [30, 31, 32], **kw) and len(a) > 0
+    a = stream_tokens(model, tok, [30, 31, 32], **kw)
+    assert a == stream_tokens(model, tok, [30, 31, 32], **kw) and len(a) > 0
 
 
 def test_an_adapter_that_fits_nothing_is_a_clear_error(tmp_path):
@@ -116,7 +112,9 @@ def test_draft_threshold_drafts_over_several_forwards_and_stays_lossless(
         seen.append(mask is None)
 
     with spy_forwards(model, record):
-        got = _ours(model, tok, prompt, max_tokens=12, mode="self_spec", draft_threshold=0.99)
+        got = stream_tokens(
+            model, tok, prompt, max_tokens=12, mode="self_spec", draft_threshold=0.99
+        )
     assert got == _ar_greedy(model, prompt, 12)
     # Runs of draft forwards between verifies: some round drafted in more than one forward.
     runs, n = [], 0
@@ -134,6 +132,6 @@ def test_draft_threshold_is_self_spec_only(without_adapter):
 
     model, tok = without_adapter
     with pytest.raises(SettingsError, match="draft_threshold only acts with mode='self_spec'"):
-        _ours(model, tok, [30, 31], max_tokens=4, mode="diffusion", draft_threshold=0.5)
+        stream_tokens(model, tok, [30, 31], max_tokens=4, mode="diffusion", draft_threshold=0.5)
     with pytest.raises(SettingsError, match="draft_threshold must be"):
-        _ours(model, tok, [30, 31], max_tokens=4, mode="self_spec", draft_threshold=1.5)
+        stream_tokens(model, tok, [30, 31], max_tokens=4, mode="self_spec", draft_threshold=1.5)

@@ -6,7 +6,6 @@ Each case failed before the change (a bare TypeError, garbage output, gigabytes 
 traceback, a partial output folder)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
+from conftest import cli_env, run_cli
 from fixtures import all_checkpoints
 from mlx_dllm_models import (
     CheckpointError,
@@ -382,7 +382,7 @@ def test_cli_corrupt_weights_is_one_line(monkeypatch, capsys, tmp_path, ckpt):
 
 
 def test_cli_bad_seed_is_one_line(ckpt):
-    out = _cli("generate", "--model", str(ckpt), "--prompt", "hi", "--seed", "-1", "--no-live")
+    out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--seed", "-1", "--no-live")
     assert out.returncode != 0
     assert out.stderr.strip().startswith("error: seed must be an integer in [0, 2**64)")
     assert "Traceback" not in out.stderr
@@ -395,7 +395,7 @@ def test_cli_broken_pipe(ckpt):
         + ["--prompt", "hi", "--max-tokens", "64", "--block-length", "8", "--no-live"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=_env(),
+        env=cli_env(),
         cwd=ROOT,
     )
     proc.stdout.read(1)
@@ -450,23 +450,6 @@ def test_failed_convert_leaves_nothing(ckpt, tmp_path, monkeypatch):
     assert (out / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
     model, tok = load(out)
     assert generate_diffusion(model, tok, [10, 11], max_tokens=4) is not None
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return env
-
-
-def _cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_dllm_models", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.parametrize("kw", [dict(sampler=[]), dict(sampler={}), dict(cache=[]), dict(cache=0)])
