@@ -1,5 +1,6 @@
 import contextlib
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,22 @@ def cut_at_eos(tokens, eos):
     tokens = [int(t) for t in tokens]
     at = next((i for i, t in enumerate(tokens) if t in eos), None)
     return tokens if at is None else tokens[:at]
+
+
+def read_pty(fd, pid, timeout=120):
+    """Everything a child on a pseudo-terminal writes until it closes the terminal, decoded;
+    reaps the child."""
+    out = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            break
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    os.waitpid(pid, 0)
+    return out.decode("utf-8", "replace")

@@ -3,13 +3,12 @@
 import os
 import pty
 import re
-import select
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, run_cli
+from conftest import cli_env, read_pty, run_cli
 from mlx_dllm_models.tiny import build_tiny_llada
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,20 +69,7 @@ def test_live_canvas_on_a_terminal(ckpt):
             ],
             cli_env(),
         )
-    chunks = []
-    while True:
-        ready, _, _ = select.select([fd], [], [], 120)
-        if not ready:
-            break
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.waitpid(pid, 0)
-    screen = b"".join(chunks).decode("utf-8", "replace")
+    screen = read_pty(fd, pid)
     assert "░" in screen, "no masked cells were drawn"
     assert "\x1b[" in screen and "F\x1b[J" in screen, "the canvas was not redrawn in place"
     assert STATS.search(screen)

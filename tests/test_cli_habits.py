@@ -6,7 +6,6 @@ import json
 import os
 import pty
 import re
-import select
 import struct
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from conftest import read_pty
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.cli_common import display_width, terminal_rows
@@ -230,20 +230,7 @@ def test_live_canvas_is_clipped_to_a_small_terminal(ckpt):
         argv = ["-m", "mlx_dllm_models", "generate", "--model", str(ckpt), "--prompt", "hi"]
         argv += ["--max-tokens", "64", "--block-length", "32", "--steps", "16"]
         os.execve(sys.executable, [sys.executable, *argv], env)
-    out = b""
-    while True:
-        ready, _, _ = select.select([fd], [], [], 120)
-        if not ready:
-            break
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
-    os.waitpid(pid, 0)
-    out = out.decode("utf-8", "replace")
+    out = read_pty(fd, pid)
     # 64 masked cells do not fit the 4 x 10 screen; how many frames the throttled view draws
     # depends on the machine's speed, so only ask for redraws to have happened.
     assert 64 > rows * cols
