@@ -74,3 +74,25 @@ def causal_prefix_mask(
     pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
     keep = (keep[None] & (k[None] >= pad)) | (q[None] == k[None])
     return keep[:, None]
+
+
+def prompt_block_mask(
+    length: int, prompt_end: int, block_length: int, left_padding: Optional[Sequence[int]] = None
+) -> mx.array:
+    """Keep-mask for queries at columns 0..length-1 against the same keys when the prompt
+    (columns before `prompt_end`) is one segment and each `block_length` columns after it another:
+    a query attends to every key of its own segment and of the segments before it. This is the
+    attention that Nemotron's generate_with_prefix_cache_block_diff gives its KV cache with
+    causal_context=False (the prompt encoded bidirectionally, then each finished block
+    bidirectionally against it), as one mask for full recompute.
+
+    With left padding, pad keys are never attended (a pad query still attends to itself).
+    """
+    cols = mx.arange(length)
+    segment = mx.where(cols < prompt_end, 0, 1 + (cols - prompt_end) // block_length)
+    keep = segment[None, :] <= segment[:, None]
+    if left_padding is None or not any(int(p) for p in left_padding):
+        return keep[None, None]
+    pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
+    keep = (keep[None] & (cols[None, None, :] >= pad)) | mx.eye(length, dtype=mx.bool_)[None]
+    return keep[:, None]

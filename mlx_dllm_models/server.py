@@ -49,7 +49,8 @@ sampler, family settings, temperature, seed...) take turns block by block. Withi
   restart would move: their requests batch at arrival.
 * Other decoders batch at arrival: the requests waiting when a group's run starts share it, later
   ones wait for the next run: causal-prefix requests whose max_tokens is not a multiple of the
-  block length; DiffusionGemma's canvases, which draw each row's noise from its own seeded stream
+  block length, or with causal_context=False or a thinking budget (a restart would encode the
+  committed blocks with the prompt, and count the budget from there); DiffusionGemma's canvases, which draw each row's noise from its own seeded stream
   that a restart would start over (rows with and without images batch together); self-speculation,
   which decodes row by row. For these groups `max_tokens` is part of the settings that must agree,
   and a cancelled row of a canvas or self-speculative run keeps its place until the run ends (the
@@ -389,10 +390,15 @@ class Scheduler:
             mergeable = masked and (
                 backend in (FullRecompute, PrefixCache)
                 # Causal-prefix blocks are counted from the prompt's end and attend within the
-                # block: only whole blocks keep every row's window its own.
+                # block: only whole blocks keep every row's window its own. A restart's prefill
+                # of [prompt ; committed] would encode the committed blocks with the prompt under
+                # causal_context=False (not block by block), and would count a thinking budget
+                # from the restart: those batch at arrival.
                 or (
                     backend in (CausalPrefixCache, CausalPrefixRecompute)
                     and s["max_tokens"] % s["block_length"] == 0
+                    and s.get("causal_context", True)
+                    and s.get("end_think_token_id") is None
                 )
             )
             shared = {k: v for k, v in s.items() if k != "max_tokens" or not mergeable}

@@ -128,6 +128,8 @@ class Setting:
     requires: Optional[str] = None
     # Families whose decoder has no use for this shared setting -> why, and what to set instead.
     unused: Mapping[str, str] = field(default_factory=dict)
+    # A token id: checked against the family's vocabulary (DiffusionSpec.vocab_size) and mask id.
+    token_id: bool = False
 
 
 _DIFFUSION = ("diffusion",)  # Nemotron: the samplers act in diffusion mode, not self-speculation
@@ -353,6 +355,40 @@ SETTINGS: Tuple[Setting, ...] = (
         families=("nemotron",),
         modes=("self_spec",),
     ),
+    # NVIDIA's chat_utils.generate_with_prefix_cache_block_diff (the remote code's
+    # generate_diffusion), read by the causal-prefix backend (engine/causal_prefix.py).
+    Setting(
+        "causal_context",
+        True,
+        "Nemotron: the context (prompt, finished blocks) is causal and the AR head seeds each "
+        "block (generate_diffusion's default); false: the prompt and each finished block attend "
+        "bidirectionally within themselves and to what precedes them, and blocks start as masks",
+        _cli_bool,
+        _bool,
+        families=("nemotron",),
+        modes=_DIFFUSION,
+    ),
+    Setting(
+        "max_thinking_tokens",
+        None,
+        "Nemotron: thinking budget: a row that has not produced end_think_token_id within this "
+        "many new tokens gets it at that position (with end_think_token_id)",
+        int,
+        _optional(_int_at_least(0, " (new tokens before end_think_token_id is forced)")),
+        families=("nemotron",),
+        requires="end_think_token_id",
+    ),
+    Setting(
+        "end_think_token_id",
+        None,
+        "Nemotron: the token that ends thinking (e.g. the id of </think>), forced at "
+        "max_thinking_tokens",
+        int,
+        _optional(_int_at_least(0, " (a token id)")),
+        families=("nemotron",),
+        requires="max_thinking_tokens",
+        token_id=True,
+    ),
     # DiffusionGemma's canvas decoder.
     Setting(
         "max_denoising_steps",
@@ -510,6 +546,19 @@ def _origin(names, from_checkpoint) -> str:
     )
 
 
+def _token_id_error(spec, name, v) -> Optional[str]:
+    """A token id the decoder writes into the canvas must be a real token: inside the vocabulary
+    (else the embedding lookup fails deep in mlx), and not the mask (it would be decoded over)."""
+    if spec.vocab_size is not None and v >= spec.vocab_size:
+        return (
+            f"{name} {v} is outside the vocabulary (vocab_size {spec.vocab_size}: token ids run "
+            f"from 0 to {spec.vocab_size - 1}); pass the tokenizer's id of the token"
+        )
+    if v == spec.mask_token_id:
+        return f"{name} {v} is the mask token id; pass the id of the token itself"
+    return None
+
+
 def _validate(spec, s, explicit, from_checkpoint=frozenset()):
     if s["sampler"] not in spec.samplers:
         raise SettingsError(
@@ -541,6 +590,8 @@ def _validate(spec, s, explicit, from_checkpoint=frozenset()):
         if row.unused.get(spec.family) or row.check is None:
             continue
         msg = row.check(name, s[name])
+        if msg is None and row.token_id and s[name] is not None:
+            msg = _token_id_error(spec, name, s[name])
         if msg:
             raise SettingsError(msg + _origin([name], from_checkpoint))
     for first, second, holds, message in _RELATIONS:

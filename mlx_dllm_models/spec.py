@@ -59,7 +59,8 @@ class DiffusionSpec:
     # Defaults that come with a sampler (sampler -> {setting: value}), over `defaults`, under the
     # checkpoint and explicit settings. block_length None means one block over max_tokens.
     sampler_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    # Vocabulary size, for decoders that draw token ids (uniform-noise canvases).
+    # Vocabulary size, for decoders that draw token ids (uniform-noise canvases) and for token-id
+    # settings (settings.Setting.token_id).
     vocab_size: Optional[int] = None
     # A row's block stops denoising once it holds an EOS with no mask before it (the positions
     # after it are never returned), as Nemotron-Labs-Diffusion's generate breaks its step loop.

@@ -216,7 +216,14 @@ def test_diffusion_spec(loaded):
     assert spec.defaults["block_length"] == fx.BLOCK_SIZE and "steps" not in spec.defaults
     # Confidence-thresholded diffusion mode at 0.9 (issue #12); self-speculation settings.
     assert spec.defaults["sampler"] == "threshold" and spec.defaults["threshold"] == 0.9
-    assert family_settings(spec.family) == ("mode", "draft_threshold")
+    assert family_settings(spec.family) == (
+        "mode",
+        "draft_threshold",
+        "causal_context",
+        "max_thinking_tokens",
+        "end_think_token_id",
+    )
+    assert spec.defaults["causal_context"] is True  # generate_diffusion's default
 
     for missing in ({}, {"mask_token_id": -1}):
         cfg = {**fx.config(), **missing}

@@ -12,15 +12,28 @@ in place and reads the prefix as a slice, never a per-step concatenation.
 
 `cache="none"` is the same decoding by full recompute (each forward over the whole sequence under
 masks.causal_prefix_mask), the exact reference mode that the cache must reproduce token for token.
+
+The two options of NVIDIA's `generate_with_prefix_cache_block_diff` (chat_utils.py), settings of this
+backend:
+- `causal_context=False`: the prompt is encoded bidirectionally (no AR seed: a block starts as masks
+  only), and each finished block's K/V are written by a forward over the block attending to the
+  prefix and bidirectionally to itself; full recompute runs the same attention as one mask
+  (masks.prompt_block_mask). The K/V of a bidirectional prompt depend on all of it, so a chat turn
+  reuses none (kv_prefix is None).
+- `max_thinking_tokens` / `end_think_token_id`: when a block begins (after its seed is placed), a
+  row that has no end_think_token_id among its earlier blocks' tokens, and whose block reaches past
+  the budget, gets the marker at new-token position max(max_thinking_tokens, the block's first):
+  a decided token, so the block's quota schedule counts the masks without it and nothing
+  overwrites it (it replaces the seed when it falls on the block's first position).
 """
 
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 
 from ..cache import Positions, PrefixKVCache, PriorKV
 from ..decoding import token_stats
-from ..masks import causal_prefix_mask
+from ..masks import causal_prefix_mask, prompt_block_mask
 from .base import replaced
 
 
@@ -49,7 +62,11 @@ class _Forwards:
     attend causally and whose queries from `split` on attend to every key before stop (a causal
     part, then a bidirectional window); subclasses differ in how (a KV cache, or full recompute).
     `causal` leaves the K/V of its columns final; `keep(column)` says which K/V are final after a
-    forward whose causal part was only partly kept."""
+    forward whose causal part was only partly kept.
+
+    `segments` (prompt_end, block_length), with causal_context=False: the columns before the
+    window's first attend per segment (the prompt, then each block: masks.prompt_block_mask), not
+    causally; `encode` makes the K/V of a finished segment final."""
 
     def causal(self, x, start, stop, head_span=None):
         out = self.mixed(x, start, stop, stop, head_span)
@@ -61,9 +78,18 @@ class _Forwards:
 
 
 class _KVForwards(_Forwards):
-    def __init__(self, model, width, pads):
+    def __init__(self, model, width, pads, segments=None):
+        # The cache holds each segment's K/V as `encode` wrote them: no mask needs `segments`.
         self.model, self.pads = model, pads
         self.cache = PrefixKVCache(len(model.layers), width, pads)
+
+    def encode(self, x, start, stop) -> bool:
+        """Write the final K/V of columns start..stop-1, attending to the final K/V before them and
+        bidirectionally to each other (the reference's use_cache=True, use_causal_mask=False
+        forward); no logits are read. Returns whether a forward ran."""
+        self.mixed(x, start, start, stop, head_span=(stop - start - 1, stop - start))
+        self.keep(stop)
+        return True
 
     def mixed(self, x, start, split, stop, head_span=None):
         if self.pads is not None or start < split < stop:
@@ -84,12 +110,19 @@ class _KVForwards(_Forwards):
 
 
 class _RecomputeForwards(_Forwards):
-    def __init__(self, model, width, pads):
-        self.model, self.pads = model, pads
+    def __init__(self, model, width, pads, segments=None):
+        self.model, self.pads, self.segments = model, pads, segments
         self.positions = Positions.for_left_padding(pads or [0], len(model.layers))
 
+    def encode(self, x, start, stop) -> bool:
+        return False  # every forward recomputes the segments under prompt_block_mask
+
     def mixed(self, x, start, split, stop, head_span=None):
-        mask = causal_prefix_mask(stop, split, left_padding=self.pads)
+        if self.segments is None:
+            mask = causal_prefix_mask(stop, split, left_padding=self.pads)
+        else:
+            # The window [split, stop) is the open block: its own segment.
+            mask = prompt_block_mask(stop, *self.segments, left_padding=self.pads)
         span = (start, stop) if head_span is None else (start + head_span[0], start + head_span[1])
         return self.model(x[:, :stop], cache=self.positions, mask=mask, head_span=span)
 
@@ -97,7 +130,7 @@ class _RecomputeForwards(_Forwards):
         pass
 
     def select(self, idx, pads):
-        return type(self)(self.model, 0, pads)
+        return type(self)(self.model, 0, pads, self.segments)
 
 
 class CausalPrefixCache:
@@ -111,8 +144,13 @@ class CausalPrefixCache:
             raise ValueError("causal-prefix decoding needs blocks counted from the prompts' end")
         self.model, self.spec, self.settings = model, spec, settings
         self.pads = list(layout.pads) if any(layout.pads) else None
-        self.fwd = self.forwards(model, layout.width, self.pads)
         self.prompt_end = layout.starts[0]
+        self.causal_context = settings.get("causal_context") is not False  # True: the default
+        segments = None if self.causal_context else (self.prompt_end, settings["block_length"])
+        self.fwd = self.forwards(model, layout.width, self.pads, segments)
+        # The thinking budget (both set or neither: the settings table's `requires`).
+        self.end_think = settings.get("end_think_token_id")
+        self.max_thinking = settings.get("max_thinking_tokens")
         self.generated = layout.generated
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.seed = None  # (B,) the AR head's token for the next block's first position
@@ -125,29 +163,63 @@ class CausalPrefixCache:
         logits = self.fwd.causal(x, start, stop, head_span=(stop - start - 1, stop - start))
         self.seed = sample_tokens(logits[:, -1], self.settings, self.spec, next_key(self))
 
+    def _encode(self, x, start, stop):
+        self.nfe += self.fwd.encode(x, start, stop)
+
+    def _context_after(self, x, start, stop):
+        """Make the K/V of columns start..stop-1 (the prompt, or a finished block) final: a causal
+        forward whose last logit seeds the next block, or (causal_context=False) a bidirectional
+        encoding of the segment and no seed."""
+        if self.causal_context:
+            self._seed_after(x, start, stop)
+        else:
+            self._encode(x, start, stop)
+
     def prefill(self, x):
-        self._seed_after(x, 0, self.prompt_end)
+        self._context_after(x, 0, self.prompt_end)
 
     def resume(self, x, prior: PriorKV):
         """prefill, reusing `prior`'s K/V over the prefix the prompt shares with it (causal K/V
         depend on the tokens up to their own only); the prompt's last token is always computed,
         for the AR head's seed of the first block."""
+        if not self.causal_context:
+            # A bidirectional prompt's K/V depend on all of it: none of an earlier run's carry over.
+            self.prefill(x)
+            return
         prior.check("causal")
         keep = prior.shared(x[0].tolist(), 1, limit=self.prompt_end - 1)
         self.fwd.cache = prior.cache_for(self.fwd.cache.width, keep)
         self.reused = keep
         self._seed_after(x, keep, self.prompt_end)
 
-    def kv_prefix(self, x) -> PriorKV:
+    def kv_prefix(self, x) -> Optional[PriorKV]:
+        if not self.causal_context:
+            return None  # see resume
         committed = self.fwd.cache.committed
         return PriorKV(x[0, :committed].tolist(), self.fwd.cache, "causal")
 
     def begin_block(self, x, start, stop):
         if self.pending is not None:
-            self._seed_after(x, *self.pending)
+            self._context_after(x, *self.pending)
             self.pending = None
-        x[:, start] = mx.where(self.generated[:, start], self.seed, x[:, start])
+        if self.causal_context:
+            x[:, start] = mx.where(self.generated[:, start], self.seed, x[:, start])
+        if self.end_think is not None:
+            self._end_thinking(x, start, stop)
         return x
+
+    def _end_thinking(self, x, start, stop):
+        """generate_with_prefix_cache_block_diff's thinking budget: rows with no end_think token
+        in their earlier blocks get it at new-token position max(max_thinking_tokens, the block's
+        first), when that falls in this block. Every row's new tokens start at prompt_end."""
+        before = start - self.prompt_end  # new tokens of the earlier blocks
+        column = start + max(0, self.max_thinking - before)
+        if column >= stop:
+            return
+        put = self.generated[:, column]
+        if before:
+            put = put & ~(x[:, self.prompt_end : start] == self.end_think).any(axis=1)
+        x[:, column] = mx.where(put, self.end_think, x[:, column])
 
     def block_logits(self, x, start, stop):
         self.nfe += 1

@@ -12,6 +12,15 @@ run as the reference's `linear_spec_generate` with its LoRA: the block [last con
 is drafted bidirectionally against the causal prefix with the adapter on, then verified by a causal
 forward over the block with it off. The two cannot share a forward (they run different weights), so
 a round takes two; the output is still the adapter-off AR model's, token for token at temperature 0.
+
+The thinking budget (`max_thinking_tokens` / `end_think_token_id`) is the remote code's
+`ar_generate`'s: a row that has not produced end_think_token_id among its first max_thinking_tokens
+new tokens gets it as new token number max_thinking_tokens, so the output stays that of AR decoding
+(with the budget), token for token at temperature 0. A round that reaches that position keeps what
+precedes it and the marker, and drops the rest (the next round drafts after the marker).
+`linear_spec_generate` takes the same two arguments but only feeds the marker to the next round in
+place of the last accepted token, which stays in its output: its output never shows the marker, and
+no longer is what the model was conditioned on.
 """
 
 from typing import List, Sequence
@@ -108,6 +117,15 @@ class SelfSpeculativeDecoder:
         for row, prompt in enumerate(prompts):
             yield from run_row(row, [int(t) for t in prompt])
 
+    def _end_thinking(self, new: List[int], made: int, out: List[int]) -> List[int]:
+        """`new`, the round's tokens (new tokens number made.. of a row that has produced `out`),
+        cut after the marker when ar_generate's thinking budget forces it among them."""
+        marker, budget = self.s.get("end_think_token_id"), self.s.get("max_thinking_tokens")
+        at = None if marker is None else budget - made
+        if at is None or not 0 <= at < len(new) or marker in out or marker in new[:at]:
+            return new
+        return new[:at] + [marker]
+
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
 
@@ -120,7 +138,7 @@ class SelfSpeculativeDecoder:
         committed = 0  # columns before it have final K/V
         known = len(prompt)  # columns before it hold confirmed tokens
         drafts, q = [], None  # drafts of the columns from `known` on, and their distributions
-        made = 0
+        made, out = 0, []
         while made < max_tokens:
             left = max_tokens - made
             drafts = drafts[: left - 1]  # a round returns the kept drafts and one token more
@@ -146,17 +164,23 @@ class SelfSpeculativeDecoder:
                 p = _probs(verify, s, spec)
                 new = speculative_accept(p, q, drafts, next_key(self))
                 n = len(new) - 1
+            budgeted = self._end_thinking(new, made, out)
+            # A forced marker replaces the causal model's token: the window's drafts followed that.
+            kept_all = n == k and budgeted == new
+            new = budgeted
+            n = len(new) - 1
             self.drafted += k
             self.accepted += n
             x[:, known + n] = new[-1]
             committed, known = known + n, known + n + 1
             run.keep(committed)
-            if n == k and w:
+            if kept_all and w:
                 drafts = self._tokens(window_logits, suppress=(mask_id,))
                 q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
             else:
                 drafts, q = [], None
             made += len(new)
+            out += new
             event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
             yield event
             if event.finished[0]:
@@ -219,11 +243,12 @@ class SelfSpeculativeDecoder:
         self.nfe += 1
         logits = run.causal(x, 0, start, head_span=(start - 1, start))[0]
         check_finite(logits, model)
-        new = self._tokens(logits)
-        made = 0
+        new = self._end_thinking(self._tokens(logits), 0, [])
+        made, out = 0, []
         while True:
             x[:, start] = new[-1]
             made += len(new)
+            out += new
             event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
             yield event
             if event.finished[0]:
@@ -233,7 +258,7 @@ class SelfSpeculativeDecoder:
             drafts, q = self._draft(run, x, start, stop)
             self.nfe += 1
             verify = run.mixed(x, start, stop, stop)[0]
-            new = self._accept(verify, drafts, q)
+            new = self._end_thinking(self._accept(verify, drafts, q), made, out)
             n = len(new) - 1
             self.drafted += len(drafts)
             self.accepted += n

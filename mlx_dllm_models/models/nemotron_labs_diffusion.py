@@ -286,6 +286,9 @@ class Model(nn.Module):
                 "temperature": 0.0,
                 "max_tokens": 128,
                 "mode": "diffusion",
+                # generate_diffusion's default (chat_utils' own default is False).
+                "causal_context": True,
             },
             trained_block_length=a.block_size,
+            vocab_size=a.vocab_size,  # range of end_think_token_id
         )

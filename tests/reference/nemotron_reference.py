@@ -156,3 +156,135 @@ def hf_generate(
             max_eos = int(is_eos.argmax(axis=1).max())
             return x_accum[:, : prompt_len + max_eos + 1], nfe
     return x_accum, nfe
+
+
+def generate_with_prefix_cache_block_diff(
+    model,
+    prompt,
+    steps,
+    gen_length,
+    block_length,
+    mask_id,
+    threshold=None,
+    causal_context=False,
+    eos_token_id=None,
+    max_thinking_tokens=None,
+    end_think_token_id=None,
+):
+    """A plain transcription of NVIDIA's chat_utils.generate_with_prefix_cache_block_diff (what
+    the remote code's generate_diffusion calls) at temperature 0, remasking="low_confidence",
+    token ids (no prompt_embeds), shift_logits=False, neg_entropy=False. Returns (ids including the
+    prompt, nfe), cut after the latest first EOS once every row has one, as the reference does.
+
+    causal_context=False: the prompt's forward (which fills the cache) and each finished block's
+    are bidirectional (use_causal_mask=False) and no block is seeded. The thinking budget: at a
+    block whose end passes max_thinking_tokens, rows with no end_think_token_id among the new
+    tokens of the earlier blocks get it at offset max(0, max_thinking_tokens - tokens before the
+    block), before the block's schedule is computed."""
+    x_accum = np.asarray(prompt, dtype=np.int64).copy()
+    B, prompt_len = x_accum.shape
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+    assert steps % num_blocks == 0
+    steps_per_block = steps // num_blocks
+    nfe = 0
+
+    logits, past_key_values = model(x_accum, use_cache=True, use_causal_mask=causal_context)
+    next_token = np.argmax(logits[:, -1, :], axis=-1)[:, None] if causal_context else None
+
+    for num_block in range(num_blocks):
+        mask_block = np.full((B, block_length), mask_id, dtype=np.int64)
+        if causal_context:
+            mask_block[:, 0] = next_token[:, 0]
+        x_accum = np.concatenate([x_accum, mask_block], axis=1)
+        current_block_start = prompt_len + num_block * block_length
+        block = slice(current_block_start, current_block_start + block_length)
+
+        if end_think_token_id is not None and max_thinking_tokens is not None:
+            tokens_before_block = num_block * block_length
+            tokens_after_block = tokens_before_block + block_length
+            if tokens_after_block > max_thinking_tokens:
+                gen_so_far = x_accum[:, prompt_len:current_block_start]
+                if gen_so_far.shape[1] > 0:
+                    has_end_think = (gen_so_far == end_think_token_id).any(axis=1)
+                else:
+                    has_end_think = np.zeros(B, dtype=bool)
+                if not has_end_think.all():
+                    if tokens_before_block < max_thinking_tokens:
+                        offset = max_thinking_tokens - tokens_before_block
+                    else:
+                        offset = 0
+                    inject_pos = current_block_start + offset
+                    for b in range(B):
+                        if not has_end_think[b]:
+                            x_accum[b, inject_pos] = end_think_token_id
+
+        mask_block_idx0 = x_accum[:, block] == mask_id
+        num_transfer_tokens = _get_num_transfer_tokens(mask_block_idx0, steps_per_block)
+
+        for i in range(steps_per_block):
+            mask_block_idx = x_accum[:, block] == mask_id
+            if mask_block_idx.sum() == 0:
+                break
+            nfe += 1
+            logits, _ = model(x_accum[:, block], past_key_values=past_key_values, use_cache=False)
+            x0, transfer_idx = _get_transfer_index(
+                logits,
+                0.0,
+                mask_block_idx,
+                x_accum[:, block],
+                num_transfer_tokens[:, i],
+                threshold,
+                None,
+            )
+            cur = x_accum[:, block].copy()
+            cur[transfer_idx] = x0[transfer_idx]
+            x_accum[:, block] = cur
+
+            if eos_token_id is not None:
+                block_tokens = x_accum[:, block]
+                eos_mask = block_tokens == eos_token_id
+                any_eos = eos_mask.any(axis=1)
+                if any_eos.any():
+                    after_eos = np.cumsum(eos_mask, axis=1) > 0
+                    mask_before = (block_tokens == mask_id) & ~after_eos
+                    if (any_eos & ~mask_before.any(axis=1)).any():
+                        break
+
+        logits, past_key_values = model(
+            x_accum[:, block],
+            past_key_values=past_key_values,
+            use_cache=True,
+            use_causal_mask=causal_context,
+        )
+        nfe += 1
+        if causal_context:
+            next_token = np.argmax(logits[:, -1, :], axis=-1)[:, None]
+
+        if eos_token_id is not None:
+            is_eos = x_accum[:, prompt_len:] == eos_token_id
+            if is_eos.any(axis=1).all():
+                max_eos = int(is_eos.argmax(axis=1).max())
+                return x_accum[:, : prompt_len + max_eos + 1], nfe
+    return x_accum, nfe
+
+
+def ar_generate(
+    model, prompt, max_new_tokens, eos_token_id, max_thinking_tokens=None, end_think_token_id=None
+):
+    """A plain transcription of the remote code's `ar_generate` at temperature 0 (greedy, one row):
+    from step max_thinking_tokens on, a row with no end_think_token_id so far gets it in place of
+    its next token. Each step recomputes the causal forward over the whole sequence (the
+    reference's KV cache computes the same logits). Returns the new tokens, the EOS included."""
+    ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    out = []
+    for step in range(max_new_tokens):
+        logits, _ = model(np.array([ids + out]), use_cache=True, use_causal_mask=True)
+        token = int(np.argmax(logits[0, -1]))
+        if end_think_token_id is not None and max_thinking_tokens is not None:
+            if step >= max_thinking_tokens and end_think_token_id not in out:
+                token = end_think_token_id
+        out.append(token)
+        if token == eos_token_id:
+            break
+    return out
