@@ -1,6 +1,8 @@
 """Nemotron-Labs-Diffusion's `linear_spec_lora` draft adapter: loaded when the checkpoint ships it,
 switched on for self-speculation's draft forwards only (the reference's linear_spec_generate with its
-LoRA), and self-speculation stays lossless: identical to AR greedy at temperature 0."""
+LoRA), and self-speculation stays lossless: identical to AR greedy at temperature 0. With the adapter
+or with draft_threshold, the rounds are those of a plain transcription of linear_spec_generate
+(tests/reference/nemotron_reference.py): the same tokens per round, the same forwards."""
 
 import json
 
@@ -12,8 +14,11 @@ from mlx_lm.generate import generate_step
 from conftest import load_fixture, spy_forwards, stream_tokens
 from fixtures import nemotron as fx
 from mlx_dllm_models import load
+from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.errors import CheckpointError
 from mlx_dllm_models.models.nemotron_labs_diffusion import DraftLoRALinear
+from mlx_dllm_models.settings import resolve_settings
+from reference.nemotron_reference import OurForward, linear_spec_generate
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +140,76 @@ def test_draft_threshold_is_self_spec_only(without_adapter):
         stream_tokens(model, tok, [30, 31], max_tokens=4, mode="diffusion", draft_threshold=0.5)
     with pytest.raises(SettingsError, match="draft_threshold must be"):
         stream_tokens(model, tok, [30, 31], max_tokens=4, mode="self_spec", draft_threshold=1.5)
+
+
+# ------------------------------------------------------------------ parity with linear_spec_generate
+
+L = fx.BLOCK_SIZE
+# (prompt, max_tokens): max_tokens not a multiple of the block; the first prompt's run meets the
+# fixture's EOS before max_tokens, the others stop at max_tokens.
+_rng = np.random.default_rng(5)
+SPEC_RUNS = [
+    ([fx.BOS] + _rng.integers(32, 250, size=int(_rng.integers(3, 20))).tolist(), n)
+    for n in (13, 2 * L + 3, 13)
+]
+
+
+def _self_spec_rounds(model, prompt, max_tokens, draft_threshold):
+    """Our self_spec decoder's rounds (each BlockEvent's tokens, the prefill's first) and its nfe."""
+    settings = resolve_settings(
+        model.diffusion_spec,
+        {"max_tokens": max_tokens, "mode": "self_spec", "draft_threshold": draft_threshold},
+        {},
+    )
+    decoder = make_decoder(model, settings, [fx.EOS])
+    rounds = [e.tokens[0] for e in decoder.run([prompt]) if isinstance(e, BlockEvent)]
+    return rounds, decoder.nfe
+
+
+def _reference_rounds(model, prompt, max_tokens, draft_threshold):
+    """linear_spec_generate's rounds as the package returns them (the first max_tokens tokens, each
+    round cut before an EOS), its nfe and its trace (draft forwards, accepted, drafted the mask)."""
+    trace = []
+    x, nfe = linear_spec_generate(
+        OurForward(model), [prompt], max_tokens, L, fx.MASK, fx.EOS, draft_threshold or 0.0, trace
+    )
+    new = x[0, len(prompt) :].tolist()
+    rounds, at, made = [], 0, 0
+    for size in [1] + [accepted for _, accepted, _ in trace]:
+        r = new[at : at + size][: max_tokens - made]
+        at, made = at + size, made + len(r)
+        rounds.append(r[: r.index(fx.EOS)] if fx.EOS in r else r)
+    return rounds, nfe, trace
+
+
+@pytest.mark.parametrize("draft_threshold", [None, 0.9])
+@pytest.mark.parametrize("adapter", [True, False])
+def test_self_spec_rounds_equal_linear_spec_generate(
+    with_adapter, without_adapter, adapter, draft_threshold
+):
+    """At temperature 0 each round keeps the tokens the reference keeps (so the drafts agree where
+    they are kept, and the first rejected draft is rejected by both), and the forwards (prefill, each
+    draft forward, each verify) are as many. Without the adapter and without draft_threshold, ours
+    folds the next round's draft into the verify forward (engine/self_spec.py): its drafts, rounds
+    and forwards differ by construction; its tokens do not."""
+    model, _ = with_adapter[1] if adapter else without_adapter
+    draft_forwards, eos_met = [], 0
+    for prompt, max_tokens in SPEC_RUNS:
+        ours, nfe = _self_spec_rounds(model, prompt, max_tokens, draft_threshold)
+        want, ref_nfe, trace = _reference_rounds(model, prompt, max_tokens, draft_threshold)
+        # Upstream may draft the mask id (ours never does); these runs must not, or they would
+        # compare something else.
+        assert trace and not any(masked for _, _, masked in trace)
+        draft_forwards += [n for n, _, _ in trace]
+        eos_met += sum(len(r) for r in want) < max_tokens
+        if adapter or draft_threshold is not None:
+            assert ours == want
+            assert nfe == ref_nfe
+        else:
+            assert sum(ours, []) == sum(want, [])
+            assert nfe < ref_nfe  # one forward a round instead of a draft and a verify
+    assert eos_met >= 1
+    if draft_threshold is None:
+        assert set(draft_forwards) == {1}
+    else:  # the threshold made drafting iterate
+        assert max(draft_forwards) > 1

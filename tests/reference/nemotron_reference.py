@@ -13,6 +13,11 @@ Returns (ids including the prompt, nfe), cut after the first EOS as the referenc
 
 The forwards run on mlx-vlm's implementation (`VlmForward`), not this package's: its KV cache
 reads the prefix by concatenation, which is what `use_cache=False` does in the HF code.
+
+`linear_spec_generate(...)` transcribes the remote code's self-speculation with its
+`linear_spec_lora` draft adapter; mlx-vlm's model has no adapter, so its forwards are this
+package's model (`OurForward`, whose forward tests/test_nemotron_forward.py checks against
+mlx-vlm's) with the adapter switched as the remote code switches its LoRA.
 """
 
 import mlx.core as mx
@@ -288,3 +293,190 @@ def ar_generate(
         if token == eos_token_id:
             break
     return out
+
+
+class _DynamicCacheLayer:
+    """One layer of HF's DynamicCache as the remote code uses it: K/V grow by concatenation; a
+    forward with `use_cache=False` reads the stored K/V and its own but stores nothing."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.store = True
+
+    @property
+    def offset(self):
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        if self.store:
+            self.keys, self.values = keys, values
+        return keys, values
+
+    def crop(self, length):
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class DynamicCache(list):
+    """HF's DynamicCache over this package's Nemotron model: `get_seq_length()` and `crop(n)`."""
+
+    def __init__(self, num_layers):
+        super().__init__(_DynamicCacheLayer() for _ in range(num_layers))
+
+    def get_seq_length(self):
+        return self[0].offset
+
+    def crop(self, length):
+        for layer in self:
+            layer.crop(length)
+
+
+class OurForward:
+    """The HF calls `model(ids, past_key_values, use_cache, use_causal_mask)` on this package's
+    Nemotron model (its forward is checked against mlx-vlm's in tests/test_nemotron_forward.py, in
+    both attention modes and over a causal prefix cache), with a DynamicCache of its own (the model
+    sees no mlx-lm cache, so no mask means every key: [cache ; block] bidirectionally).
+    `toggle_adapters(enable)` is the remote code's `_toggle_adapters` (PEFT's `_disable_adapters`):
+    the checkpoint's linear_spec_lora switched on or off; a no-op without one."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def toggle_adapters(self, enable):
+        if getattr(self.model, "has_draft_adapter", False):
+            self.model.set_draft_adapter(enable)
+
+    def __call__(self, ids, past_key_values=None, use_cache=False, use_causal_mask=False):
+        if past_key_values is None:
+            past_key_values = DynamicCache(len(self.model.layers))
+        for layer in past_key_values:
+            layer.store = use_cache
+        out = self.model(
+            mx.array(np.asarray(ids), dtype=mx.int32),
+            cache=past_key_values,
+            mask="causal" if use_causal_mask else None,
+        )
+        return np.array(out.astype(mx.float32), dtype=np.float64), past_key_values
+
+
+def linear_spec_generate(
+    model,
+    prompt_ids,
+    max_new_tokens,
+    block_length,
+    mask_token_id,
+    eos_token_id,
+    threshold=0.0,
+    trace=None,
+):
+    """A plain transcription of the remote code's `NemotronLabsDiffusionModel.linear_spec_generate`
+    (modeling_nemotron_labs_diffusion.py) at temperature 0, one row, no thinking budget. `model` is
+    an `OurForward`. Causal prefill with the LoRA off gives the first token; each round drafts the
+    block [next_token, masks] bidirectionally against the cache (use_cache=False) with the LoRA on,
+    once at threshold 0, else repeatedly, each forward revealing the masks whose softmax confidence
+    is >= threshold (at least the most confident one); verifies it causally with the LoRA off
+    (use_cache=True); keeps the AR tokens up to the first draft the AR model disagrees with, plus
+    its own next one; crops the cache to the kept K/V; next_token is the last kept token. Stops at
+    an EOS among the kept tokens (cut after it) or once max_new_tokens are reached, which the last
+    round may pass (the reference returns them all). Returns (ids including the prompt, nfe).
+
+    `trace`, a list, gets one (draft forwards, accepted tokens, drafted the mask id) per round (test
+    instrumentation, not in the reference).
+
+    NVIDIA's MinistralDiffEncoderModel (modeling_ministral_dlm.py) carries an older
+    linear_spec_generate: no LoRA toggle, one draft forward whose masks above `threshold` (strict)
+    are revealed, an AssertionError when none is; the Nemotron-Labs-Diffusion one is transcribed."""
+    prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+    if prompt_ids.shape[0] != 1:
+        raise ValueError("Linear speculative decoding requires batch_size == 1")
+    token_mask_id = mask_token_id
+
+    # Prefill (causal, LoRA OFF).
+    model.toggle_adapters(False)
+    logits, past_key_values = model(prompt_ids, use_cache=True, use_causal_mask=True)
+    last_logit = logits[:, -1, :]
+    nfe = 1
+    next_token = np.argmax(last_logit, axis=-1)[:, None]
+    if eos_token_id is not None and int(next_token[0, 0]) == eos_token_id:
+        return np.concatenate([prompt_ids, next_token], axis=1), nfe
+
+    generated = [next_token]
+    total_gen = 1
+
+    while total_gen < max_new_tokens:
+        cache_len = past_key_values.get_seq_length()
+
+        block = np.full((1, block_length), token_mask_id, dtype=np.int64)
+        block[0, 0] = int(next_token[0, 0])
+
+        # Draft phase (bidirectional, LoRA ON), iterated at threshold > 0.
+        model.toggle_adapters(True)
+        draft_forwards, drafted_mask = 0, False
+        while True:
+            is_mask = block == token_mask_id
+            if not is_mask.any():
+                break
+            draft_logits, _ = model(block, past_key_values=past_key_values, use_cache=False)
+            nfe += 1
+            draft_forwards += 1
+            draft_tokens = np.argmax(draft_logits, axis=-1)
+            draft_probs = _softmax(draft_logits)
+            drafted_mask |= bool((draft_tokens[is_mask] == token_mask_id).any())
+
+            if threshold > 0:
+                draft_conf = np.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[
+                    ..., 0
+                ]
+                draft_conf = np.where(is_mask, draft_conf, -np.inf)
+                unmask = draft_conf >= threshold
+                # Force progress even when every masked position is below threshold.
+                if not unmask.any():
+                    best_idx = int(draft_conf.reshape(-1).argmax())
+                    unmask = np.zeros_like(is_mask, dtype=bool)
+                    unmask.reshape(-1)[best_idx] = True
+                block[unmask] = draft_tokens[unmask]
+            else:
+                block[is_mask] = draft_tokens[is_mask]
+                break
+
+        # Verify phase (causal, LoRA OFF).
+        model.toggle_adapters(False)
+        verify_logits, past_key_values = model(
+            block, past_key_values=past_key_values, use_cache=True, use_causal_mask=True
+        )
+        nfe += 1
+        ar_tokens = np.argmax(verify_logits, axis=-1)
+
+        # Accept consecutive matches; AR also gives one bonus token at the tail.
+        accepted = 0
+        for i in range(block_length - 1):
+            if int(ar_tokens[0, i]) == int(block[0, i + 1]):
+                accepted += 1
+            else:
+                break
+        accepted += 1
+
+        accepted_toks = ar_tokens[:, :accepted]
+        generated.append(accepted_toks)
+        total_gen += accepted
+        if trace is not None:
+            trace.append((draft_forwards, accepted, drafted_mask))
+
+        past_key_values.crop(cache_len + accepted)
+        next_token = ar_tokens[:, accepted - 1 : accepted]
+
+        if eos_token_id is not None:
+            eos_pos = np.nonzero(accepted_toks[0] == eos_token_id)[0]
+            if len(eos_pos) > 0:
+                first_eos = int(eos_pos[0])
+                generated[-1] = accepted_toks[:, : first_eos + 1]
+                total_gen = total_gen - accepted + first_eos + 1
+                break
+
+        if total_gen >= max_new_tokens:
+            break
+
+    all_generated = np.concatenate(generated, axis=1)
+    return np.concatenate([prompt_ids, all_generated], axis=1), nfe
