@@ -34,6 +34,11 @@ PREFILL_TOKENS = 512
 class PrefixCache:
     """Backend of the masked block engine (see masked.FullRecompute for the interface)."""
 
+    # A denoising step's forward over some rows may run on `select(layout, rows)`: its K/V of the
+    # open block are rewritten by every step and made final by the next block's folded forward,
+    # which runs over every row.
+    row_steps = True
+
     def __init__(self, model, spec, layout, settings):
         if not layout.aligned:
             raise ValueError(

@@ -138,6 +138,9 @@ class CausalPrefixCache:
     seeded by the AR head and denoised against a causal KV prefix."""
 
     forwards = _KVForwards
+    # A denoising forward reads the cache and never extends it: it may run on `select(layout,
+    # rows)` for the rows that still have masks (the block's final K/V come from its own forward).
+    row_steps = True
 
     def __init__(self, model, spec, layout, settings):
         if layout.aligned or len(set(layout.starts)) != 1:

@@ -271,6 +271,9 @@ class FullRecompute:
 
     # It runs LLaDA's classifier-free guidance (cfg_scale): unconditional rows in the same forward.
     guidance = True
+    # Its `select(layout, rows)` is a view the engine may run a step's forward on when only those
+    # rows have masks left in the block (every forward recomputes from the tokens: nothing to keep).
+    row_steps = True
 
     def __init__(self, model, spec, layout: Layout, settings: dict):
         self.model = model
@@ -463,13 +466,16 @@ class MaskedBlockDecoder:
             seen = [set() for _ in rows]  # editing: each row's maskless block states so far
             post = no_floor
             # Host reads stall the device: one per step at most. The block's first read brings
-            # whether any row has a candidate and the schedule's per-step maxima (a step whose
+            # which rows have a candidate and the schedule's per-step maxima (a step whose
             # floor is 0 everywhere is skipped without a forward); then, without editing, each
-            # step ends with one read of whether masks are left.
+            # step ends with one read of which rows have masks left.
+            n = x.shape[0]
             first_read = mx.concatenate(
-                [cand.any()[None].astype(mx.int32), schedule.max(axis=0).astype(mx.int32)]
+                [cand.any(axis=1).astype(mx.int32), schedule.max(axis=0).astype(mx.int32)]
             ).tolist()
-            left, floor_max = bool(first_read[0]), first_read[1:]
+            rows_left, floor_max = first_read[:n], first_read[n:]
+            left = any(rows_left)
+            part = None  # (rows, their backend view) while only some rows have masks left
             for step in range(s["steps"] + max_post):
                 if self.exact_floor and not editing and step >= len(floor_max):
                     break  # past the schedule's columns every floor is 0: nothing more commits
@@ -490,7 +496,19 @@ class MaskedBlockDecoder:
                 else:
                     active = masked
                 floor = schedule[:, step] if step < schedule.shape[1] else no_floor
-                logits = backend.block_logits(x, lo, stop)
+                # A row whose block has no masks left commits nothing more: once some rows are
+                # there, the step's forward runs over the others only (on a CPU a forward costs
+                # about its rows; a batch would otherwise wait on its slowest row at full width).
+                sub = None
+                if not editing and not all(rows_left) and getattr(backend, "row_steps", False):
+                    sub = [i for i, r in enumerate(rows_left) if r]
+                    if part is None or part[0] != sub:
+                        part = (sub, backend.select(layout.select(sub), sub))
+                    idx = mx.array(sub)
+                    logits = part[1].block_logits(x[idx], lo, stop)
+                    backend.nfe += 1
+                else:
+                    logits = backend.block_logits(x, lo, stop)
                 if unchecked:  # corrupt weights show at the first forward (one host sync)
                     check_finite(logits, self.model)
                     unchecked = False
@@ -508,8 +526,15 @@ class MaskedBlockDecoder:
                     extras=getattr(self.rule, "stats_extras", ()),
                     confidence_suppress_ids=self.confidence_suppressed,
                 )
-                ctx = StepContext(step, s["steps"], floor, k_rule, s, spec)
-                commit = self.rule(stats, cand, ctx)
+                if sub is None:
+                    ctx = StepContext(step, s["steps"], floor, k_rule, s, spec)
+                    commit, x0 = self.rule(stats, cand, ctx), stats.x0
+                else:  # the rows' proposals in place, nothing committed elsewhere
+                    ctx = StepContext(step, s["steps"], floor[idx], k_rule, s, spec)
+                    commit = mx.zeros(cand.shape, dtype=mx.bool_)
+                    commit[idx] = self.rule(stats, cand[idx], ctx)
+                    x0 = mx.zeros(cand.shape, dtype=mx.int32)
+                    x0[idx] = stats.x0.astype(mx.int32)
                 current = x[:, lo:stop]
                 if editing:
                     editable = gen & (current != mask_id) & active[:, None]
@@ -518,7 +543,7 @@ class MaskedBlockDecoder:
                     )
                     commit = commit | edits
                     active = active & (masked | edits.any(axis=1))
-                block = mx.where(commit, stats.x0.astype(mx.int32), current)
+                block = mx.where(commit, x0.astype(mx.int32), current)
                 x[:, lo:stop] = block
                 cand = (block == mask_id) & gen
                 if spec.eos_ends_block and self.eos:
@@ -526,7 +551,8 @@ class MaskedBlockDecoder:
                 if editing:
                     active = active & ~_revisited(seen, block, cand)
                 else:
-                    left = cand.any().item()
+                    rows_left = cand.any(axis=1).tolist()
+                    left = any(rows_left)
                 # The view ends at max_tokens: decoded positions past it are never returned.
                 view = x[:, first : max(layout.ends)]
                 yield StepEvent(rows, view, (start - first, stop - first), self.nfe)
