@@ -1,14 +1,18 @@
-"""LoRA learning curve of `mlx_dllm lora` on the embedded default: a new task, two-digit subtraction.
+"""LoRA learning curve of `mlx_dllm lora` on the embedded default, on a task it cannot do.
 
-    python benchmarks/bench_lora.py [--iters 600] [--batch-size 32] [--learning-rate 2e-3]
-                                    [--num-layers 4] [--every 50] [--problems 64]
+    python benchmarks/bench_lora.py [--task german] [--iters 60] [--batch-size 16]
+                                    [--learning-rate 1.5e-4] [--num-layers 4] [--every 20]
+                                    [--problems 32] [--seed 0] [--max-seq-length 48]
 
-The default model adds two-digit numbers; it has never seen "What is 83-27?". A completions jsonl of
-subtraction problems (difference >= 10, so every answer has two digits) trains LoRA adapters
-through the CLI's own path (lora.parse_args, mlx-lm's datasets and trainer, the masked-diffusion SFT
-loss); every `--every` steps the held-out accuracy (exact answer, greedy, the CLI's chat prompt) and
-the wall-clock and CPU time so far are printed. The machine may be shared: CPU seconds are the
-steadier measure.
+The default model adds two-digit numbers asked as "What is 47+85?". `--task german` asks the same
+in German, "Was ist 47+85?" (held-out accuracy 0 before training: it answers nothing);
+`--task subtraction` asks "What is 83-27?" (difference >= 10). A completions jsonl of 400 (german)
+or 2000 (subtraction) problems, none of them held out, trains LoRA adapters through the CLI's own
+path (lora.parse_args, mlx-lm's datasets and trainer, the masked-diffusion SFT loss); every
+`--every` steps the accuracy on the held-out problems (exact answer, the checkpoint's decoding
+defaults, the CLI's chat prompt) and the wall-clock and CPU time so far are printed. The machine
+may be shared: CPU seconds are the steadier measure. tests/test_lora_learns.py uses the defaults
+with --seed 1.
 """
 
 import argparse
@@ -18,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +39,20 @@ def subtraction(n, seed):
     return rows
 
 
+def german(n, problems, seed):
+    """n training rows from the default's task range (never a held-out pair), then the first
+    `problems` held-out pairs, both asked in German."""
+    from mlx_dllm_models.default import _held_out_pairs, held_out_pairs, in_addition_task
+
+    rng, excluded, pairs = random.Random(seed), held_out_pairs(), {}
+    while len(pairs) < n:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if in_addition_task(a, b) and (a, b) not in excluded:
+            pairs[(a, b)] = None
+    pairs = list(pairs) + _held_out_pairs()[:problems]
+    return [{"prompt": f"Was ist {a}+{b}?", "completion": str(a + b)} for a, b in pairs]
+
+
 def main():
     from mlx_lm.tuner.callbacks import TrainingCallback
 
@@ -41,20 +61,26 @@ def main():
     from mlx_dllm_models.loader import load
 
     p = argparse.ArgumentParser()
-    p.add_argument("--iters", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--task", choices=("german", "subtraction"), default="german")
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--learning-rate", type=float, default=1.5e-4)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--every", type=int, default=50)
-    p.add_argument("--problems", type=int, default=64)
+    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--problems", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-length", type=int, default=48)
     a = p.parse_args()
 
-    rows = subtraction(2000 + a.problems, seed=0)
+    if a.task == "german":
+        rows = german(400, a.problems, seed=0)
+    else:
+        rows = subtraction(2000 + a.problems, seed=0)
     train, held_out = rows[: -a.problems], rows[-a.problems :]
     work = Path(tempfile.mkdtemp(prefix="bench_lora_"))
     (work / "data").mkdir()
-    for name, part in (("train", train), ("valid", held_out[:8])):
+    for name, part in (("train", train), ("valid", held_out[: a.batch_size])):
         (work / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     lora_parameters = {"rank": a.rank, "dropout": 0.0, "scale": 20.0}
     args = lora.parse_args(
@@ -62,6 +88,7 @@ def main():
         + ["--iters", str(a.iters), "--batch-size", str(a.batch_size)]
         + ["--learning-rate", str(a.learning_rate), "--num-layers", str(a.num_layers)]
         + ["--steps-per-eval", str(a.every), "--val-batches", "1", "--steps-per-report", "25"]
+        + ["--seed", str(a.seed), "--max-seq-length", str(a.max_seq_length)]
     )
     args.lora_parameters = lora_parameters
     args.model = default_checkpoint()
@@ -70,7 +97,7 @@ def main():
     start, cpu = time.perf_counter(), time.process_time()
 
     def accuracy():
-        out = batch_generate_diffusion(model, tokenizer, prompts, max_tokens=8, seed=0)
+        out = batch_generate_diffusion(model, tokenizer, prompts, seed=0)
         hits = sum(t.strip() == r["completion"] for t, r in zip(out.texts, held_out))
         return hits / len(held_out)
 
@@ -86,7 +113,8 @@ def main():
             model.train()
 
     train_set, valid_set, _ = lora._load_datasets(args, tokenizer)
-    lora.train_model(args, model, train_set, valid_set, Report())
+    np.random.seed(a.seed)  # mlx-lm's batch order, as lora.run seeds it
+    lora.train_model(args, model, train_set, valid_set, Report(), lora.turn_closer(tokenizer))
 
 
 if __name__ == "__main__":

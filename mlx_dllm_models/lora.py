@@ -10,13 +10,19 @@ the trainer gets LLaDA's SFT loss (training.diffusion_loss: the prompt is never 
 and its EOS padding are masked at a random rate t and weighted by 1/t).
 """
 
+import functools
+import inspect
 import sys
 import types
 from pathlib import Path
+from typing import List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from .models.common import NotAutoregressiveError
+from .spec import CAUSAL_PREFIX
 from .training import family_loss
 
 # mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
@@ -24,13 +30,37 @@ from .training import family_loss
 DEFAULTS = {"model": None, "mask_prompt": True}
 
 
-def sft_loss(spec, eps: float = 1e-3):
+def turn_closer(tokenizer) -> List[int]:
+    """The tokens the chat template writes after an assistant answer (LLaDA's `<|eot_id|>`) when
+    generation does not stop at them; [] otherwise.
+
+    LLaDA's SFT data (GUIDELINES.md, "SFT") puts the answer directly before its EOS padding:
+    `...assistant<end_id>\nParis.<EOS><EOS>...`. mlx-lm's chat and completions rows end with the
+    template's closer instead; trained on as they are, the model would learn to write it, and
+    since it is not a stop token every answer would end in visible `<|eot_id|>` text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "ANSWER"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": marker}],
+        tokenize=False,
+    )
+    tail = text[text.rindex(marker) + len(marker) :]
+    ids = list(tokenizer.encode(tail, add_special_tokens=False)) if tail else []
+    if any(i in tokenizer.eos_token_ids for i in ids):
+        return []  # generation ends there anyway
+    return ids
+
+
+def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = ()):
     """A loss with mlx-lm's trainer signature `loss(model, batch, lengths) -> (loss, ntoks)`.
 
     `batch` (B, L) is mlx-lm's zero-padded batch and `lengths` (B, 2) its (prompt offset, length)
     per row. Past its length a row is padded with EOS, as LLaDA's SFT pads its answers (that is how
     a fixed canvas learns to end), and the masked-diffusion SFT loss is taken with the offsets as
-    prompt lengths; `ntoks` counts the answer positions (mlx-lm weights validation losses by it)."""
+    prompt lengths; `ntoks` counts the answer positions (mlx-lm weights validation losses by it).
+    A row that ends with `closer` (turn_closer: the template's end-of-turn) has it replaced by EOS
+    too, as in LLaDA's SFT data."""
     diffusion = family_loss(spec, eps)
     if not spec.eos_token_ids:
         raise ValueError(
@@ -38,11 +68,21 @@ def sft_loss(spec, eps: float = 1e-3):
             "with; add it"
         )
     eos = spec.eos_token_ids[0]
+    closer = mx.array(list(closer), dtype=mx.int32)
+
+    def answer_ends(batch, lengths):
+        if closer.size == 0:
+            return lengths[:, 1]
+        k = closer.size
+        end = lengths[:, 1] - k
+        tail = mx.take_along_axis(batch, mx.maximum(end[:, None] + mx.arange(k), 0), axis=1)
+        closed = (tail == closer).all(axis=1) & (end >= lengths[:, 0])
+        return mx.where(closed, end, lengths[:, 1])
 
     def loss(model, batch, lengths):
         B, L = batch.shape
         positions = mx.arange(L)[None]
-        tokens = mx.where(positions < lengths[:, 1:2], batch, eos)
+        tokens = mx.where(positions < answer_ends(batch, lengths)[:, None], batch, eos)
         prompt_lengths = mx.minimum(lengths[:, 0], L - 1)
         # The noise draws come from mlx's global key, which mlx-lm's compiled step tracks.
         t = mx.random.uniform(shape=(B,))
@@ -70,9 +110,10 @@ def _optimizer(args):
     return classes[name](learning_rate=lr, **args.optimizer_config.get(name, {}))
 
 
-def train_model(args, model: nn.Module, train_set, valid_set, training_callback=None):
+def train_model(args, model: nn.Module, train_set, valid_set, training_callback=None, closer=()):
     """mlx_lm.lora.train_model with the diffusion loss: LoRA / DoRA / full layers as
-    --fine-tune-type says, adapter_config.json written first, mlx-lm's trainer."""
+    --fine-tune-type says, adapter_config.json written first, mlx-lm's trainer. `closer`: the
+    chat template's end-of-turn tokens that the loss turns into EOS padding (turn_closer)."""
     from mlx_lm.tuner.datasets import CacheDataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from mlx_lm.tuner.utils import linear_to_lora_layers, print_trainable_parameters
@@ -122,7 +163,7 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
         train_dataset=CacheDataset(train_set),
         val_dataset=CacheDataset(valid_set),
         args=training_args,
-        loss=sft_loss(model.diffusion_spec),
+        loss=sft_loss(model.diffusion_spec, closer=closer),
         training_callback=training_callback,
     )
 
@@ -158,6 +199,9 @@ def run(args, training_callback=None):
 
     from .loader import load
 
+    # mlx-lm's trainer draws the batch order from numpy's global generator: --seed fixes it too, as
+    # mlx_lm.lora.run does (without it two runs with the same seed see different batches).
+    np.random.seed(args.seed)
     if args.model is None:
         from .default import default_checkpoint
 
@@ -166,8 +210,9 @@ def run(args, training_callback=None):
         args.model, tokenizer_config={"trust_remote_code": args.trust_remote_code}
     )
     train_set, valid_set, test_set = _load_datasets(args, tokenizer)
+    closer = turn_closer(tokenizer)
     if args.train:
-        train_model(args, model, train_set, valid_set, training_callback)
+        train_model(args, model, train_set, valid_set, training_callback, closer)
     elif args.test:
         if args.adapter_path:
             load_adapters(model, args.adapter_path)
@@ -180,7 +225,7 @@ def run(args, training_callback=None):
             batch_size=args.batch_size,
             num_batches=args.test_batches,
             max_seq_length=args.max_seq_length,
-            loss=sft_loss(model.diffusion_spec),
+            loss=sft_loss(model.diffusion_spec, closer=closer),
         )
         print(f"Test loss (masked-diffusion ELBO bound per answer token) {test_loss:.3f}")
     return model, tokenizer
@@ -232,3 +277,45 @@ def fuse_main(argv):
     fuse.main()
     finish_conversion(args.save_path, None)
     return 0
+
+
+# ------------------------------------------------------------------ mlx_lm.lora on a diffusion model
+
+
+def refuse_next_token_training(model, loss, default_loss) -> None:
+    """Stop mlx-lm's trainer from fitting a diffusion model with its next-token loss.
+
+    `mlx_lm.lora` passes no loss, so mlx-lm's trainer uses `default_loss` (next-token
+    cross-entropy): on a masked-diffusion model it would train a decoding the model never does and
+    save adapters that make it worse. A caller's own loss (`mlx_dllm lora` passes `sft_loss`) goes
+    through. Nemotron-Labs-Diffusion (causal-prefix layout) is also an autoregressive model, which
+    mlx-lm's generate runs: the next-token loss trains that mode, so it is let through."""
+    spec = getattr(model, "diffusion_spec", None)
+    if loss is not default_loss or spec is None or spec.attention == CAUSAL_PREFIX:
+        return
+    raise NotAutoregressiveError(
+        f"{spec.family} is a diffusion model: mlx_lm.lora would train it with the next-token loss "
+        "of autoregressive models. Use `mlx_dllm lora` (the same flags, data and adapter files, "
+        "with the masked-diffusion loss), e.g. `mlx_dllm lora --model PATH --train --data DIR`."
+    )
+
+
+def guard_trainer(trainer) -> None:
+    """Wrap `trainer.train` and `trainer.evaluate` (mlx_lm.tuner.trainer, which mlx_lm.lora's
+    training and --test call) with refuse_next_token_training. The start-up hook calls it once
+    the module is executed, before `mlx_lm.lora` binds the names."""
+    for name in ("train", "evaluate"):
+        original = getattr(trainer, name)
+        if getattr(original, "__wrapped__", None) is not None:
+            continue
+        signature = inspect.signature(original)
+        default_loss = signature.parameters["loss"].default
+
+        @functools.wraps(original)
+        def guarded(*args, _original=original, _signature=signature, _default=default_loss, **kw):
+            bound = _signature.bind(*args, **kw)
+            loss = bound.arguments.get("loss", _default)
+            refuse_next_token_training(bound.arguments["model"], loss, _default)
+            return _original(*args, **kw)
+
+        setattr(trainer, name, guarded)
