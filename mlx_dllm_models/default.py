@@ -73,6 +73,24 @@ def held_out_pairs():
     return {p for a, b in _held_out_pairs() for p in ((a, b), (b, a))}
 
 
+# The long-context form of the task (issue #14): solved examples before the question. With 7 shots
+# the templated prompt is about 256 tokens, with 15 about 475 (the default model has 512 positions).
+FEW_SHOT_INSTRUCTION = "Solve the last problem. Solved examples:"
+
+
+def few_shot_message(question: str, shots: int, seed: int = 0) -> str:
+    """`question` after `shots` solved examples drawn (seeded) from the training problems, never
+    from the held-out set, so a held-out question keeps its answer out of the prompt."""
+    rng = random.Random(seed)
+    held = held_out_pairs()
+    lines = [FEW_SHOT_INSTRUCTION]
+    while len(lines) <= shots:
+        a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
+        if in_addition_task(a, b) and (a, b) not in held:
+            lines.append(f"Q: {addition_prompt(a, b)}\nA: {a + b}\n")
+    return "\n".join(lines + [f"Q: {question}"]) if shots else question
+
+
 def is_correct(answer: str, expected: str) -> bool:
     return answer.strip() == expected
 

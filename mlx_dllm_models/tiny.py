@@ -227,7 +227,13 @@ def build_tiny_llada(
         t[p + "up_proj.weight"] = confident(rng, (f, d), 1.0 / d**0.5)
         t[p + "ff_out.weight"] = confident(rng, (d, f), 1.0 / f**0.5)
     write_checkpoint(path, config, t, generation_config={"eos_token_id": config["eos_token_id"]})
-    build_tokenizer(
+    build_llada_tokenizer(path)
+    return Path(path)
+
+
+def build_llada_tokenizer(path):
+    """The byte-level tokenizer with LLaDA's special tokens and chat template, written to `path`."""
+    return build_tokenizer(
         path,
         LLADA_SPECIAL_TOKENS,
         bos_token="<|startoftext|>",
@@ -236,4 +242,3 @@ def build_tiny_llada(
         mask_token="<|mdm_mask|>",
         chat_template=LLADA_CHAT_TEMPLATE,
     )
-    return Path(path)
