@@ -18,7 +18,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
@@ -33,13 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 L = fx.BLOCK_SIZE
 
 
-def _prompts(count, seed):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(3, 30, size=count)
-    return [[fx.BOS] + rng.integers(32, 250, size=int(n)).tolist() for n in lengths]
-
-
-PROMPTS = _prompts(4, seed=1)
+PROMPTS = fx.prompts(4, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +70,6 @@ def _cut(tokens):
     tokens = [int(t) for t in tokens]
     cut = next((i for i, t in enumerate(tokens) if t == fx.EOS), None)
     return tokens if cut is None else tokens[:cut]
-
-
-def _ar_greedy(model, prompt, max_tokens):
-    """Greedy AR decoding by mlx-lm (its KV cache and no mask: the model's causal path)."""
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token == fx.EOS:
-            break
-        out.append(int(token))
-    return out
 
 
 # ------------------------------------------------------------------------------ diffusion mode
@@ -162,7 +145,7 @@ def test_prefix_cache_equals_full_recompute(loaded, kw):
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_left_padded_batch_equals_one_by_one(loaded, cache):
     model, tok = loaded
-    prompts = _prompts(3, seed=7)
+    prompts = fx.prompts(3, seed=7)
     kw = dict(max_tokens=20, cache=cache, sampler="threshold", threshold=0.8)
     batch = batch_generate_diffusion(model, tok, prompts, **kw)
     assert len({len(p) for p in prompts}) > 1
@@ -189,11 +172,11 @@ def test_forwards_of_the_cache(loaded):
 @pytest.mark.parametrize("max_tokens", [1, 7, 30])
 def test_self_spec_equals_greedy_ar(loaded, cache, max_tokens):
     model, tok = loaded
-    for prompt in _prompts(3, seed=max_tokens):
+    for prompt in fx.prompts(3, seed=max_tokens):
         got, responses = _ours(
             model, tok, prompt, max_tokens=max_tokens, mode="self_spec", cache=cache
         )
-        assert got == _ar_greedy(model, prompt, max_tokens)
+        assert got == fx.ar_greedy(model, prompt, max_tokens)
         assert responses[-1].finish_reason in ("stop", "length")
         # Every forward yields at least one token, as AR decoding does.
         assert responses[-1].tokens_per_forward >= 1 or responses[-1].finish_reason == "stop"
@@ -225,7 +208,7 @@ class OracleDrafts:
 def test_self_spec_accepts_agreeing_drafts(loaded, cache):
     model, tok = loaded
     prompt, n = PROMPTS[2], 40
-    ar = _ar_greedy(model, prompt, n)
+    ar = fx.ar_greedy(model, prompt, n)
     assert len(ar) == n
     truth = prompt + ar + [0] * 64
     wrong = range(len(prompt) + 5, len(truth), 11)
@@ -246,12 +229,12 @@ def test_self_spec_accepts_agreeing_drafts(loaded, cache):
 
 def test_self_spec_streams_chunks_and_batches(loaded):
     model, tok = loaded
-    prompts = _prompts(3, seed=11)
+    prompts = fx.prompts(3, seed=11)
     got, responses = _ours(model, tok, prompts[0], max_tokens=12, mode="self_spec")
     assert len(responses) > 1
     assert all(r.finish_reason is None for r in responses[:-1])
     batch = batch_generate_diffusion(model, tok, prompts, max_tokens=12, mode="self_spec")
-    assert batch.tokens == [_ar_greedy(model, p, 12) for p in prompts]
+    assert batch.tokens == [fx.ar_greedy(model, p, 12) for p in prompts]
 
 
 def test_self_spec_sampling_is_seeded_and_cache_exact(loaded):

@@ -9,7 +9,6 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from conftest import load_fixture, spy_forwards, stream_tokens
 from fixtures import nemotron as fx
@@ -30,15 +29,6 @@ def with_adapter(tmp_path_factory):
 @pytest.fixture(scope="module")
 def without_adapter(tmp_path_factory):
     return load_fixture(fx.build(tmp_path_factory.mktemp("nemotron") / "ckpt"))
-
-
-def _ar_greedy(model, prompt, max_tokens):
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token == fx.EOS:
-            break
-        out.append(int(token))
-    return out
 
 
 def test_the_adapter_is_loaded_switched_off(with_adapter, without_adapter):
@@ -67,7 +57,7 @@ def test_self_spec_with_the_adapter_equals_greedy_ar(with_adapter, cache):
     for n in (5, 9):
         prompt = rng.integers(20, 250, n).tolist()
         got = stream_tokens(model, tok, prompt, max_tokens=14, mode="self_spec", cache=cache)
-        assert got == _ar_greedy(model, prompt, 14)
+        assert got == fx.ar_greedy(model, prompt, 14)
 
 
 def test_drafts_run_with_the_adapter_and_verification_without(with_adapter):
@@ -120,7 +110,7 @@ def test_draft_threshold_drafts_over_several_forwards_and_stays_lossless(
         got = stream_tokens(
             model, tok, prompt, max_tokens=12, mode="self_spec", draft_threshold=0.99
         )
-    assert got == _ar_greedy(model, prompt, 12)
+    assert got == fx.ar_greedy(model, prompt, 12)
     # Runs of draft forwards between verifies: some round drafted in more than one forward.
     runs, n = [], 0
     for bidirectional in seen[1:]:

@@ -10,7 +10,6 @@ token-identical to a transcription of the remote code's ar_generate.
 import json
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from conftest import load_fixture, spy_forwards
@@ -30,13 +29,7 @@ L = fx.BLOCK_SIZE
 N = 3 * L  # new tokens of the parity runs
 
 
-def _prompts(count, seed):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(3, 30, size=count)
-    return [[fx.BOS] + rng.integers(32, 250, size=int(n)).tolist() for n in lengths]
-
-
-PROMPTS = _prompts(3, seed=2)
+PROMPTS = fx.prompts(3, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +194,7 @@ def _think(budget, marker, **kw):
 def test_cache_none_and_batch_equal_kv_one_by_one(loaded, free_runs, causal_context):
     model, tok = loaded
     marker = _marker(free_runs[causal_context], L + 5)
-    prompts = _prompts(4, seed=5)
+    prompts = fx.prompts(4, seed=5)
     assert len({len(p) for p in prompts}) > 1  # left padding
     kw = _think(11, marker, max_tokens=N, causal_context=causal_context, threshold=0.7)
     one_by_one = [_ours(model, tok, p, **kw)[0] for p in prompts]
