@@ -5,11 +5,13 @@ done commit nothing more, so the step's forward leaves them out. The tokens must
 each prompt alone, and the forwards must really shrink (else the test would pass on the old path).
 """
 
+import mlx.core as mx
 import pytest
 
 from conftest import load_fixture, spy_forwards
 from fixtures import dream, llada, llada2, nemotron, sdar
 from mlx_dllm_models import batch_generate_diffusion
+from mlx_dllm_models.engine.block_cache import PrefixCache
 
 PROMPTS = [
     [40, 41, 42, 43, 44, 45, 46],
@@ -50,3 +52,28 @@ def test_rows_done_with_a_block_leave_its_forwards(name, tmp_path):
         alone = batch_generate_diffusion(model, tok, [prompt], **kw)
         assert got == alone.tokens[0], name
         assert reason == alone.finish_reasons[0]
+
+
+def test_row_subsets_keep_one_host_read_per_step(tmp_path, monkeypatch):
+    """The step's one read (which rows have masks left) is all that row subsets need: a batch
+    reads the device no more often with them than with every step over the whole batch."""
+    model, tok = load_fixture(sdar.build_sdar(tmp_path / "ckpt"))
+    kw = dict(max_tokens=16, block_length=8, temperature=0, sampler="threshold", threshold=0.95)
+    reads = []
+    for name in ("item", "tolist"):
+        real = getattr(mx.array, name)
+        monkeypatch.setattr(mx.array, name, lambda a, _r=real: reads.append(1) or _r(a))
+
+    def run():
+        widths = []
+        reads.clear()
+        with spy_forwards(model, lambda inputs, *_: widths.append(inputs.shape[0])):
+            batch_generate_diffusion(model, tok, PROMPTS, **kw)
+        return len(reads), widths
+
+    with_subsets, widths = run()
+    assert any(w < max(widths[i:]) for i, w in enumerate(widths)), widths
+    monkeypatch.setattr(PrefixCache, "row_steps", False)
+    without, full = run()
+    assert len(full) == len(widths)  # the same steps, each over the whole batch
+    assert with_subsets <= without, (with_subsets, without)
