@@ -8,7 +8,6 @@ greedy AR decoding with mlx-lm.
 """
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -37,10 +36,7 @@ PROMPTS = fx.prompts(4, seed=1)
 
 @pytest.fixture(scope="module")
 def checkpoint(fixture_dir):
-    path = fixture_dir / "nemotron"
-    if not (path / "config.json").exists():
-        fx.build(path)
-    return path
+    return fx.shared_checkpoint(fixture_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +46,7 @@ def loaded(checkpoint):
 
 @pytest.fixture(scope="module")
 def vlm(checkpoint):
-    from mlx_vlm.models.nemotron_labs_diffusion import Model, ModelConfig
-
-    ref = Model(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())))
-    ref.load_weights(list(ref.sanitize(mx.load(str(checkpoint / "model.safetensors"))).items()))
-    mx.eval(ref.parameters())
-    return ref
+    return fx.mlx_vlm_model(checkpoint)
 
 
 def _ours(model, tok, prompt, **kw):

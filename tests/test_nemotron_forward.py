@@ -188,9 +188,7 @@ def test_tied_checkpoint_has_no_stray_head(fixture_dir):
 
 
 def test_bad_checkpoints_raise_clear_errors(fixture_dir):
-    path = fixture_dir / "nemotron"
-    if not (path / "config.json").exists():
-        fx.build(path)
+    path = fx.shared_checkpoint(fixture_dir)
     cfg = json.loads((path / "config.json").read_text())
     model = Model(ModelArgs.from_dict(cfg))
     weights = dict(mx.load(str(path / "model.safetensors")))

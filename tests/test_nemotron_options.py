@@ -7,9 +7,6 @@ recompute and a left-padded batch equals its rows one by one. Self-speculation w
 token-identical to a transcription of the remote code's ar_generate.
 """
 
-import json
-
-import mlx.core as mx
 import pytest
 
 from conftest import load_fixture, spy_forwards
@@ -34,10 +31,7 @@ PROMPTS = fx.prompts(3, seed=2)
 
 @pytest.fixture(scope="module")
 def checkpoint(fixture_dir):
-    path = fixture_dir / "nemotron"
-    if not (path / "config.json").exists():
-        fx.build(path)
-    return path
+    return fx.shared_checkpoint(fixture_dir)
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +41,7 @@ def loaded(checkpoint):
 
 @pytest.fixture(scope="module")
 def vlm(checkpoint):
-    from mlx_vlm.models.nemotron_labs_diffusion import Model, ModelConfig
-
-    ref = Model(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())))
-    ref.load_weights(list(ref.sanitize(mx.load(str(checkpoint / "model.safetensors"))).items()))
-    mx.eval(ref.parameters())
-    return VlmForward(ref)
+    return VlmForward(fx.mlx_vlm_model(checkpoint))
 
 
 def _ours(model, tok, prompt, **kw):
