@@ -3,6 +3,8 @@
     python benchmarks/bench_lora.py [--task german] [--iters 60] [--batch-size 16]
                                     [--learning-rate 1.5e-4] [--num-layers 4] [--every 20]
                                     [--problems 32] [--seed 0] [--max-seq-length 48]
+                                    [--mask-eps 1e-3] [--low-discrepancy] [--cosine --warmup N]
+                                    [--train-problems 400] [--rank 8] [--scale 20]
 
 The default model adds two-digit numbers asked as "What is 47+85?". `--task german` asks the same
 in German, "Was ist 47+85?" (held-out accuracy 0 before training: it answers nothing);
@@ -11,8 +13,11 @@ or 2000 (subtraction) problems, none of them held out, trains LoRA adapters thro
 path (lora.parse_args, mlx-lm's datasets and trainer, the masked-diffusion SFT loss); every
 `--every` steps the accuracy on the held-out problems (exact answer, the checkpoint's decoding
 defaults, the CLI's chat prompt) and the wall-clock and CPU time so far are printed. The machine
-may be shared: CPU seconds are the steadier measure. tests/test_lora_learns.py uses the defaults
-with --seed 1.
+may be shared: CPU seconds are the steadier measure. tests/test_lora_learns.py's recipes:
+`--seed 1 --mask-eps 0.3 --low-discrepancy` (the suite's), and with MLX_DLLM_SLOW_TESTS=1
+`--seed 1 --batch-size 32 --iters 150 --learning-rate 2e-4 --cosine --warmup 5 --mask-eps 0.3
+--low-discrepancy --train-problems 2000`. Without --low-discrepancy the noise levels are drawn
+independently (`mlx_dllm lora --no-low-discrepancy`).
 """
 
 import argparse
@@ -71,10 +76,16 @@ def main():
     p.add_argument("--problems", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-length", type=int, default=48)
+    p.add_argument("--mask-eps", type=float, default=1e-3)
+    p.add_argument("--low-discrepancy", action="store_true")
+    p.add_argument("--scale", type=float, default=20.0)
+    p.add_argument("--train-problems", type=int, default=400, help="german: training rows")
+    p.add_argument("--warmup", type=int, default=0, help="with --cosine: linear warm-up steps")
+    p.add_argument("--cosine", action="store_true", help="cosine decay to 5%% over --iters")
     a = p.parse_args()
 
     if a.task == "german":
-        rows = german(400, a.problems, seed=0)
+        rows = german(a.train_problems, a.problems, seed=0)
     else:
         rows = subtraction(2000 + a.problems, seed=0)
     train, held_out = rows[: -a.problems], rows[-a.problems :]
@@ -82,15 +93,24 @@ def main():
     (work / "data").mkdir()
     for name, part in (("train", train), ("valid", held_out[: a.batch_size])):
         (work / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    lora_parameters = {"rank": a.rank, "dropout": 0.0, "scale": 20.0}
+    lora_parameters = {"rank": a.rank, "dropout": 0.0, "scale": a.scale}
     args = lora.parse_args(
         ["--train", "--data", str(work / "data"), "--adapter-path", str(work / "adapters")]
         + ["--iters", str(a.iters), "--batch-size", str(a.batch_size)]
         + ["--learning-rate", str(a.learning_rate), "--num-layers", str(a.num_layers)]
         + ["--steps-per-eval", str(a.every), "--val-batches", "1", "--steps-per-report", "25"]
         + ["--seed", str(a.seed), "--max-seq-length", str(a.max_seq_length)]
+        + ["--mask-eps", str(a.mask_eps)]
+        + (["--low-discrepancy"] if a.low_discrepancy else ["--no-low-discrepancy"])
     )
     args.lora_parameters = lora_parameters
+    if a.cosine:
+        lr = a.learning_rate
+        args.lr_schedule = {
+            "name": "cosine_decay",
+            "arguments": [lr, a.iters - a.warmup, lr * 0.05],
+            "warmup": a.warmup,
+        }
     args.model = default_checkpoint()
     model, tokenizer = load(args.model)
     prompts = [chat_prompt(tokenizer, r["prompt"]) for r in held_out]

@@ -10,6 +10,7 @@ the trainer gets LLaDA's SFT loss (training.diffusion_loss: the prompt is never 
 and its EOS padding are masked at a random rate t and weighted by 1/t).
 """
 
+import argparse
 import functools
 import inspect
 import sys
@@ -23,11 +24,13 @@ import numpy as np
 
 from .models.common import NotAutoregressiveError
 from .spec import CAUSAL_PREFIX
-from .training import family_loss
+from .training import family_loss, sample_noise
 
 # mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
 # download, and the prompt kept out of the loss (the SFT form needs the prompt length of each row).
-DEFAULTS = {"model": None, "mask_prompt": True}
+# The loss's noise: LLaDA's mask-rate floor (1e-3), and the batch's noise levels spread over [0, 1)
+# (an unbiased, lower-variance estimate of the same loss: mlx-lm's batches are small).
+DEFAULTS = {"model": None, "mask_prompt": True, "mask_eps": 1e-3, "low_discrepancy": True}
 
 
 def turn_closer(tokenizer) -> List[int]:
@@ -52,7 +55,7 @@ def turn_closer(tokenizer) -> List[int]:
     return ids
 
 
-def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = ()):
+def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = (), low_discrepancy: bool = False):
     """A loss with mlx-lm's trainer signature `loss(model, batch, lengths) -> (loss, ntoks)`.
 
     `batch` (B, L) is mlx-lm's zero-padded batch and `lengths` (B, 2) its (prompt offset, length)
@@ -60,7 +63,11 @@ def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = ()):
     a fixed canvas learns to end), and the masked-diffusion SFT loss is taken with the offsets as
     prompt lengths; `ntoks` counts the answer positions (mlx-lm weights validation losses by it).
     A row that ends with `closer` (turn_closer: the template's end-of-turn) has it replaced by EOS
-    too, as in LLaDA's SFT data."""
+    too, as in LLaDA's SFT data.
+
+    `eps` is the floor of the mask probability p = (1 - eps) t + eps (LLaDA's 1e-3); a larger one
+    keeps the 1/p weight of lightly masked rows from dominating a small batch's gradient.
+    `low_discrepancy` spreads the batch's noise levels over [0, 1) (training.sample_noise)."""
     diffusion = family_loss(spec, eps)
     if not spec.eos_token_ids:
         raise ValueError(
@@ -85,11 +92,16 @@ def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = ()):
         tokens = mx.where(positions < answer_ends(batch, lengths)[:, None], batch, eos)
         prompt_lengths = mx.minimum(lengths[:, 0], L - 1)
         # The noise draws come from mlx's global key, which mlx-lm's compiled step tracks.
-        t = mx.random.uniform(shape=(B,))
-        u = mx.random.uniform(shape=(B, L))
+        t, u = sample_noise(None, (B, L), low_discrepancy=low_discrepancy)
         return diffusion(model, tokens, t, u, prompt_lengths), (L - prompt_lengths).sum()
 
     return loss
+
+
+def _loss(args, model, closer):
+    return sft_loss(
+        model.diffusion_spec, args.mask_eps, closer, low_discrepancy=args.low_discrepancy
+    )
 
 
 def _optimizer(args):
@@ -163,7 +175,7 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
         train_dataset=CacheDataset(train_set),
         val_dataset=CacheDataset(valid_set),
         args=training_args,
-        loss=sft_loss(model.diffusion_spec, closer=closer),
+        loss=_loss(args, model, closer),
         training_callback=training_callback,
     )
 
@@ -225,7 +237,7 @@ def run(args, training_callback=None):
             batch_size=args.batch_size,
             num_batches=args.test_batches,
             max_seq_length=args.max_seq_length,
-            loss=sft_loss(model.diffusion_spec, closer=closer),
+            loss=_loss(args, model, closer),
         )
         print(f"Test loss (masked-diffusion ELBO bound per answer token) {test_loss:.3f}")
     return model, tokenizer
@@ -241,6 +253,19 @@ def parse_args(argv):
     parser.description = (
         "Fine-tune a diffusion language model with mlx-lm's data formats, trainer and adapter "
         "files, and the masked-diffusion SFT loss (the prompt is never masked)."
+    )
+    parser.add_argument(
+        "--mask-eps",
+        type=float,
+        help="floor of the loss's mask probability p = (1 - eps) t + eps (default 1e-3, LLaDA's); "
+        "a larger one lowers the variance of small batches",
+    )
+    parser.add_argument(
+        "--low-discrepancy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="spread each batch's noise levels t evenly over [0, 1) (default) instead of drawing "
+        "them independently as LLaDA does: the same objective, a lower-variance estimate",
     )
     args = vars(parser.parse_args(argv))
     if args.get("config"):

@@ -29,12 +29,13 @@ Batch = Union[Mapping[str, mx.array], Tuple[mx.array, ...]]
 # ------------------------------------------------------------------------------------------ loss
 
 
-def sample_noise(key: mx.array, shape: Tuple[int, int], *, low_discrepancy: bool = False):
+def sample_noise(key: Optional[mx.array], shape: Tuple[int, int], *, low_discrepancy: bool = False):
     """(t, u): one noise level t in [0, 1) per row and a uniform draw u per position (position i is
     masked when u[i] < p(t)). `low_discrepancy` spreads the B levels over [0, 1) as MDLM's sampler
-    does (t_b = (b + r) / B, shuffled): the same marginal law, a lower-variance loss estimate."""
+    does (t_b = (b + r) / B, shuffled): the same marginal law, a lower-variance loss estimate.
+    `key=None` draws from mlx's global generator (what a compiled training step tracks)."""
     B, L = shape
-    k_t, k_u, k_p = mx.random.split(key, 3)
+    k_t, k_u, k_p = mx.random.split(key, 3) if key is not None else (None, None, None)
     if low_discrepancy:
         r = mx.random.uniform(shape=(1,), key=k_t)
         t = (mx.arange(B) + r) / B

@@ -3,16 +3,15 @@
 The default adds two-digit numbers asked as "What is 47+85?". Asked in German, "Was ist 47+85?"
 (the digits at the same positions), it answers nothing: held-out accuracy 0. A completions jsonl
 of German questions trains LoRA adapters through the real CLI, in a fresh process (mlx-lm's data,
-trainer and adapter files, the masked-diffusion SFT loss); the adapters, loaded back with
-`load(path, adapter_path=...)` and by `mlx_dllm generate --adapter-path`, answer the held-out
-questions. BENCHMARKS.md ("LoRA on the embedded default") has the learning curves behind the
-settings: 60 steps of 16 rows reached 0.06 to 0.875 held-out accuracy depending on the seed
-(0.625 with this test's), so the test asserts learning (0 -> at least 0.3), not the issue's 0.8,
-which this task does not reach reliably in the steps a test may take on 2 CPU cores with mlx's
-bundled BLAS.
+trainer, YAML config and adapter files, the masked-diffusion SFT loss); the adapters, loaded back
+with `load(path, adapter_path=...)` and by `mlx_dllm generate --adapter-path`, answer the held-out
+questions: at least 0.8 of them with MLX_DLLM_SLOW_TESTS=1 (the issue's bar), at least 0.3 in the
+suite's budget (below). BENCHMARKS.md ("LoRA on the embedded default") has the learning curves
+behind both recipes.
 """
 
 import json
+import os
 import random
 
 import pytest
@@ -27,15 +26,32 @@ from mlx_dllm_models.default import (
 from tests.conftest import run_cli
 
 HELD_OUT = 32
-TRAIN_ROWS = 400
-# Measured (BENCHMARKS.md): larger learning rates collapse the adapters to constant answers in
-# the first steps; mlx-lm's LoRA defaults otherwise (rank 8, scale 20, every layer: 4 here).
-LORA_FLAGS = ["--iters", "60", "--batch-size", "16", "--learning-rate", "1.5e-4"]
-LORA_FLAGS += ["--num-layers", "4", "--seed", "1"]
+# MLX_DLLM_SLOW_TESTS=1 runs the recipe that reaches the issue's 0.8 from every seed measured
+# (BENCHMARKS.md): 150 steps of 32 rows at 2e-4 on a cosine schedule from mlx-lm's YAML config.
+# It takes about 8 minutes on 2 CPU cores with mlx's bundled BLAS (2 with OpenBLAS), which the
+# suite's budget in CI cannot hold; there, 60 steps of 16 rows at a constant 1.5e-4 (a fifth of
+# the compute, about 75 s) must show the learning: from 0 to at least 0.3.
+SLOW = os.environ.get("MLX_DLLM_SLOW_TESTS") == "1"
+ITERS, BATCH, LEARNING_RATE, FLOOR = (150, 32, 2e-4, 0.8) if SLOW else (60, 16, 1.5e-4, 0.3)
+# German questions to train on (never a held-out pair); 60 steps of 16 learned more reliably from
+# 400 (a few passes over each) than from 2000.
+TRAIN_ROWS = 2000 if SLOW else 400
+# Both use the loss's lower-variance settings: a mask-rate floor of 0.3 (the 1/p weight of a
+# lightly masked row no longer dominates a batch) and noise levels spread over the batch. Learning
+# rates of 3e-4 and up collapse some seeds to constant answers (mlx-lm's LoRA scale is 20); rank 8
+# on every linear layer of the 4.
+LORA_FLAGS = ["--iters", str(ITERS), "--batch-size", str(BATCH), "--num-layers", "4"]
+LORA_FLAGS += ["--learning-rate", str(LEARNING_RATE), "--seed", "1"]
+LORA_FLAGS += ["--mask-eps", "0.3", "--low-discrepancy"]
 # mlx-lm pads rows to 1 + a multiple of 32 positions, capped here: the chat prompt is 37 tokens
 # and the answer 4, so 48 positions (11 answer + EOS padding) hold every row and cost a quarter
 # less than 65.
 LORA_FLAGS += ["--max-seq-length", "48", "--steps-per-eval", "1000", "--val-batches", "1"]
+SCHEDULE = {
+    "name": "cosine_decay",
+    "arguments": [LEARNING_RATE, ITERS - 5, LEARNING_RATE * 0.05],
+    "warmup": 5,
+}
 
 
 def german(a, b):
@@ -68,10 +84,22 @@ def trained(tmp_path_factory):
             rows[(a, b)] = german(a, b)
     lines = [json.dumps({"prompt": q, "completion": ans}) + "\n" for q, ans in rows.values()]
     (data / "train.jsonl").write_text("".join(lines))
-    (data / "valid.jsonl").write_text("".join(lines[:16]))
+    (data / "valid.jsonl").write_text("".join(lines[:32]))  # one batch
     adapters = root / "adapters"
+    config = root / "lora.yaml"
+    # The slow recipe's schedule comes from a YAML config file, as mlx_lm.lora reads it.
+    config.write_text(json.dumps({"lr_schedule": SCHEDULE} if SLOW else {}))  # JSON is YAML
     proc = run_cli(
-        "lora", "--train", "--data", str(data), "--adapter-path", str(adapters), *LORA_FLAGS
+        "lora",
+        "-c",
+        str(config),
+        "--train",
+        "--data",
+        str(data),
+        "--adapter-path",
+        str(adapters),
+        *LORA_FLAGS,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return adapters
@@ -90,15 +118,15 @@ def answered(trained):
     from mlx_dllm_models.loader import load
 
     model, tokenizer = load(default_checkpoint(), adapter_path=str(trained))
-    return _answered(model, tokenizer, _held_out()[:HELD_OUT])
+    answered = _answered(model, tokenizer, _held_out()[:HELD_OUT])
+    print(f"held-out accuracy {len(answered)}/{HELD_OUT}")  # shown by pytest -s or -rP
+    return answered
 
 
 def test_lora_adapters_learn_the_task_and_load_back(trained, answered):
     assert (trained / "adapters.safetensors").exists()
     assert json.loads((trained / "adapter_config.json").read_text())["fine_tune_type"] == "lora"
-    # 0.625 here with the test's seed (the batch order and noise draws; 0.06 with seed 0, whose
-    # batch order stalls): BENCHMARKS.md. From 0, this is learning; the issue's 0.8 is not reached.
-    assert len(answered) >= 0.3 * HELD_OUT, len(answered)
+    assert len(answered) >= FLOOR * HELD_OUT, len(answered)
 
 
 def test_generate_answers_with_the_adapters(trained, answered):

@@ -214,16 +214,18 @@ def test_fuse_folds_the_adapters_into_a_checkpoint(lora_run):
     assert "mlx_dllm generate --model fused" in (out / "README.md").read_text()
 
 
-def test_sft_loss_keeps_the_prompt_and_pads_answers_with_eos():
-    """mlx-lm's batch is zero-padded; the loss sees EOS past each row's length, never a masked
-    prompt position, and masks part of the answer."""
+@pytest.fixture(scope="module")
+def default_model():
+    from mlx_dllm_models import load
+
+    return load(default_checkpoint())[0]
+
+
+def _loss_inputs(model, loss, batch, lengths, seed=0):
+    """What `loss` (lora.sft_loss's form) feeds `model` for one mlx-lm batch: the noisy tokens, as
+    a list of rows, and the loss's (value, ntoks)."""
     import mlx.core as mx
 
-    from mlx_dllm_models import load
-    from mlx_dllm_models.lora import sft_loss
-
-    model, _ = load(default_checkpoint())
-    spec = model.diffusion_spec
     seen = []
     real = type(model).__call__
 
@@ -234,18 +236,68 @@ def test_sft_loss_keeps_the_prompt_and_pads_answers_with_eos():
 
     model.__class__ = Spy
     try:
-        batch = mx.array([[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 7, 8, 9, 10, 11, 12]])
-        lengths = mx.array([[3, 6], [2, 8]])
-        mx.random.seed(0)
-        value, ntoks = sft_loss(spec)(model, batch, lengths)
+        mx.random.seed(seed)
+        value, ntoks = loss(model, mx.array(batch), mx.array(lengths))
     finally:
         model.__class__ = type(model).__mro__[1]
     (noisy,) = seen
-    noisy = noisy.tolist()
+    return noisy.tolist(), (float(value), int(ntoks))
+
+
+def test_sft_loss_keeps_the_prompt_and_pads_answers_with_eos(default_model):
+    """mlx-lm's batch is zero-padded; the loss sees EOS past each row's length, never a masked
+    prompt position, and masks part of the answer."""
+    from mlx_dllm_models.lora import sft_loss
+
+    spec = default_model.diffusion_spec
+    batch = [[5, 6, 7, 8, 9, 10, 0, 0], [5, 6, 7, 8, 9, 10, 11, 12]]
+    loss = sft_loss(spec)
+    noisy, (value, ntoks) = _loss_inputs(default_model, loss, batch, [[3, 6], [2, 8]])
     assert noisy[0][:3] == [5, 6, 7] and noisy[1][:2] == [5, 6]
     assert all(t in (spec.eos_token_ids[0], spec.mask_token_id) for t in noisy[0][6:])
     assert any(t == spec.mask_token_id for row in noisy for t in row)
-    assert int(ntoks) == (8 - 3) + (8 - 2) and float(value) > 0
+    assert ntoks == (8 - 3) + (8 - 2) and value > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lora_noise_flags_reach_the_loss(default_model, seed):
+    """`mlx_dllm lora --mask-eps E` (with the default spread noise levels): every row's answer is
+    masked at a rate of at least E, and the batch's rates fall one into each of B equal strata of
+    [E, 1]. With LLaDA's settings (`--mask-eps 1e-3 --no-low-discrepancy`) some row of 8 falls
+    below 0.3 or two share a stratum."""
+    import mlx.core as mx
+
+    from mlx_dllm_models.lora import _loss, parse_args
+
+    B, P, L = 8, 2, 402
+    batch, lengths = [[5] * L] * B, [[P, L]] * B
+
+    mask = default_model.diffusion_spec.mask_token_id
+
+    class Recorder:
+        """Stands in for the model (the noise is all this test reads): records its input."""
+
+        diffusion_spec = default_model.diffusion_spec
+
+        def __call__(self, inputs):
+            self.inputs = inputs
+            return mx.zeros((*inputs.shape, 8))
+
+    def rates(argv):
+        args = parse_args(["--train", "--data", "unused"] + argv)
+        model = Recorder()
+        mx.random.seed(seed)
+        _loss(args, model, ())(model, mx.array(batch), mx.array(lengths))
+        return sorted(sum(t == mask for t in row[P:]) / (L - P) for row in model.inputs.tolist())
+
+    eps = 0.3
+    spread = rates(["--mask-eps", str(eps)])
+    for i, rate in enumerate(spread):
+        lo, hi = eps + (1 - eps) * i / B, eps + (1 - eps) * (i + 1) / B
+        assert lo - 0.07 <= rate <= hi + 0.07, (i, rate, spread)
+    llada = rates(["--mask-eps", "1e-3", "--no-low-discrepancy"])
+    strata = {int((r - 1e-3) / (1 - 1e-3) * B) for r in llada}
+    assert llada[0] < eps or len(strata) < B, llada
 
 
 # ---------------------------------------------------------------------------- mlx_dllm evaluate
