@@ -211,6 +211,11 @@ def run(args, training_callback=None):
 
     from .loader import load
 
+    if not 0 < args.mask_eps < 1:
+        raise ValueError(
+            f"--mask-eps {args.mask_eps}: the floor of the mask rate must be in (0, 1) (the loss "
+            "divides by the rate); LLaDA's is 1e-3, 0.3 steadies small batches"
+        )
     # mlx-lm's trainer draws the batch order from numpy's global generator: --seed fixes it too, as
     # mlx_lm.lora.run does (without it two runs with the same seed see different batches).
     np.random.seed(args.seed)

@@ -10,6 +10,7 @@ a repo id, and the processes run with HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointing
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -375,6 +376,8 @@ def test_evaluate_scores_local_lm_eval_tasks_on_the_default(tmp_path, monkeypatc
     [
         (["--data", "no/such/folder"], "--data no/such/folder: no such folder"),
         (["--num-layers", "99"], "--num-layers 99: the model has only 4 layers"),
+        (["--mask-eps", "0"], "--mask-eps 0.0: the floor of the mask rate must be in (0, 1)"),
+        (["--mask-eps", "1.5"], "--mask-eps 1.5: the floor of the mask rate must be in (0, 1)"),
     ],
 )
 def test_lora_bad_input_says_what_to_do(tmp_path, flags, message):
@@ -386,5 +389,5 @@ def test_lora_bad_input_says_what_to_do(tmp_path, flags, message):
     for name in ("train", "valid"):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["lora", "--train", "--data", str(data), "--adapter-path", str(tmp_path / "a")]
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+    with pytest.raises(SystemExit, match=re.escape(message)):
         main(argv + flags)
