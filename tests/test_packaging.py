@@ -184,6 +184,28 @@ def test_wheel_ships_the_startup_hook_at_its_root(wheel):
     assert not any(n.startswith(("tests/", "patches/")) for n in names)
 
 
+def test_linux_backends_are_extras_as_in_mlx_lm(wheel):
+    """Issue 15 §5: the wheel's metadata leaves MLX's Linux backend to an extra ([cpu], [cuda12],
+    [cuda13], mlx-lm's names), so a CUDA user is not forced onto mlx[cpu] (the two install the
+    same files); the README names the command for each platform."""
+    import email
+
+    with zipfile.ZipFile(wheel) as whl:
+        (name,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.message_from_bytes(whl.read(name))
+    requires = [r.replace(" ", "").replace('"', "'") for r in meta.get_all("Requires-Dist")]
+    assert {"cpu", "cuda12", "cuda13"} <= set(meta.get_all("Provides-Extra"))
+    base = [r for r in requires if "extra==" not in r]
+    assert any(r.startswith("mlx>=") for r in base), base
+    assert not any(r.startswith("mlx[") for r in base), base  # no backend without an extra
+    for extra in ("cpu", "cuda12", "cuda13"):
+        assert any(r.startswith(f"mlx[{extra}]") and f"extra=='{extra}'" in r for r in requires)
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].splitlines()[0]
+    assert first.startswith("python -m pip install '.[cpu]' && mlx_dllm generate"), first
+    assert "'.[cuda12]'" in readme and "'.[cuda13]'" in readme
+
+
 def test_editable_wheel_also_ships_the_startup_hook(tmp_path):
     """`pip install -e .` must install the hook too, after the .pth that puts the checkout on sys.path."""
     code = f"from hatchling.build import build_editable; print(build_editable({str(tmp_path)!r}))"
