@@ -131,9 +131,9 @@ GENERATION_CONFIG = {
 # prefix then means re-learning the task with relative positions, and the single-question skill
 # goes first. Long rows are also slow to train here: a batch of 32 rows of 227-513 positions took
 # 4x a phase-1 batch (12.7 s against 3.0 s, 3 jobs on 2 cores), much of it attention's softmax
-# (mlx's CPU exp: benchmarks/bench_cpu_ops.py). The likely way, not tried for lack of CPU time: train phase 1
-# from scratch with the few-shot batches mixed in (--few-shot-from-start), so that the model never
-# learns absolute positions.
+# (mlx's CPU exp: benchmarks/bench_cpu_ops.py). The likely way, not tried for lack of CPU time:
+# train phase 1 from scratch with the few-shot batches mixed in (--few-shot-from-start), so that
+# the model never learns absolute positions.
 FEW_SHOT_STEPS = 0  # see above: set with --few-shot-steps
 FEW_SHOT_LEARNING_RATE = 3e-4
 FEW_SHOT_WARMUP = 50
@@ -149,11 +149,11 @@ class Data:
     """Seeded stream of SFT batches: (tokens (B, L), prompt lengths (B,)). A row is the templated
     question, the answer, then EOS up to the batch's canvas length, as LLaDA's SFT pads."""
 
-    def __init__(self, tokenizer, seed, few_shot=False):
+    def __init__(self, tokenizer, seed, max_shots=0):
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
         self.held_out = held_out_pairs()
-        self.few_shot = few_shot
+        self.max_shots = max_shots  # each batch: 0..max_shots solved examples before the question
         self.count = 0
 
     def problem(self):
@@ -168,7 +168,8 @@ class Data:
     def batch(self):
         self.count += 1
         rows = []
-        shots = int(self.rng.integers(0, TRAIN_SHOTS + 1)) if self.few_shot else 0
+        # No draw without few-shot batches: phase 1's data stream stays the committed weights'.
+        shots = int(self.rng.integers(0, self.max_shots + 1)) if self.max_shots else 0
         if shots:
             canvas = MONITOR["max_tokens"]
             while not rows or len(rows) * (len(rows[0][0]) + canvas) < FEW_SHOT_TOKENS:
@@ -272,7 +273,6 @@ def main():
     )
     p.add_argument("--monitor-every", type=int, default=300)
     args = p.parse_args()
-    globals()["TRAIN_SHOTS"] = args.train_shots
 
     if args.few_shot_steps or args.few_shot_from_start:
         CONFIG["max_sequence_length"] = 1024  # few-shot prompts of up to ~500 tokens + canvases
@@ -305,7 +305,7 @@ def main():
     if not args.from_checkpoint:
         run_phase(
             model,
-            Data(tokenizer, SEED, few_shot=args.few_shot_from_start),
+            Data(tokenizer, SEED, args.train_shots if args.few_shot_from_start else 0),
             args.steps,
             LEARNING_RATE,
             WARMUP,
@@ -316,7 +316,7 @@ def main():
     if args.few_shot_steps:
         run_phase(
             model,
-            Data(tokenizer, SEED + 1, few_shot=True),
+            Data(tokenizer, SEED + 1, args.train_shots),
             args.few_shot_steps,
             args.few_shot_lr,
             FEW_SHOT_WARMUP,
