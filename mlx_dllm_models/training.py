@@ -7,7 +7,9 @@ masked independently with probability p, cross-entropy on the masked positions w
 * pre-training form: `sum(CE / p over masked positions) / (B * L)`;
 * SFT form: the prompt is never masked, and each row's sum is divided by its answer length
   (answer plus EOS padding, everything after the prompt) before averaging over the B rows:
-  `sum(CE / p / answer_length) / B`.
+  `sum(CE / p / answer_length) / B`;
+* several answers a row (a few-shot prompt's solved examples, earlier turns): a `maskable` (B, L)
+  mask replaces "after the prompt", and each row is divided by its count of maskable positions.
 
 The loss works on the model protocol (`model(inputs) -> logits`) and reads the family's
 `diffusion_spec` for the mask id and the logit shift, so any supported family can be fine-tuned;
@@ -58,12 +60,17 @@ def forward_process(
     mask_token_id: int,
     *,
     prompt_lengths: Optional[mx.array] = None,
+    maskable: Optional[mx.array] = None,
     eps: float = 1e-3,
 ):
     """Noise a batch: returns (noisy tokens, masked positions, p per row). Prompt positions
-    (`i < prompt_lengths[b]`) are never masked."""
+    (`i < prompt_lengths[b]`), or the positions where `maskable` (B, L) is False, are never
+    masked."""
     p = mask_probability(t, eps)
-    noisy, masked = mask_tokens(tokens, u < p[:, None], mask_token_id, prompt_lengths)
+    masked = u < p[:, None]
+    if maskable is not None:
+        masked = masked & maskable
+    noisy, masked = mask_tokens(tokens, masked, mask_token_id, prompt_lengths)
     return noisy, masked, p
 
 
@@ -101,14 +108,15 @@ def align_logits(logits: mx.array, logit_shift: int) -> mx.array:
 
 def family_loss(spec, eps: float = 1e-3) -> Callable:
     """`diffusion_loss` with a family's mask token and logit shift, as
-    f(model, tokens, t, u, prompt_lengths): what `train` and `mlx_dllm lora` minimise."""
+    f(model, tokens, t, u, prompt_lengths, maskable=None): what `train` and `mlx_dllm lora`
+    minimise."""
     if spec.mask_token_id is None:
         raise ValueError(
             f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
             "loss does not apply to it"
         )
 
-    def loss(model, tokens, t, u, prompt_lengths):
+    def loss(model, tokens, t, u, prompt_lengths, maskable=None):
         return diffusion_loss(
             model,
             tokens,
@@ -117,6 +125,7 @@ def family_loss(spec, eps: float = 1e-3) -> Callable:
             mask_token_id=spec.mask_token_id,
             logit_shift=spec.logit_shift,
             prompt_lengths=prompt_lengths,
+            maskable=maskable,
             eps=eps,
         )
 
@@ -132,20 +141,29 @@ def diffusion_loss(
     mask_token_id: int,
     logit_shift: int = 0,
     prompt_lengths: Optional[mx.array] = None,
+    maskable: Optional[mx.array] = None,
     eps: float = 1e-3,
 ) -> mx.array:
     """The masked-diffusion loss of `tokens` (B, L) under the draws (t, u).
 
-    Without `prompt_lengths`: LLaDA's pre-training loss. With them: its SFT loss (prompt kept
-    clean, each row normalised by its answer length L - prompt_length)."""
+    Without `prompt_lengths` or `maskable`: LLaDA's pre-training loss. With `prompt_lengths`: its
+    SFT loss (prompt kept clean, each row normalised by its answer length L - prompt_length).
+    `maskable` (B, L) generalises the SFT form to rows holding several answers (a prompt's solved
+    examples, earlier turns): only its True positions may be masked, and each row is normalised by
+    their count."""
+    if prompt_lengths is not None and maskable is not None:
+        raise ValueError("give prompt_lengths or maskable, not both")
     noisy, masked, p = forward_process(
-        tokens, t, u, mask_token_id, prompt_lengths=prompt_lengths, eps=eps
+        tokens, t, u, mask_token_id, prompt_lengths=prompt_lengths, maskable=maskable, eps=eps
     )
     weighted = weighted_nll(align_logits(model(noisy), logit_shift), tokens, masked, p)
     B, L = tokens.shape
-    if prompt_lengths is None:
+    if maskable is not None:
+        answer_lengths = maskable.sum(axis=1).astype(mx.float32)
+    elif prompt_lengths is not None:
+        answer_lengths = (L - prompt_lengths).astype(mx.float32)
+    else:
         return weighted.sum() / (B * L)
-    answer_lengths = (L - prompt_lengths).astype(mx.float32)
     return (weighted.sum(axis=1) / answer_lengths).sum() / B
 
 
@@ -186,8 +204,11 @@ def fuse_lora(model: nn.Module) -> nn.Module:
 
 
 def _unpack(batch: Batch, sft: bool):
+    """(tokens, prompt_lengths, maskable) of a batch; at most one of the last two is not None."""
+    maskable = None
     if isinstance(batch, Mapping):
         tokens, prompt_lengths = batch["tokens"], batch.get("prompt_lengths")
+        maskable = batch.get("maskable")
     elif isinstance(batch, (tuple, list)):
         tokens, prompt_lengths = batch[0], (batch[1] if len(batch) > 1 else None)
     else:
@@ -196,15 +217,28 @@ def _unpack(batch: Batch, sft: bool):
     if tokens.ndim != 2:
         raise ValueError(f"a batch's tokens must be (B, L) token ids, got shape {tokens.shape}")
     if not sft:
-        return tokens, None
+        return tokens, None, None
+    if maskable is not None:
+        if prompt_lengths is not None:
+            raise ValueError("a batch gives prompt_lengths or maskable, not both")
+        maskable = mx.array(maskable)
+        if maskable.shape != tokens.shape or maskable.dtype != mx.bool_:
+            raise ValueError(
+                f"maskable must be booleans of the tokens' shape {tokens.shape}, got "
+                f"{maskable.dtype} {maskable.shape}"
+            )
+        if not bool(maskable.any(axis=1).all()):
+            raise ValueError("a row has no maskable position: it has no answer to train on")
+        return tokens, None, maskable
     if prompt_lengths is None:
         raise ValueError(
-            "SFT needs prompt_lengths per row (give sft=False for the pre-training loss)"
+            "SFT needs prompt_lengths (or maskable) per row (give sft=False for the pre-training "
+            "loss)"
         )
     prompt_lengths = mx.array(prompt_lengths)
     if int(prompt_lengths.max()) >= tokens.shape[1]:
         raise ValueError("a row's prompt fills the whole sequence: it has no answer to train on")
-    return tokens, prompt_lengths
+    return tokens, prompt_lengths, None
 
 
 def train(
@@ -222,8 +256,9 @@ def train(
     callback: Optional[Callable[[int, float], None]] = None,
 ) -> list:
     """Minimise the masked-diffusion loss over `batches` (one optimiser step each). A batch is
-    {"tokens": (B, L), "prompt_lengths": (B,)} or a (tokens, prompt_lengths) tuple; with
-    `sft=False` prompt lengths are ignored and every position may be masked. Only trainable
+    {"tokens": (B, L), "prompt_lengths": (B,)} or a (tokens, prompt_lengths) tuple, or
+    {"tokens", "maskable": (B, L) booleans} for rows holding several answers (`diffusion_loss`);
+    with `sft=False` prompt lengths are ignored and every position may be masked. Only trainable
     parameters move (after `apply_lora`, the adapters). `low_discrepancy` spreads each batch's
     noise levels (see `sample_noise`). Returns the loss of each step."""
     spec = spec or model.diffusion_spec
@@ -234,10 +269,10 @@ def train(
     model.train()
     losses = []
     for step, batch in enumerate(batches):
-        tokens, prompt_lengths = _unpack(batch, sft)
+        tokens, prompt_lengths, maskable = _unpack(batch, sft)
         key, sub = mx.random.split(key)
         t, u = sample_noise(sub, tokens.shape, low_discrepancy=low_discrepancy)
-        loss, grads = loss_and_grad(model, tokens, t, u, prompt_lengths)
+        loss, grads = loss_and_grad(model, tokens, t, u, prompt_lengths, maskable)
         if max_grad_norm is not None:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
         optimizer.update(model, grads)

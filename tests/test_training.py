@@ -69,14 +69,17 @@ def reference_pretraining_loss(model, mask_id, input_ids, t, u, shift=0):
     return (token_loss.sum() / (b * l)).item()
 
 
-def reference_sft_loss(model, mask_id, input_ids, prompt_lengths, t, u, shift=0):
-    """LLaDA GUIDELINES.md, SFT: noise everything, restore the prompt, divide by answer length."""
+def reference_sft_loss(model, mask_id, input_ids, prompt_lengths, t, u, shift=0, kept=None):
+    """LLaDA GUIDELINES.md, SFT: noise everything, restore the prompt, divide by answer length.
+    `kept` (B, L), when given, replaces the prompt mask (the positions restored)."""
     input_ids, prompt_lengths, t, u = map(torch.from_numpy, (input_ids, prompt_lengths, t, u))
     b, l = input_ids.shape
     p_mask = ((1 - EPS) * t + EPS)[:, None].repeat(1, l)
     noisy_batch = torch.where(u < p_mask, mask_id, input_ids)
     token_positions = torch.arange(l).expand(b, l)
     prompt_mask = token_positions < prompt_lengths.unsqueeze(1)
+    if kept is not None:
+        prompt_mask = torch.from_numpy(kept)
     noisy_batch[prompt_mask] = input_ids[prompt_mask]
     answer_lengths = torch.sum(1 - prompt_mask.to(torch.int64), dim=-1, keepdim=True).repeat(1, l)
     masked_indices = noisy_batch == mask_id
@@ -112,6 +115,80 @@ def test_loss_matches_llada_guidelines(family, llada, dream):
     if family == "dream":  # the shift matters: the unshifted loss is another number
         unshifted = reference_sft_loss(model, spec.mask_token_id, tokens, plen, t, u, 0)
         assert abs(unshifted - want) > 1e-3 * abs(want)
+
+
+def _maskable(tokens, plen):
+    """The answer (after the prompt) and, in each prompt, a 3-token span: a solved example's answer
+    in a few-shot prompt."""
+    L = tokens.shape[1]
+    maskable = np.arange(L)[None] >= plen[:, None]
+    for row, p in enumerate(plen):
+        if p >= 4:
+            maskable[row, p - 4 : p - 1] = True
+    return maskable
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_loss_with_several_answers_a_row(family, llada, dream):
+    model, _ = llada if family == "llada" else dream
+    spec = model.diffusion_spec
+    tokens, plen = _batch(3)
+    t, u = _draws(4, *tokens.shape)
+    args = dict(mask_token_id=spec.mask_token_id, logit_shift=spec.logit_shift)
+    after_prompt = np.arange(tokens.shape[1])[None] >= plen[:, None]
+    # maskable = "after the prompt" is the SFT loss itself
+    got = diffusion_loss(
+        model, mx.array(tokens), mx.array(t), mx.array(u), maskable=mx.array(after_prompt), **args
+    ).item()
+    _close(got, reference_sft_loss(model, spec.mask_token_id, tokens, plen, t, u, spec.logit_shift))
+    # spans inside the prompt are noised and scored too, each row divided by its maskable count
+    maskable = _maskable(tokens, plen)
+    got = diffusion_loss(
+        model, mx.array(tokens), mx.array(t), mx.array(u), maskable=mx.array(maskable), **args
+    ).item()
+    want = reference_sft_loss(
+        model, spec.mask_token_id, tokens, plen, t, u, spec.logit_shift, kept=~maskable
+    )
+    _close(got, want)
+    assert abs(got - reference_sft_loss(model, spec.mask_token_id, tokens, plen, t, u)) > 1e-4
+
+
+def test_training_masks_only_maskable_positions(llada):
+    model, _ = llada
+    mask = model.diffusion_spec.mask_token_id
+    tokens, plen = _batch(5)
+    maskable = _maskable(tokens, plen)
+    seen = []
+    with spy_forwards(model, lambda inputs, *_: seen.append(np.array(inputs))):
+        train(
+            model,
+            [{"tokens": tokens, "maskable": maskable}] * 4,
+            optimizer=optim.SGD(learning_rate=0.0),
+            seed=2,
+        )
+    seen = np.stack(seen)
+    assert (seen[:, ~maskable] == tokens[~maskable]).all()
+    in_prompt = maskable & (np.arange(tokens.shape[1])[None] < plen[:, None])
+    assert (seen[:, in_prompt] == mask).any()  # the in-prompt answers are trained on
+
+
+def test_maskable_batches_are_checked(llada):
+    model, _ = llada
+    tokens, plen = _batch(6)
+    maskable = _maskable(tokens, plen)
+    sgd = optim.SGD(learning_rate=0.0)
+    cases = [
+        ({"tokens": tokens, "maskable": maskable, "prompt_lengths": plen}, "not both"),
+        ({"tokens": tokens, "maskable": maskable[:, :-1]}, "booleans of the tokens' shape"),
+        (
+            {"tokens": tokens, "maskable": maskable.astype(np.int32)},
+            "booleans of the tokens' shape",
+        ),
+        ({"tokens": tokens, "maskable": np.zeros_like(maskable)}, "no maskable position"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train(model, [batch], optimizer=sgd)
 
 
 def test_sft_never_masks_the_prompt(llada):
