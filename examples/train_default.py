@@ -116,44 +116,68 @@ GENERATION_CONFIG = {
 # (--from-checkpoint skips phase 1; --few-shot-from-start mixes the same batches into phase 1
 # instead). Each batch draws a shot count k in 0..--train-shots: k = 0 is a phase-1 batch (so the
 # single-question skill is kept), k > 0 a batch of rows of one length (no compute spent on
-# padding) holding about FEW_SHOT_TOKENS positions. Not part of the committed weights: none of
-# these runs from the committed phase-1 weights converged (OpenBLAS, 1-2 cores shared with other
-# jobs, held-out accuracy on 50 problems):
-#   * k in 1..16 half the batches (16 rows), 2e-4, 300 steps: single questions 0.98 -> 0.58
-#     (step 100) -> 0.80 (step 300); 4 solved examples 0.00 -> 0.02; 16 examples 0.04;
-#   * k in 0..16, 5e-4, 100 steps (5.6 s a step): single questions 0.00;
-#   * k in 0..4, 3e-4, 350 steps (4.7-8.5 s a step): single questions 0.14 / 0.08 / 0.48 at steps
-#     100 / 200 / 300; 2 solved examples 0.02 / 0.08 / 0.06; 4 examples 0.04 / 0.00 / 0.04.
-# Most likely why (inferred, not shown): the phase-1 model reads where it is from the start of
-# the prompt, not from the question. Any prefix breaks it, even one that shares nothing with the
-# task: 28 characters of "lorem ipsum" before the question give 0.04 (1 solved example in the
-# Q:/A: form 0.00; 1 or 4 examples written in words, with no digit, 0.00-0.02). Answering after a
-# prefix then means re-learning the task with relative positions, and the single-question skill
-# goes first. Long rows are also slow to train here: a batch of 32 rows of 227-513 positions took
-# 4x a phase-1 batch (12.7 s against 3.0 s, 3 jobs on 2 cores), much of it attention's softmax
-# (mlx's CPU exp: benchmarks/bench_cpu_ops.py). The likely way, not tried for lack of CPU time:
-# train phase 1 from scratch with the few-shot batches mixed in (--few-shot-from-start), so that
-# the model never learns absolute positions.
+# padding) holding about --few-shot-tokens positions, whose solved examples' answers are trained
+# on too (Data); --single-share P draws a single-question batch with probability P instead, else
+# k in 1..--train-shots. --jitter puts 0..N random characters before the single questions.
+# Not part of the committed weights: no run converged. Held-out accuracy on 50 problems (0 / 7 / 15
+# solved examples; OpenBLAS, 1 thread a run, two runs sharing the 2 cores):
+#   * from the committed weights, the final answer only trained (8192 positions a few-shot batch):
+#     k in 1..16 half the batches, 2e-4, 300 steps: single questions 0.98 -> 0.58 (step 100) ->
+#     0.80; 4 or 16 examples 0.02-0.04. k in 0..16, 5e-4, 100 steps: single 0.00. k in 0..4, 3e-4,
+#     350 steps: single 0.14 / 0.08 / 0.48 at steps 100 / 200 / 300, few-shot at most 0.08;
+#   * from the committed weights, examples' answers trained too, k in 1..15, a few-shot batch 65%
+#     of the time: all weights at 3e-4, 600 steps: single 0.82 -> 0.02 (step 100) -> 0.72, few-shot
+#     0.00-0.06 throughout; only the attention's q/k projections at 5e-4: single 0.82 -> 0.34 / 0.38
+#     at steps 100 / 200, few-shot 0.00-0.04 (stopped);
+#   * from scratch (--few-shot-from-start --single-share 0.35 --train-shots 16 --few-shot-tokens
+#     2560), the committed recipe's 1e-3 and 2000-step schedule, stopped at step 1550 (2-3.3 s a
+#     step, 85 minutes): 0.08 / 0.00 / 0.04 at step 250, then at most 0.04 up to step 1500; with
+#     k in 1..8 (share 0.3, 2048 positions, 1600-step schedule), stopped at step 1100: 0.00-0.06;
+#     with k in 1..15, --jitter 32, share 0.6, 2048 positions, stopped at step 1200: 0.00-0.02;
+#     with --jitter 48, share 0.85 (another seed), stopped at step 450: 0.00.
+#   The committed phase 1 itself went from 0.02 at step 1200 to 0.80 at step 1800, so these runs
+#   may be too short; with few-shot rows each step costs 3-6x a phase-1 step here.
+# Why the committed model cannot be extended: it learnt one layout, not the task's structure. Every
+# training prompt has the same length ("What is ab+cd?" is always 14 characters), so a position's
+# offset from the start of the prompt says which digit sits where, and the model reads the
+# question that way: one space before or after the question takes it from 1.00 to 0.02-0.04 (50
+# problems), as does any prefix (28 characters of "lorem ipsum": 0.04). Answering after solved
+# examples means addressing the question relative to the answer, which the model must learn anew;
+# fine-tuning unlearns the single-question skill first. Long rows are also slow to train here: a
+# batch of 32 rows of 227-513 positions took 4x a phase-1 batch (12.7 s against 3.0 s, 3 jobs on 2
+# cores), much of it attention's softmax (mlx's CPU exp: benchmarks/bench_cpu_ops.py).
 FEW_SHOT_STEPS = 0  # see above: set with --few-shot-steps
 FEW_SHOT_LEARNING_RATE = 3e-4
 FEW_SHOT_WARMUP = 50
-FEW_SHOT_TOKENS = 8192  # positions of a few-shot batch: 64 rows (ROWS) of 1 shot, 16 of 16
+FEW_SHOT_TOKENS = 2560  # positions of a few-shot batch: 64 rows (ROWS) of 1 shot, 5 of 16
 MAX_SHOTS = 16
 TRAIN_SHOTS = 4  # shot counts drawn for training: 0..TRAIN_SHOTS
+ANSWER_CUE = list(b"A: ")  # a solved example's answer follows it (the byte-level tokenizer)
+FILLER = "abcdefghij klmnopqrstuvwxyz.,"  # --jitter's characters before a single question
 
 # Decoding used to monitor training: the CLI's sampler (quota, one token per step) on a short canvas.
 MONITOR = dict(max_tokens=16, block_length=16, steps=16)
 
 
 class Data:
-    """Seeded stream of SFT batches: (tokens (B, L), prompt lengths (B,)). A row is the templated
-    question, the answer, then EOS up to the batch's canvas length, as LLaDA's SFT pads."""
+    """Seeded stream of SFT batches. A row is the templated question, the answer, then EOS up to the
+    batch's canvas length, as LLaDA's SFT pads. Single-question batches are (tokens (B, L), prompt
+    lengths (B,)); few-shot batches (max_shots > 0) are {"tokens", "maskable"}: the solved
+    examples' answers inside the prompt are noised and scored too (training.diffusion_loss's
+    `maskable`), so a row of k examples trains k + 1 answers, each at another offset."""
 
-    def __init__(self, tokenizer, seed, max_shots=0):
+    def __init__(
+        self, tokenizer, seed, max_shots=0, jitter=0, few_shot_tokens=None, single_share=None
+    ):
         self.rng = np.random.default_rng(seed)
         self.tokenizer = tokenizer
         self.held_out = held_out_pairs()
         self.max_shots = max_shots  # each batch: 0..max_shots solved examples before the question
+        self.jitter = jitter  # single questions: 0..jitter filler characters before the question
+        self.few_shot_tokens = few_shot_tokens or FEW_SHOT_TOKENS  # positions of a few-shot batch
+        # None: k uniform in 0..max_shots; else a single-question batch with this probability,
+        # otherwise k uniform in 1..max_shots.
+        self.single_share = single_share
         self.count = 0
 
     def problem(self):
@@ -165,14 +189,27 @@ class Data:
     def encode(self, message):
         return self.tokenizer.encode(chat_prompt(self.tokenizer, message), add_special_tokens=False)
 
+    def filler(self):
+        # Without jitter, no draw: phase 1's data stream stays the committed weights'.
+        if not self.jitter:
+            return ""
+        n = int(self.rng.integers(0, self.jitter + 1))
+        return "".join(self.rng.choice(list(FILLER), size=n))
+
     def batch(self):
         self.count += 1
         rows = []
         # No draw without few-shot batches: phase 1's data stream stays the committed weights'.
-        shots = int(self.rng.integers(0, self.max_shots + 1)) if self.max_shots else 0
+        if not self.max_shots:
+            shots = 0
+        elif self.single_share is None:
+            shots = int(self.rng.integers(0, self.max_shots + 1))
+        else:
+            single = self.rng.random() < self.single_share
+            shots = 0 if single else int(self.rng.integers(1, self.max_shots + 1))
         if shots:
             canvas = MONITOR["max_tokens"]
-            while not rows or len(rows) * (len(rows[0][0]) + canvas) < FEW_SHOT_TOKENS:
+            while not rows or len(rows) * (len(rows[0][0]) + canvas) < self.few_shot_tokens:
                 message, answer = self.problem()
                 seed = int(self.rng.integers(2**31))
                 rows.append(
@@ -184,13 +221,21 @@ class Data:
             canvas = int(self.rng.choice(CANVASES, p=CANVAS_WEIGHTS))
             for _ in range(ROWS_LONG if canvas > 64 else ROWS):
                 message, answer = self.problem()
-                rows.append((self.encode(message), list(answer.encode())))
+                rows.append((self.encode(self.filler() + message), list(answer.encode())))
         width = max(len(p) for p, _ in rows) + canvas
         tokens = np.full((len(rows), width), EOS, np.int32)
         for i, (prompt, ans) in enumerate(rows):
             tokens[i, : len(prompt)] = prompt
             tokens[i, len(prompt) : len(prompt) + len(ans)] = ans
-        return tokens, np.array([len(p) for p, _ in rows], np.int32)
+        lengths = np.array([len(p) for p, _ in rows], np.int32)
+        if not shots:
+            return tokens, lengths
+        maskable = np.arange(width)[None] >= lengths[:, None]
+        for i, (prompt, _) in enumerate(rows):
+            for j in range(len(prompt) - len(ANSWER_CUE)):  # the 3 digits after each "A: "
+                if prompt[j : j + len(ANSWER_CUE)] == ANSWER_CUE:
+                    maskable[i, j + len(ANSWER_CUE) : j + len(ANSWER_CUE) + 3] = True
+        return {"tokens": tokens, "maskable": maskable}
 
     def __iter__(self):
         while True:
@@ -268,6 +313,18 @@ def main():
         help="phase 1 draws few-shot batches too (0..--train-shots solved examples)",
     )
     p.add_argument("--few-shot-lr", type=float, default=FEW_SHOT_LEARNING_RATE)
+    p.add_argument("--few-shot-tokens", type=int, default=FEW_SHOT_TOKENS)
+    p.add_argument(
+        "--single-share",
+        type=float,
+        help="share of single-question batches (default: k uniform in 0..--train-shots)",
+    )
+    p.add_argument(
+        "--jitter",
+        type=int,
+        default=0,
+        help="single questions get 0..N random filler characters before them (0: phase 1's data)",
+    )
     p.add_argument(
         "--monitor-shots", default="0", help="shot counts the monitor reports, e.g. 0,4,15"
     )
@@ -305,7 +362,14 @@ def main():
     if not args.from_checkpoint:
         run_phase(
             model,
-            Data(tokenizer, SEED, args.train_shots if args.few_shot_from_start else 0),
+            Data(
+                tokenizer,
+                SEED,
+                args.train_shots if args.few_shot_from_start else 0,
+                args.jitter,
+                args.few_shot_tokens,
+                args.single_share,
+            ),
             args.steps,
             LEARNING_RATE,
             WARMUP,
@@ -316,7 +380,14 @@ def main():
     if args.few_shot_steps:
         run_phase(
             model,
-            Data(tokenizer, SEED + 1, args.train_shots),
+            Data(
+                tokenizer,
+                SEED + 1,
+                args.train_shots,
+                args.jitter,
+                args.few_shot_tokens,
+                args.single_share,
+            ),
             args.few_shot_steps,
             args.few_shot_lr,
             FEW_SHOT_WARMUP,
