@@ -359,17 +359,16 @@ def main():
             )
 
     monitor_shots = [int(k) for k in args.monitor_shots.split(",")]
+
+    def data(seed, max_shots):
+        return Data(
+            tokenizer, seed, max_shots, args.jitter, args.few_shot_tokens, args.single_share
+        )
+
     if not args.from_checkpoint:
         run_phase(
             model,
-            Data(
-                tokenizer,
-                SEED,
-                args.train_shots if args.few_shot_from_start else 0,
-                args.jitter,
-                args.few_shot_tokens,
-                args.single_share,
-            ),
+            data(SEED, args.train_shots if args.few_shot_from_start else 0),
             args.steps,
             LEARNING_RATE,
             WARMUP,
@@ -380,14 +379,7 @@ def main():
     if args.few_shot_steps:
         run_phase(
             model,
-            Data(
-                tokenizer,
-                SEED + 1,
-                args.train_shots,
-                args.jitter,
-                args.few_shot_tokens,
-                args.single_share,
-            ),
+            data(SEED + 1, args.train_shots),
             args.few_shot_steps,
             args.few_shot_lr,
             FEW_SHOT_WARMUP,

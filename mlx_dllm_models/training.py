@@ -204,7 +204,7 @@ def fuse_lora(model: nn.Module) -> nn.Module:
 
 
 def _unpack(batch: Batch, sft: bool):
-    """(tokens, prompt_lengths, maskable) of a batch; at most one of the last two is not None."""
+    """(tokens, prompt_lengths, maskable) of a batch."""
     maskable = None
     if isinstance(batch, Mapping):
         tokens, prompt_lengths = batch["tokens"], batch.get("prompt_lengths")
@@ -218,9 +218,7 @@ def _unpack(batch: Batch, sft: bool):
         raise ValueError(f"a batch's tokens must be (B, L) token ids, got shape {tokens.shape}")
     if not sft:
         return tokens, None, None
-    if maskable is not None:
-        if prompt_lengths is not None:
-            raise ValueError("a batch gives prompt_lengths or maskable, not both")
+    if maskable is not None:  # with prompt_lengths too, diffusion_loss refuses the pair
         maskable = mx.array(maskable)
         if maskable.shape != tokens.shape or maskable.dtype != mx.bool_:
             raise ValueError(
@@ -229,7 +227,9 @@ def _unpack(batch: Batch, sft: bool):
             )
         if not bool(maskable.any(axis=1).all()):
             raise ValueError("a row has no maskable position: it has no answer to train on")
-        return tokens, None, maskable
+        if prompt_lengths is not None:
+            prompt_lengths = mx.array(prompt_lengths)
+        return tokens, prompt_lengths, maskable
     if prompt_lengths is None:
         raise ValueError(
             "SFT needs prompt_lengths (or maskable) per row (give sft=False for the pre-training "
