@@ -194,8 +194,10 @@ class Data:
         self.single_share = single_share
         # k > 0 drawn with probability proportional to k**-shot_skew (0: uniform): short rows hold
         # more rows a batch, and the row count is what keeps the loss's noise down.
-        weights = np.arange(1, max_shots + 1, dtype=np.float64) ** -shot_skew if max_shots else None
-        self.shot_p = weights / weights.sum() if shot_skew else None
+        self.shot_p = None
+        if shot_skew:
+            weights = np.arange(1, max_shots + 1, dtype=np.float64) ** -shot_skew
+            self.shot_p = weights / weights.sum()
         self.count = 0
 
     def problem(self):
@@ -359,6 +361,8 @@ def main():
     )
     p.add_argument("--monitor-every", type=int, default=300)
     args = p.parse_args()
+    if args.shot_skew and args.single_share is None:
+        p.error("--shot-skew applies to the few-shot counts drawn with --single-share: give both")
 
     if args.few_shot_steps or args.few_shot_from_start:
         CONFIG["max_sequence_length"] = 1024  # few-shot prompts of up to ~500 tokens + canvases
