@@ -139,8 +139,8 @@ GENERATION_CONFIG = {
 #     most few-shot batches hold 30-40 rows of 1-2 examples instead of 5-8 long ones), share 0.4 or
 #     0.5, k in 1..15, 3072-4096 positions, 0 / 1 / 7 / 15 solved examples: S=2, a 1600-step
 #     schedule (1.9 s a step): at most 0.06 at steps 250-1500 (loss 0.39 at step 1500, cosine
-#     nearly done; stopped); S=1.5, 2400 steps (3-3.6 s a step): at most 0.04 up to step 1400;
-#     S=0.75 ran at 3.9 s a step and was stopped at step 250.
+#     nearly done; stopped); S=1.5, 2400 steps (2.5-3.6 s a step): at most 0.06 up to step 2000
+#     (learning rate down to 1.2e-4; stopped); S=0.75 ran at 3.9 s a step, stopped at step 250.
 #   The committed phase 1 itself went from 0.02 at step 1200 to 0.80 at step 1800, so these runs
 #   may be too short; with few-shot rows each step costs 3-6x a phase-1 step here, so one attempt
 #   at the committed schedule's length takes 1.5-2.5 hours on this machine's 2 cores.
