@@ -363,6 +363,20 @@ def main():
     args = p.parse_args()
     if args.shot_skew and args.single_share is None:
         p.error("--shot-skew applies to the few-shot counts drawn with --single-share: give both")
+    # Options that only shape few-shot batches: refused rather than ignored without them.
+    few_shot_only = {
+        "--train-shots": args.train_shots != TRAIN_SHOTS,
+        "--few-shot-tokens": args.few_shot_tokens != FEW_SHOT_TOKENS,
+        "--single-share": args.single_share is not None,
+        "--shot-skew": bool(args.shot_skew),
+    }
+    unused = [name for name, given in few_shot_only.items() if given]
+    if unused and not (args.few_shot_steps or args.few_shot_from_start):
+        p.error(
+            f"{', '.join(unused)} shape few-shot batches: add --few-shot-steps N or --few-shot-from-start"
+        )
+    if args.few_shot_lr != FEW_SHOT_LEARNING_RATE and not args.few_shot_steps:
+        p.error("--few-shot-lr is phase 2's learning rate: add --few-shot-steps N")
 
     if args.few_shot_steps or args.few_shot_from_start:
         CONFIG["max_sequence_length"] = 1024  # few-shot prompts of up to ~500 tokens + canvases
