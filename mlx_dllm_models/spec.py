@@ -75,3 +75,17 @@ class DiffusionSpec:
     # Names of the end-of-turn token in the family's tokenizers (LLaDA's confidence_eos_eot_inf);
     # the id is the checkpoint tokenizer's, never hard-coded.
     eot_token_names: Tuple[str, ...] = ()
+
+
+def read_generation_config(generation_config: Mapping, keys: Mapping[str, str]) -> dict:
+    """{setting: value} for each generation_config.json key in `keys` (key -> setting name) whose
+    value is present and not None; a dotted key "a.b" reads a nested entry
+    (sampler_config.entropy_bound)."""
+    found = {}
+    for key, setting in keys.items():
+        value = generation_config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is not None:
+            found[setting] = value
+    return found

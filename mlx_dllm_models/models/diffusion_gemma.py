@@ -41,7 +41,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import vision
-from ..spec import ENCODER_CANVAS, DiffusionSpec
+from ..spec import ENCODER_CANVAS, DiffusionSpec, read_generation_config
 from . import sharding
 from .common import cached_spec, check_token_ids, check_weights, eos_token_ids, select_span
 
@@ -673,13 +673,7 @@ class Model(nn.Module):
             min_canvas_length=a.canvas_length,
             max_canvas_length=a.canvas_length,
         )
-        gen = a.generation_config or {}
-        for key, name in GENERATION_CONFIG_KEYS.items():
-            value = gen
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if value is not None:
-                defaults[name] = value
+        defaults.update(read_generation_config(a.generation_config or {}, GENERATION_CONFIG_KEYS))
         return DiffusionSpec(
             family=_NAME,
             attention=ENCODER_CANVAS,
