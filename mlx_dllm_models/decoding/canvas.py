@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
-from .stats import _softmax_stats
+from .stats import softmax_stats
 
 
 def linear_temperature(remaining: int, steps: int, t_min: float, t_max: float) -> float:
@@ -34,7 +34,7 @@ def canvas_stats(logits: mx.array, temperature: float, uniform: mx.array) -> Can
     softmax(logits / T) at `uniform` (B, C) in [0, 1): one draw per position, a categorical sample
     like the reference's torch.multinomial, from a noise source that is cheap to share."""
     processed = logits.astype(mx.float32) / temperature
-    p, _, entropy = _softmax_stats(processed)
+    p, _, entropy = softmax_stats(processed)
     cdf = mx.cumsum(p, axis=-1)
     target = uniform.astype(mx.float32)[..., None] * cdf[..., -1:]
     vocab = p.shape[-1]

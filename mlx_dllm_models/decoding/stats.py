@@ -51,7 +51,9 @@ def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional
     return logits
 
 
-def _softmax_stats(logits):
+def softmax_stats(logits):
+    """(p, finite_row, entropy) of softmax(logits) over the last axis. A row without a finite
+    logit has finite_row False, a uniform p and entropy +inf, so that no rule prefers it."""
     finite_row = mx.any(logits > _NEG_INF, axis=-1, keepdims=True)
     safe = mx.where(finite_row, logits, 0.0)
     logp = safe - mx.logsumexp(safe, axis=-1, keepdims=True)
@@ -119,18 +121,18 @@ def token_stats(
         proposal = proposal - mx.log(-mx.log(u))
     x0 = mx.argmax(proposal, axis=-1)
 
-    p_raw, finite, entropy = _softmax_stats(logits)
+    p_raw, finite, entropy = softmax_stats(logits)
     if confidence_suppress_ids:
         ids = mx.array(list(confidence_suppress_ids))
         keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
         keep[ids] = False
-        p_raw, _, _ = _softmax_stats(mx.where(keep, logits, _NEG_INF))
+        p_raw, _, _ = softmax_stats(mx.where(keep, logits, _NEG_INF))
     unknown = set(extras) - {"margin", "processed_entropy"}
     if unknown:
         raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
     p_proc = h_proc = None
     if confidence == "sampled" or extras:
-        p_proc, _, h_proc = _softmax_stats(scores)
+        p_proc, _, h_proc = softmax_stats(scores)
     if confidence == "raw":
         p = p_raw
     elif confidence == "sampled":
