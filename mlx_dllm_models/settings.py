@@ -6,6 +6,8 @@ defaults, the CLI's flags and each family's extra settings are all read from it.
 
 Resolution order: explicit arguments, then the checkpoint (generation_config.json, config.json),
 then the family's reference defaults (its DiffusionSpec), then the package defaults below.
+A family's defaults have one home, its spec (`DiffusionSpec.defaults`, some read from config.json):
+the rows of family settings hold none (default None), and the shared rows hold the package defaults.
 """
 
 import math
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
+from .spec import GENERATION_CONFIG_KEYS  # noqa: F401  (importable from here as before)
 
 # ------------------------------------------------------------------------------------ validators
 # A validator takes (name, value) and returns an error message, or None when the value is valid.
@@ -114,7 +117,9 @@ def _cli_optional_float(text: str):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    default: Any  # package default (None: unset, or set by the family's spec)
+    # A shared setting's package default (None: unset, or the family spec's). A family setting's
+    # row holds None: a family's defaults live in its spec (DiffusionSpec.defaults) only.
+    default: Any
     help: str  # CLI help
     cli_type: Callable[[str], Any]  # argparse type of the CLI flag
     check: Optional[Callable[[Any], Optional[str]]] = None
@@ -266,7 +271,7 @@ SETTINGS: Tuple[Setting, ...] = (
     # LLaDA generate.py (ML-GSAI/LLaDA), LLaDA 8B and LLaDA-MoE.
     Setting(
         "cfg_scale",
-        0.0,
+        None,
         "LLaDA: classifier-free guidance scale (0: off); the unconditional row masks the prompt",
         float,
         _number(0, finite=True, what=" (0 turns guidance off)"),
@@ -274,7 +279,7 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
     Setting(
         "logits_eos_inf",
-        False,
+        None,
         "LLaDA: never propose EOS (its logit is -inf), as generate.py's logits_eos_inf",
         _cli_bool,
         _bool,
@@ -282,7 +287,7 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
     Setting(
         "confidence_eos_eot_inf",
-        False,
+        None,
         "LLaDA: a proposed end-of-turn token gets confidence 0, as generate.py's "
         "confidence_eos_eot_inf",
         _cli_bool,
@@ -299,13 +304,14 @@ SETTINGS: Tuple[Setting, ...] = (
         families=("sdar",),
         samplers=("entropy_bounded",),
     ),
-    # LLaDA2.1 / 2.2 decoding modes (model card, Best Practices): the spec's presets map a mode
-    # to threshold / editing_threshold / max_post_steps; explicit settings win over the mode.
+    # LLaDA2.1 / 2.2 decoding modes: the spec's presets (llada2_moe.LLADA2_EDITING_MODES, the one
+    # place of their numbers) map a mode to settings; explicit settings win over the mode.
     Setting(
         "editing_mode",
         None,
-        "LLaDA2: quality (threshold 0.7, editing 0.5) | speed (0.5, editing 0.0) | off (2.0: "
-        "0.95, no editing); default: quality for 2.1 / 2.2 checkpoints, off for 2.0",
+        "LLaDA2: quality | speed (the LLaDA2.1 model card's Quality / Speed Mode: threshold and "
+        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1 / 2.2 "
+        "checkpoints, off for 2.0",
         str,
         _choice(("quality", "speed", "off"), " for the llada2 family"),
         families=("llada2",),
@@ -359,10 +365,10 @@ SETTINGS: Tuple[Setting, ...] = (
     # generate_diffusion), read by the causal-prefix backend (engine/causal_prefix.py).
     Setting(
         "causal_context",
-        True,
-        "Nemotron: the context (prompt, finished blocks) is causal and the AR head seeds each "
-        "block (generate_diffusion's default); false: the prompt and each finished block attend "
-        "bidirectionally within themselves and to what precedes them, and blocks start as masks",
+        None,
+        "Nemotron: true: the context (prompt, finished blocks) is causal and the AR head seeds "
+        "each block; false: the prompt and each finished block attend bidirectionally within "
+        "themselves and to what precedes them, and blocks start as masks",
         _cli_bool,
         _bool,
         families=("nemotron",),
@@ -475,16 +481,6 @@ _RELATIONS = (
     ),
 )
 
-# generation_config.json keys read for every family (family specs may add more).
-GENERATION_CONFIG_KEYS = {
-    "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "block_length": "block_length",
-    "threshold": "threshold",
-}
-
 
 def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
     """Merge and validate settings for a family. Returns a plain dict with every shared setting and
@@ -511,8 +507,7 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
     from_checkpoint = {
         k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
     }
-    values: Dict[str, Any] = dict(PACKAGE_DEFAULTS)
-    values.update({k: None for k in extras})
+    values: Dict[str, Any] = {name: BY_NAME[name].default for name in SHARED_SETTINGS + extras}
     values.update(spec.defaults)
     sampler = explicit.get("sampler", from_checkpoint.get("sampler", values["sampler"]))
     # A sampler that is not a name (a list, a dict) is reported by _validate, not hashed here.
@@ -569,24 +564,21 @@ def _validate(spec, s, explicit, from_checkpoint=frozenset()):
     for name in SHARED_SETTINGS + family_settings(spec.family):
         row = BY_NAME[name]
         given = name in explicit
-        if row.modes and has_modes and s["mode"] not in row.modes:
+        # A setting of other modes / samplers: an error when passed, else not checked.
+        scopes = (("mode", row.modes if has_modes else ()), ("sampler", row.samplers))
+        off = [(key, scope) for key, scope in scopes if scope and s[key] not in scope]
+        if off:
+            key, scope = off[0]
             if given:
                 raise SettingsError(
-                    f"{name} only acts with mode={row.modes[0]!r}, but mode is {s['mode']!r}; "
-                    f"pass mode={row.modes[0]!r} or drop {name}"
+                    f"{name} only acts with {key}={scope[0]!r}, but {key} is {s[key]!r}; "
+                    f"pass {key}={scope[0]!r} or drop {name}"
                 )
             continue
         if row.requires and given and s.get(row.requires) is None:
             raise SettingsError(
                 f"{name} only acts when {row.requires} is set; pass {row.requires} or drop {name}"
             )
-        if row.samplers and s["sampler"] not in row.samplers:
-            if given:
-                raise SettingsError(
-                    f"{name} only acts with sampler={row.samplers[0]!r}, but sampler is "
-                    f"{s['sampler']!r}; pass sampler={row.samplers[0]!r} or drop {name}"
-                )
-            continue
         if row.unused.get(spec.family) or row.check is None:
             continue
         msg = row.check(name, s[name])

@@ -18,6 +18,17 @@ ENCODER_CANVAS = "encoder_canvas"  # DiffusionGemma: causal encoder KV + bidirec
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
 
+# generation_config.json key -> setting, read for every family (read_generation_config): a family's
+# spec may add keys (generation_config_keys) or leave some out (ignored_generation_config_keys).
+GENERATION_CONFIG_KEYS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "block_length": "block_length",
+    "threshold": "threshold",
+}
+
 
 @dataclass(frozen=True)
 class DiffusionSpec:
@@ -43,14 +54,15 @@ class DiffusionSpec:
     samplers: Tuple[str, ...] = SHARED_SAMPLERS
     # The decoding loop (engine.DECODERS): "masked" block decoding, or a family's own loop.
     decoder: str = "masked"
-    # Reference defaults of the family; the checkpoint's config / generation_config override them.
+    # Reference defaults of the family, their one home (the settings table's family rows hold
+    # none); the checkpoint's config / generation_config override them.
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    # The block size the checkpoint was trained with, for block-causal families (warn when changed).
-    # generation_config.json key -> setting name, read on top of settings.GENERATION_CONFIG_KEYS.
+    # generation_config.json key -> setting name, read on top of GENERATION_CONFIG_KEYS.
     generation_config_keys: Mapping[str, str] = field(default_factory=dict)
     # Keys of the shared mapping that this family's reference decoder never reads (SDAR's
     # generation_config holds AR sampling defaults that its diffusion generate ignores).
     ignored_generation_config_keys: Tuple[str, ...] = ()
+    # The block size the checkpoint was trained with, for block-causal families (warn when changed).
     trained_block_length: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     # The reference's order of logits processing before sampling (decoding.stats.token_stats):
@@ -70,7 +82,7 @@ class DiffusionSpec:
     presets: Mapping[str, Mapping[Any, Mapping[str, Any]]] = field(default_factory=dict)
     # Parameter of the checkpoint's own remote-code `generate` -> the settings its presence
     # implies (LLaDA2.1's generate takes editing_threshold, 2.0's does not: the one file-level
-    # difference between their checkpoints). Read by generate.checkpoint_settings.
+    # difference between their checkpoints). Read by checkpoint_settings.
     remote_generate_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Names of the end-of-turn token in the family's tokenizers (LLaDA's confidence_eos_eot_inf);
     # the id is the checkpoint tokenizer's, never hard-coded.

@@ -38,14 +38,16 @@ from .common import (
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|> of the Ling tokenizer
 LLADA2_BLOCK_LENGTH = 32
 
-# The LLaDA2.1-mini model card, Best Practices: "threshold=0.7, editing_threshold=0.5 for Quality
-# Mode and threshold=0.5, editing_threshold=0.0 for Speed Mode ... We recommend 16 [max_post_steps]
-# as a balanced default"; "off" is 2.0's generate (threshold 0.95, no editing).
+# The editing modes (the `editing_mode` setting's presets), the one place of their numbers. The
+# LLaDA2.1-mini model card, Best Practices: "threshold=0.7, editing_threshold=0.5 for Quality Mode
+# and threshold=0.5, editing_threshold=0.0 for Speed Mode ... We recommend 16 [max_post_steps] as a
+# balanced default" (a default of every mode: LLADA2_MAX_POST_STEPS); "off" is 2.0's generate.
 LLADA2_EDITING_MODES = {
-    "quality": {"threshold": 0.7, "editing_threshold": 0.5, "max_post_steps": 16},
-    "speed": {"threshold": 0.5, "editing_threshold": 0.0, "max_post_steps": 16},
+    "quality": {"threshold": 0.7, "editing_threshold": 0.5},
+    "speed": {"threshold": 0.5, "editing_threshold": 0.0},
     "off": {"threshold": 0.95, "editing_threshold": None},
 }
+LLADA2_MAX_POST_STEPS = 16
 
 
 @dataclass
@@ -285,15 +287,14 @@ class Model(bailing_moe.Model):
             # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
-            # modeling_llada2_moe.generate defaults (2.0: threshold 0.95, no editing); 2.1 / 2.2
+            # modeling_llada2_moe.generate defaults (2.0's: editing mode "off"); 2.1 / 2.2
             # default to the model card's Quality Mode (editing_mode, below).
             defaults={
                 "block_length": trained,
                 "sampler": "threshold",
-                "threshold": 0.95,
+                **LLADA2_EDITING_MODES["off"],
                 "temperature": 0.0,
-                "editing_threshold": None,
-                "max_post_steps": 16,
+                "max_post_steps": LLADA2_MAX_POST_STEPS,
                 "max_tokens": 128,
                 "editing_mode": "quality" if self._edit_control_tokens() else "off",
             },

@@ -1,0 +1,294 @@
+"""Each family's effective default settings are its documented ones, and have one home.
+
+A family's defaults live in its spec (`DiffusionSpec.defaults`, with `sampler_defaults` and
+`presets`; some read from config.json), over the package defaults of the settings table's shared
+rows; the table's family rows hold none. Here, for every family, on a model built from a real
+config.json (tests/data) or from a fixture's config (tests/fixtures), without weights:
+
+* `resolve_settings(spec, {}, {})` equals the defaults the family documents: the reference's
+  (cited per value) as README's family table states them;
+* README quotes those numbers (the phrases below are looked up in its rows), so that a changed
+  default and a stale README cannot both pass;
+* a family row's default is None, a row's default is read (not overwritten), and every default a
+  spec states is a setting of its family (a misspelt one would otherwise do nothing).
+"""
+
+import dataclasses
+import gzip
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from fixtures import diffusion_gemma, llada, llada2, nemotron
+from mlx_dllm_models import settings
+from mlx_dllm_models.registry import MODEL_TYPES
+from mlx_dllm_models.settings import SETTINGS, SettingsError, family_settings, resolve_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+
+
+def _data_config(name):
+    path = DATA / name / "config.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    return json.loads(gzip.decompress(path.with_name("config.json.gz").read_bytes()))
+
+
+# Where each case's config.json comes from: a real checkpoint's, else a fixture's.
+CONFIGS = {
+    "llada": lambda: _data_config("GSAI-ML__LLaDA-8B-Instruct"),
+    "llada_moe": llada.llada_moe_config,
+    "dream": lambda: _data_config("Dream-org__Dream-v0-Instruct-7B"),
+    "sdar": lambda: _data_config("JetLM__SDAR-8B-Chat"),
+    "sdar_moe": lambda: _data_config("JetLM__SDAR-30B-A3B-Chat"),
+    "llada2.0": lambda: _data_config("inclusionAI__LLaDA2.0-mini"),
+    # 2.1's config.json is 2.0's byte for byte; its remote code's generate tells it apart (below).
+    "llada2.1": lambda: _data_config("inclusionAI__LLaDA2.1-mini"),
+    # 2.2: its config names the edit-control tokens.
+    "llada2.2": lambda: dict(llada2.config(), delete_token_id=300, split_token_id=301),
+    "nemotron": nemotron.config,
+    "diffusion_gemma": lambda: dict(
+        model_type="diffusion_gemma",
+        text_config=dict(diffusion_gemma.TEXT_CONFIG),
+        canvas_length=diffusion_gemma.CANVAS_LENGTH,
+    ),
+}
+
+# What the checkpoint itself implies beyond its config.json (LLaDA2.1: the remote code's generate
+# takes editing_threshold; spec.remote_generate_settings).
+CHECKPOINT = {"llada2.1": lambda spec: spec.remote_generate_settings["editing_threshold"]}
+
+# The package defaults of the shared rows, where a family keeps them.
+SHARED = dict(
+    max_tokens=128,
+    block_length=32,
+    steps=32,
+    sampler="quota",
+    threshold=0.9,
+    factor=1.0,
+    entropy_bound=0.1,
+    temperature=0.0,
+    top_p=None,
+    top_k=None,
+    seed=0,
+    cache="auto",
+)
+# LLaDA generate.py: generate(steps=128, gen_length=128, block_length=32 (README), temperature=0.,
+# cfg_scale=0., remasking='low_confidence'), logits_eos_inf / confidence_eos_eot_inf off; steps
+# per block here (128 over 4 blocks = 32).
+LLADA = dict(SHARED, cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False)
+# SDAR: block 4 = config.block_size (trained), denoising_steps = block, greedy (README evaluation),
+# low_confidence_dynamic at 0.9 (README's JetEngine / LMDeploy examples); eb_threshold only with
+# the entropy_bounded sampler.
+SDAR = dict(SHARED, block_length=4, steps=4, sampler="threshold", eb_threshold=None)
+# LLaDA2.0's generate: threshold 0.95 (strict >), block 32, steps 32, temperature 0, no editing.
+LLADA2_OFF = dict(
+    SHARED,
+    sampler="threshold",
+    threshold=0.95,
+    editing_mode="off",
+    editing_threshold=None,
+    max_post_steps=16,
+)
+# LLaDA2.1 model card, Best Practices: Quality Mode threshold 0.7, editing_threshold 0.5,
+# max_post_steps 16.
+LLADA2_QUALITY = dict(LLADA2_OFF, editing_mode="quality", threshold=0.7, editing_threshold=0.5)
+
+DOCUMENTED = {
+    "llada": LLADA,
+    "llada_moe": LLADA,
+    # Dream's README recipe: diffusion_generate(max_new_tokens=512, steps=512, temperature=0.2,
+    # top_p=0.95, alg="entropy", alg_temp=0.), eps 1e-3 (generation_config); steps = max_tokens:
+    # the whole canvas is one block.
+    "dream": dict(
+        SHARED,
+        block_length=128,
+        steps=128,
+        sampler="dream",
+        temperature=0.2,
+        top_p=0.95,
+        alg="entropy",
+        alg_temp=0.0,
+        eps=1e-3,
+    ),
+    "sdar": SDAR,
+    "sdar_moe": SDAR,
+    "llada2.0": LLADA2_OFF,
+    "llada2.1": LLADA2_QUALITY,
+    "llada2.2": LLADA2_QUALITY,
+    # Nemotron-Labs-Diffusion: confidence-thresholded unmasking at 0.9 (NVlabs README, vLLM,
+    # mlx-vlm), block = config.block_size (the fixture's 8), generate_diffusion's
+    # causal_context=True, temperature 0, diffusion mode.
+    "nemotron": dict(
+        SHARED,
+        block_length=nemotron.BLOCK_SIZE,
+        steps=nemotron.BLOCK_SIZE,
+        sampler="threshold",
+        mode="diffusion",
+        draft_threshold=None,
+        causal_context=True,
+        max_thinking_tokens=None,
+        end_think_token_id=None,
+    ),
+    # DiffusionGemma: transformers' DiffusionGemmaGenerationConfig defaults and the official
+    # generation_config.json (max_new_tokens 256, max_denoising_steps 48, entropy_bound 0.1,
+    # t_min 0.4, t_max 0.8, stability_threshold 1, confidence_threshold 0.005); every canvas the
+    # trained canvas_length (config.json's; the fixture's 16).
+    "diffusion_gemma": dict(
+        SHARED,
+        max_tokens=256,
+        sampler="entropy",
+        max_denoising_steps=48,
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        min_canvas_length=diffusion_gemma.CANVAS_LENGTH,
+        max_canvas_length=diffusion_gemma.CANVAS_LENGTH,
+    ),
+}
+
+
+@lru_cache(maxsize=None)
+def _spec(case):
+    config = CONFIGS[case]()
+    module = importlib.import_module(f"mlx_dllm_models.models.{MODEL_TYPES[config['model_type']]}")
+    return module.Model(module.ModelArgs.from_dict(config)).diffusion_spec  # lazy, never run
+
+
+def _defaults(case, **explicit):
+    spec = _spec(case)
+    checkpoint = CHECKPOINT[case](spec) if case in CHECKPOINT else {}
+    return resolve_settings(spec, explicit, checkpoint)
+
+
+@pytest.mark.parametrize("case", sorted(DOCUMENTED))
+def test_effective_defaults_are_the_documented_ones(case):
+    assert _defaults(case) == DOCUMENTED[case]
+
+
+def test_every_family_has_a_documented_case():
+    families = {_spec(case).family for case in DOCUMENTED}
+    assert families == {
+        "llada",
+        "dream",
+        "sdar",
+        "llada2",
+        "nemotron",
+        "diffusion_gemma",
+    }
+    assert set(DOCUMENTED) == set(CONFIGS)
+
+
+SPEED = '`editing_mode="speed"`: 0.5 / 0.0'
+
+# README's rows -> (phrase it quotes, case, explicit settings, setting, the value the phrase says).
+README_QUOTES = {
+    "| Dream 7B": [
+        ('`alg="entropy"`', "dream", {}, "alg", "entropy"),
+        ("`alg_temp=0`", "dream", {}, "alg_temp", 0),
+        ("`temperature=0.2`", "dream", {}, "temperature", 0.2),
+        ("`top_p=0.95`", "dream", {}, "top_p", 0.95),
+        ("steps = `max_tokens`", "dream", {"max_tokens": 40}, "steps", 40),
+    ],
+    "| SDAR ": [
+        ("`threshold` 0.9", "sdar", {}, "threshold", 0.9),
+        ("block 4 = `config.block_size`", "sdar", {}, "block_length", 4),
+        ("4 steps", "sdar", {}, "steps", 4),
+        ("greedy", "sdar", {}, "temperature", 0.0),
+        ("`eb_threshold` 0.35", "sdar", {"sampler": "entropy_bounded"}, "eb_threshold", 0.35),
+    ],
+    "| LLaDA2.0 ": [
+        ('`editing_mode="quality"` for 2.1 / 2.2', "llada2.1", {}, "editing_mode", "quality"),
+        ('`editing_mode="quality"` for 2.1 / 2.2', "llada2.2", {}, "editing_mode", "quality"),
+        ("threshold 0.7", "llada2.2", {}, "threshold", 0.7),
+        ("editing_threshold 0.5", "llada2.2", {}, "editing_threshold", 0.5),
+        ("max_post_steps 16", "llada2.2", {}, "max_post_steps", 16),
+        (SPEED, "llada2.2", {"editing_mode": "speed"}, "threshold", 0.5),
+        (SPEED, "llada2.2", {"editing_mode": "speed"}, "editing_threshold", 0.0),
+        ('`"off"` for 2.0', "llada2.0", {}, "editing_mode", "off"),
+        ("0.95, no editing", "llada2.0", {}, "threshold", 0.95),
+        ("0.95, no editing", "llada2.0", {}, "editing_threshold", None),
+    ],
+    "| Nemotron-Labs-Diffusion ": [
+        ("`threshold` 0.9", "nemotron", {}, "threshold", 0.9),
+        ("block = `config.block_size`", "nemotron", {}, "block_length", nemotron.BLOCK_SIZE),
+    ],
+    "| DiffusionGemma ": [
+        ("`entropy` (entropy bound, default)", "diffusion_gemma", {}, "sampler", "entropy"),
+        (
+            "every canvas is the trained `canvas_length`",
+            "diffusion_gemma",
+            {},
+            "min_canvas_length",
+            diffusion_gemma.CANVAS_LENGTH,
+        ),
+    ],
+    "| `cfg_scale`": [
+        ("`cfg_scale` (default 0: off)", "llada", {}, "cfg_scale", 0),
+        ("`cfg_scale` (default 0: off)", "llada_moe", {}, "cfg_scale", 0),
+    ],
+    "| `causal_context`": [
+        ("`causal_context` (default true", "nemotron", {}, "causal_context", True),
+    ],
+}
+
+
+def _readme_row(start):
+    rows = [
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start)
+    ]
+    assert len(rows) == 1, f"README.md has {len(rows)} rows starting {start!r}"
+    return rows[0]
+
+
+@pytest.mark.parametrize("row", sorted(README_QUOTES))
+def test_readme_quotes_the_effective_defaults(row):
+    text = _readme_row(row)
+    for phrase, case, explicit, name, value in README_QUOTES[row]:
+        assert phrase in text, f"README's {row!r} row no longer says {phrase!r}"
+        got = _defaults(case, **explicit)[name]
+        assert got == value, (row, phrase, case, name, got)
+
+
+def test_family_rows_hold_no_default():
+    """A family setting's default is its spec's: a number in the table's row would be a second
+    copy (it used to be one, overwritten with None and never read)."""
+    rows = [s for s in SETTINGS if s.families]
+    assert rows
+    held = {s.name: s.default for s in rows if s.default is not None}
+    assert not held, f"family rows with a default (state it in the family's spec): {held}"
+
+
+def test_a_row_default_is_read_not_overwritten(monkeypatch):
+    """Resolution reads every row's default under the spec's: a value put in a family row takes
+    effect where the spec does not set one, instead of silently doing nothing; and a spec that
+    leaves a required setting without a default is refused, not run with None."""
+    spec = _spec("nemotron")
+    bare = dataclasses.replace(
+        spec, defaults={k: v for k, v in spec.defaults.items() if k != "causal_context"}
+    )
+    with pytest.raises(SettingsError, match="causal_context must be true or false, got None"):
+        resolve_settings(bare, {}, {})
+    row = dataclasses.replace(settings.BY_NAME["causal_context"], default=False)
+    monkeypatch.setitem(settings.BY_NAME, "causal_context", row)
+    assert resolve_settings(bare, {}, {})["causal_context"] is False
+    assert resolve_settings(spec, {}, {})["causal_context"] is True  # the spec's, over the row
+
+
+@pytest.mark.parametrize("case", sorted(DOCUMENTED))
+def test_every_default_a_spec_states_is_a_setting_of_its_family(case):
+    spec = _spec(case)
+    known = {s.name for s in SETTINGS if not s.families} | set(family_settings(spec.family))
+    stated = set(spec.defaults)
+    for values in spec.sampler_defaults.values():
+        stated |= set(values)
+    for setting, modes in spec.presets.items():
+        stated.add(setting)
+        for values in modes.values():
+            stated |= set(values)
+    assert stated <= known, f"{spec.family}: defaults of no setting: {sorted(stated - known)}"
