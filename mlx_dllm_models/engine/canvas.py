@@ -83,12 +83,19 @@ def _take_rows(cache, idx):
 class CanvasDecoder:
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
+    # The samplers this loop implements itself, as the reference's acceptance rules over the whole
+    # canvas (see _denoise), not through the masked engine's decoding.samplers.COMMIT_RULES: the
+    # entropy bound over every position, and the confidence threshold over the unaccepted ones.
+    samplers = ("entropy", "threshold")
+
     def __init__(
         self, model, settings: dict, eos_token_ids: Sequence[int], backend=None, images=None
     ):
         self.model = model
         self.spec = model.diffusion_spec
         self.s = settings
+        if settings["sampler"] not in self.samplers:
+            raise ValueError(f"sampler {settings['sampler']!r} has no rule in the canvas decoder")
         if self.spec.vocab_size is None:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
         self.eos = set(int(e) for e in eos_token_ids)

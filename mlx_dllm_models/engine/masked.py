@@ -18,66 +18,24 @@ are checked to be finite (corrupt weights are an error naming the checkpoint, no
 """
 
 import logging
-from dataclasses import dataclass
-from typing import AbstractSet, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import AbstractSet, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from ..cache import Positions
-from ..decoding import (
-    block_ranges,
-    entropy_commit,
-    factor_commit,
-    quota_commit,
-    threshold_commit,
-    token_stats,
-    transfer_schedule,
-)
-from ..decoding.block import entropy_bounded_commit, sequential_commit, token_edits
-from ..decoding.dream import dream_commit
+from ..decoding import block_ranges, token_stats
+from ..decoding.block import token_edits
 from ..decoding.llada import (
     confidence_suppressed_ids,
     guided_logits,
-    random_commit,
     suppress_logits,
     unconditional_tokens,
 )
+from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..masks import block_causal_mask, padding_mask
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL
 from .base import StepEvent, block_event, check_finite, replaced
-
-
-@dataclass
-class StepContext:
-    """What a commit rule may read besides the statistics and the candidates."""
-
-    step: int  # 0-based denoising step within the block
-    steps: int  # the block's step budget
-    floor: mx.array  # (B,) per-row quota of this step from the schedule; rules union it in
-    key: Optional[mx.array]  # PRNG key for rules that draw (None at temperature 0 unless needed)
-    settings: dict
-    spec: object
-
-
-# A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
-# floor is what guarantees that a block completes within its steps; every rule unions it in.
-# Optional attributes of a rule (a family's own sampler, e.g. Dream's, sets them):
-#   schedule(masks (B,), steps, settings) -> (B, K) int32 floors of the first K <= steps steps,
-#     whose rows sum to `masks`; every later step's floor is 0, so that `steps` above what a block
-#     needs allocates nothing (default: _default_schedule);
-#   exact_floor(settings) -> bool: the rule commits exactly the floor, so a step whose floor is 0
-#     in every row is skipped without a forward;
-#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats).
-CommitRule = Callable[..., mx.array]
-
-
-def _default_schedule(masks, steps, settings):
-    """transfer_schedule over at most as many steps as the most masks a row has: its first columns
-    are those of the (B, steps) schedule, whose later columns are all 0 (one token a step, then
-    nothing), so steps=10**9 costs what steps=masks does."""
-    most = max(int(masks.max().item()), 1)
-    return transfer_schedule(masks, min(steps, most))
 
 
 def _revisited(seen, block, cand) -> mx.array:
@@ -91,40 +49,6 @@ def _revisited(seen, block, cand) -> mx.array:
             states.add(state)
     return mx.array(out)
 
-
-def _quota(stats, cand, ctx):
-    return quota_commit(stats.confidence, cand, ctx.floor)
-
-
-_quota.exact_floor = lambda settings: True
-
-
-def _threshold(stats, cand, ctx):
-    thr, strict = ctx.settings["threshold"], ctx.spec.strict_threshold
-    hit = threshold_commit(stats.confidence, cand, thr, strict=strict)
-    return hit | quota_commit(stats.confidence, cand, ctx.floor)
-
-
-def _factor(stats, cand, ctx):
-    hit = factor_commit(stats.confidence, cand, ctx.settings["factor"])
-    return hit | quota_commit(stats.confidence, cand, ctx.floor)
-
-
-def _entropy(stats, cand, ctx):
-    hit = entropy_commit(stats.entropy, cand, ctx.settings["entropy_bound"])
-    return hit | quota_commit(-stats.entropy, cand, ctx.floor)
-
-
-COMMIT_RULES: Dict[str, CommitRule] = {
-    "quota": _quota,
-    "threshold": _threshold,
-    "factor": _factor,
-    "entropy": _entropy,
-    "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
-    "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
-    "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
-    "random": random_commit,  # LLaDA generate.py's remasking="random"
-}
 
 logger = logging.getLogger(__name__)
 _WARNED_BLOCK_LENGTHS = set()
@@ -377,7 +301,7 @@ class MaskedBlockDecoder:
         if rule is None:
             raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
         self.rule = rule
-        self.schedule = getattr(rule, "schedule", None) or _default_schedule
+        self.schedule = getattr(rule, "schedule", None) or default_schedule
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
         _warn_untrained_block_length(self.spec, settings)
 

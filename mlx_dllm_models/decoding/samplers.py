@@ -1,0 +1,89 @@
+"""The samplers of masked block decoding: the `sampler` setting's names -> commit rules.
+
+A family lists the samplers it honours in its DiffusionSpec (`samplers`); the masked block engine
+(engine.masked) looks the setting up in COMMIT_RULES, the one table of them, next to the rules it
+names. Adding a sampler is a rule and a row here (and the family's `samplers`);
+tests/test_sampler_rules.py checks that every sampler a family lists has a row. DiffusionGemma's
+samplers are not here: its canvas loop implements its own two (engine.canvas.CanvasDecoder).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+
+from .block import entropy_bounded_commit, sequential_commit
+from .dream import dream_commit
+from .llada import random_commit
+from .rules import entropy_commit, factor_commit, quota_commit, threshold_commit
+from .schedule import transfer_schedule
+
+
+@dataclass
+class StepContext:
+    """What a commit rule may read besides the statistics and the candidates."""
+
+    step: int  # 0-based denoising step within the block
+    steps: int  # the block's step budget
+    floor: mx.array  # (B,) per-row quota of this step from the schedule; rules union it in
+    key: Optional[mx.array]  # PRNG key for rules that draw (None at temperature 0 unless needed)
+    settings: dict
+    spec: object
+
+
+# A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
+# floor is what guarantees that a block completes within its steps; every rule unions it in.
+# Optional attributes of a rule (a family's own sampler, e.g. Dream's, sets them):
+#   schedule(masks (B,), steps, settings) -> (B, K) int32 floors of the first K <= steps steps,
+#     whose rows sum to `masks`; every later step's floor is 0, so that `steps` above what a block
+#     needs allocates nothing (default: default_schedule);
+#   exact_floor(settings) -> bool: the rule commits exactly the floor, so a step whose floor is 0
+#     in every row is skipped without a forward;
+#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats).
+CommitRule = Callable[..., mx.array]
+
+
+def default_schedule(masks, steps, settings):
+    """transfer_schedule over at most as many steps as the most masks a row has: its first columns
+    are those of the (B, steps) schedule, whose later columns are all 0 (one token a step, then
+    nothing), so steps=10**9 costs what steps=masks does."""
+    most = max(int(masks.max().item()), 1)
+    return transfer_schedule(masks, min(steps, most))
+
+
+# The shared samplers: rules.py's rules, each with the step's quota floor unioned in.
+
+
+def _quota(stats, cand, ctx):
+    return quota_commit(stats.confidence, cand, ctx.floor)
+
+
+_quota.exact_floor = lambda settings: True
+
+
+def _threshold(stats, cand, ctx):
+    thr, strict = ctx.settings["threshold"], ctx.spec.strict_threshold
+    hit = threshold_commit(stats.confidence, cand, thr, strict=strict)
+    return hit | quota_commit(stats.confidence, cand, ctx.floor)
+
+
+def _factor(stats, cand, ctx):
+    hit = factor_commit(stats.confidence, cand, ctx.settings["factor"])
+    return hit | quota_commit(stats.confidence, cand, ctx.floor)
+
+
+def _entropy(stats, cand, ctx):
+    hit = entropy_commit(stats.entropy, cand, ctx.settings["entropy_bound"])
+    return hit | quota_commit(-stats.entropy, cand, ctx.floor)
+
+
+COMMIT_RULES: Dict[str, CommitRule] = {
+    "quota": _quota,
+    "threshold": _threshold,
+    "factor": _factor,
+    "entropy": _entropy,
+    "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
+    "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
+    "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
+    "random": random_commit,  # LLaDA generate.py's remasking="random"
+}
