@@ -1,4 +1,5 @@
-"""What every decoding loop shares: the events it yields and how a row's new tokens become one."""
+"""What every decoding loop shares: the events it yields, how a row's new tokens become one, and
+how a loop or a backend draws a token from logits with its own PRNG key."""
 
 import copy
 from dataclasses import dataclass
@@ -6,6 +7,7 @@ from typing import AbstractSet, List, Sequence
 
 import mlx.core as mx
 
+from ..decoding import token_stats
 from ..errors import CheckpointError
 
 
@@ -75,3 +77,25 @@ def replaced(obj, **fields):
     for name, value in fields.items():
         setattr(out, name, value)
     return out
+
+
+def next_key(owner):
+    """A fresh subkey of `owner.key`, which advances: each owner (a backend, a loop) keeps its own
+    stream, so its draws do not depend on how many another one made."""
+    owner.key, sub = mx.random.split(owner.key)
+    return sub
+
+
+def sample_tokens(logits, settings, spec, key, suppress=()):
+    """Per-position token of the AR head (or a draft): argmax at temperature 0, else a sample of
+    the processed distribution (temperature, top-k, top-p)."""
+    greedy = settings["temperature"] == 0
+    return token_stats(
+        logits,
+        temperature=settings["temperature"],
+        top_k=None if greedy else settings["top_k"],
+        top_p=None if greedy else settings["top_p"],
+        key=None if greedy else key,
+        suppress_ids=suppress,
+        order=spec.sampling_order,
+    ).x0.astype(mx.int32)

@@ -32,29 +32,8 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..cache import Positions, PrefixKVCache, PriorKV
-from ..decoding import token_stats
 from ..masks import causal_prefix_mask, prompt_block_mask
-from .base import replaced
-
-
-def next_key(owner):
-    owner.key, sub = mx.random.split(owner.key)
-    return sub
-
-
-def sample_tokens(logits, settings, spec, key, suppress=()):
-    """Per-position token of the AR head (or a draft): argmax at temperature 0, else a sample of
-    the processed distribution (temperature, top-k, top-p)."""
-    greedy = settings["temperature"] == 0
-    return token_stats(
-        logits,
-        temperature=settings["temperature"],
-        top_k=None if greedy else settings["top_k"],
-        top_p=None if greedy else settings["top_p"],
-        key=None if greedy else key,
-        suppress_ids=suppress,
-        order=spec.sampling_order,
-    ).x0.astype(mx.int32)
+from .base import next_key, replaced, sample_tokens
 
 
 class _Forwards:

@@ -41,8 +41,7 @@ from ..decoding.llada import guided_logits, unconditional_tokens
 from ..masks import padding_mask
 from ..settings import SettingsError
 from ..spec import SHARED_SAMPLERS
-from .base import replaced
-from .causal_prefix import next_key, sample_tokens
+from .base import next_key, replaced, sample_tokens
 
 
 class FastDLLMCache:

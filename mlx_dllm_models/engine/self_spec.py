@@ -28,8 +28,7 @@ from typing import List, Sequence
 import mlx.core as mx
 
 from ..decoding import filter_logits, threshold_commit
-from .base import block_event, check_finite
-from .causal_prefix import next_key, sample_tokens
+from .base import block_event, check_finite, next_key, sample_tokens
 
 
 def _probs(logits, settings, spec, suppress=()):
