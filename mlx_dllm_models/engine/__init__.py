@@ -1,16 +1,26 @@
 """The decoding engine: loops that own state, over backends that compute a block's logits.
 
-base.py           events (StepEvent, BlockEvent) and the block-event helper every loop uses
-masked.py         masked block decoding (Layout, FullRecompute, MaskedBlockDecoder)
-block_cache.py    exact prefix KV cache of block-causal families (SDAR, LLaDA2)
-causal_prefix.py  AR-seeded blocks over a causal KV prefix (Nemotron)
-self_spec.py      lossless self-speculation (Nemotron mode="self_spec")
-canvas.py         uniform-noise canvas decoding (DiffusionGemma)
-registry.py       the backend and decoder tables, make_decoder
+base.py            events (StepEvent, BlockEvent), the block-event helper, the finite-logits check,
+                   next_key / sample_tokens (a token drawn from logits with an owner's own key)
+layout.py          Layout: where each row's prompt and canvas sit in the batch's token array
+masked.py          masked block decoding (MaskedBlockDecoder): the loop over blocks and steps
+editing.py         LLaDA2.1's token editing over one block (BlockEditing)
+full_recompute.py  FullRecompute, the reference backend (every forward over the whole sequence)
+block_cache.py     exact prefix KV cache of block-causal families (SDAR, LLaDA2)
+causal_prefix.py   AR-seeded blocks over a causal KV prefix (Nemotron)
+fast_dllm.py       Fast-dLLM's approximate prefix / dual caches of bidirectional families
+self_spec.py       lossless self-speculation (Nemotron mode="self_spec")
+canvas.py          uniform-noise canvas decoding (DiffusionGemma)
+registry.py        the backend and decoder tables, make_decoder
+
+The sampler -> commit rule table is decoding.samplers.COMMIT_RULES (StepContext re-exported here).
 """
 
+from ..decoding.samplers import StepContext
 from .base import BlockEvent, StepEvent
-from .masked import FullRecompute, Layout, MaskedBlockDecoder, StepContext
+from .full_recompute import FullRecompute
+from .layout import Layout
+from .masked import MaskedBlockDecoder
 from .registry import (
     BACKENDS,
     DECODERS,

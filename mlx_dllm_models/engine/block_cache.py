@@ -32,7 +32,7 @@ PREFILL_TOKENS = 512
 
 
 class PrefixCache:
-    """Backend of the masked block engine (see masked.FullRecompute for the interface)."""
+    """Backend of the masked block engine (see full_recompute.py for the interface)."""
 
     # A denoising step's forward over some rows may run on `select(layout, rows)`: its K/V of the
     # open block are rewritten by every step and made final by the next block's folded forward,

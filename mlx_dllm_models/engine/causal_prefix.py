@@ -113,8 +113,8 @@ class _RecomputeForwards(_Forwards):
 
 
 class CausalPrefixCache:
-    """Backend of the masked block engine (see masked.FullRecompute for the interface): blocks
-    seeded by the AR head and denoised against a causal KV prefix."""
+    """Backend of the masked block engine (see full_recompute.py for the interface): blocks seeded
+    by the AR head and denoised against a causal KV prefix."""
 
     forwards = _KVForwards
     # A denoising forward reads the cache and never extends it: it may run on `select(layout,

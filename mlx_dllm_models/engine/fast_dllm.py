@@ -21,7 +21,7 @@ own logits in the cached forwards: that column is never a candidate there. `begi
 
 The K/V live in one preallocated buffer per layer (cache.ApproximateKVCache): each forward writes
 its columns in place and reads the whole window; nothing is copied or concatenated per step.
-Batches with left padding read a padding mask and per-row positions, as masked.FullRecompute does;
+Batches with left padding read a padding mask and per-row positions, as FullRecompute does;
 classifier-free guidance (LLaDA) runs its unconditional rows in the same forwards, with their own
 K/V rows. The candidate window may start before the block (masks inside a prompt, infilling): the
 cached forwards then start at the window (one column earlier for Dream), so that every candidate
@@ -45,7 +45,7 @@ from .base import next_key, replaced, sample_tokens
 
 
 class FastDLLMCache:
-    """Backend of the masked block engine (see masked.FullRecompute for the interface). The
+    """Backend of the masked block engine (see full_recompute.py for the interface). The
     subclasses below set `dual`."""
 
     dual = False
@@ -79,22 +79,25 @@ class FastDLLMCache:
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
         self.full_forwards = 0  # forwards over the whole sequence (one per block unless refresh)
-        self._rows(layout)
+        vars(self).update(self._row_state(layout))
         self.block = None  # (start, stop) of the open block
         self.since_full = None  # cached forwards since the last full one (None: none yet)
 
-    def _rows(self, layout):
-        """What depends on the batch's rows: padding, mask, the unconditional rows, the cache."""
+    def _row_state(self, layout) -> dict:
+        """The attributes that depend on the batch's rows: padding, mask, the unconditional rows,
+        the cache."""
         pads = list(layout.pads)
         ends = layout.ends if len(set(layout.ends)) > 1 else None
+        state = {}
         if self.cfg_scale:
             # Classifier-free guidance: the unconditional rows follow the conditional ones.
             pads, ends = pads * 2, None if ends is None else list(ends) * 2
-            self.given = layout.given
-        self.mask = padding_mask(pads, self.width, ends=ends)
-        self.pads = pads if any(pads) else None
-        self.generated = layout.generated
-        self.cache = ApproximateKVCache(len(self.model.layers), self.width, self.pads)
+            state["given"] = layout.given
+        state["mask"] = padding_mask(pads, self.width, ends=ends)
+        state["pads"] = pads if any(pads) else None
+        state["generated"] = layout.generated
+        state["cache"] = ApproximateKVCache(len(self.model.layers), self.width, state["pads"])
+        return state
 
     def _forward(self, x, w0, w1, lo, hi):
         """Logits (B, hi - lo, V) of columns lo..hi-1 from a forward over columns w0..w1-1 that
@@ -158,9 +161,7 @@ class FastDLLMCache:
     def select(self, layout, idx: List[int]):
         # Rows leave between blocks, and every block starts with a full forward that writes
         # every column's K/V: the survivors get a fresh cache, nothing is copied.
-        out = replaced(self)
-        out._rows(layout)
-        return out
+        return replaced(self, **self._row_state(layout))
 
 
 class ApproxPrefixCache(FastDLLMCache):

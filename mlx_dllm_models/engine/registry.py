@@ -14,7 +14,8 @@ from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 from .fast_dllm import ApproxPrefixCache, DualCache
-from .masked import FullRecompute, MaskedBlockDecoder
+from .full_recompute import FullRecompute
+from .masked import MaskedBlockDecoder
 from .self_spec import SelfSpeculativeDecoder
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
