@@ -8,8 +8,8 @@ must import nothing heavy: only the standard library, and mlx only once a model 
 
 It also guards mlx-lm's trainer: once `mlx_lm.tuner.trainer` is really imported (by `mlx_lm.lora`),
 its `train` and `evaluate` refuse a masked-diffusion model with mlx-lm's default next-token loss,
-pointing to `mlx_dllm lora` (mlx_dllm_models.lora.guard_trainer); a caller's own loss, as
-`mlx_dllm lora` passes, goes through.
+pointing to `mlx_dllm lora` (mlx_dllm_models.trainer_guard.guard_trainer); a caller's own loss,
+as `mlx_dllm lora` passes, goes through.
 """
 
 import importlib
@@ -60,8 +60,8 @@ _TRAINER = "mlx_lm.tuner.trainer"
 
 
 class _GuardedTrainerLoader(importlib.abc.Loader):
-    """The trainer's own loader, then mlx_dllm_models.lora.guard_trainer on the executed module:
-    its `train` / `evaluate` refuse a diffusion model with mlx-lm's next-token loss."""
+    """The trainer's own loader, then mlx_dllm_models.trainer_guard.guard_trainer on the executed
+    module: its `train` / `evaluate` refuse a diffusion model with mlx-lm's next-token loss."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -71,8 +71,9 @@ class _GuardedTrainerLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        if importlib.util.find_spec("mlx_dllm_models.lora") is not None:
-            importlib.import_module("mlx_dllm_models.lora").guard_trainer(module)
+        # trainer_guard imports mlx and the family facts, nothing of the loader or the commands.
+        if importlib.util.find_spec("mlx_dllm_models.trainer_guard") is not None:
+            importlib.import_module("mlx_dllm_models.trainer_guard").guard_trainer(module)
 
     def __getattr__(self, name):  # get_source, get_code, get_resource_reader, ...
         return getattr(self.loader, name)
