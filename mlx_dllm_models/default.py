@@ -13,7 +13,7 @@ Kept free of heavy imports: the CLI imports it at start-up.
 import os
 import random
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 DEFAULT_PROMPT = "What is 47+85?"
 
@@ -32,6 +32,11 @@ def default_checkpoint() -> str:
     if not (path / "config.json").exists() or not (path / "tokenizer_config.json").exists():
         build_tiny_llada(path)
     return str(path)
+
+
+def model_or_default(model: Optional[str]) -> str:
+    """A command's --model: the checkpoint given, or the embedded default when none is (None)."""
+    return default_checkpoint() if model is None else model
 
 
 # ------------------------------------------------------------------------------------- the task

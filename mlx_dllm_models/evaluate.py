@@ -23,6 +23,7 @@ import lm_eval
 from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
+from .default import model_or_default
 from .generate import batch_generate_diffusion
 from .likelihood import greedy_matches, log_likelihood
 from .settings import SettingsError
@@ -168,11 +169,7 @@ def main(argv):
 
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model_path = args.model
-    if model_path is None:
-        from .default import default_checkpoint
-
-        model_path = default_checkpoint()
+    model_path = model_or_default(args.model)
     kwargs = {"tokenizer_config": {"trust_remote_code": args.trust_remote_code}}
     if args.adapter_path:
         kwargs["adapter_path"] = args.adapter_path

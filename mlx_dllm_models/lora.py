@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .default import model_or_default
 from .training import family_loss, sample_noise
 
 # mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
@@ -215,10 +216,7 @@ def run(args, training_callback=None):
     # mlx-lm's trainer draws the batch order from numpy's global generator: --seed fixes it too, as
     # mlx_lm.lora.run does (without it two runs with the same seed see different batches).
     np.random.seed(args.seed)
-    if args.model is None:
-        from .default import default_checkpoint
-
-        args.model = default_checkpoint()
+    args.model = model_or_default(args.model)
     model, tokenizer = load(
         args.model, tokenizer_config={"trust_remote_code": args.trust_remote_code}
     )
