@@ -17,14 +17,15 @@ from typing import List, Optional, Tuple
 
 DEFAULT_PROMPT = "What is 47+85?"
 
-_ASSET = Path(__file__).parent / "assets" / "default"
+# The trained default model, inside the package.
+ASSET = Path(__file__).parent / "assets" / "default"
 
 OPERANDS = (10, 99)
 
 
 def default_checkpoint() -> str:
-    if (_ASSET / "config.json").exists():
-        return str(_ASSET)
+    if (ASSET / "config.json").exists():
+        return str(ASSET)
     from .tiny import build_tiny_llada
 
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_dllm_models"

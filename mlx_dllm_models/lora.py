@@ -95,7 +95,8 @@ def sft_loss(spec, eps: float = 1e-3, closer: Sequence[int] = (), low_discrepanc
     return loss
 
 
-def _loss(args, model, closer):
+def trainer_loss(args, model, closer):
+    """sft_loss for `model` with the command's --mask-eps and --low-discrepancy."""
     return sft_loss(
         model.diffusion_spec, args.mask_eps, closer, low_discrepancy=args.low_discrepancy
     )
@@ -172,7 +173,7 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
         train_dataset=CacheDataset(train_set),
         val_dataset=CacheDataset(valid_set),
         args=training_args,
-        loss=_loss(args, model, closer),
+        loss=trainer_loss(args, model, closer),
         training_callback=training_callback,
     )
 
@@ -236,7 +237,7 @@ def run(args, training_callback=None):
             batch_size=args.batch_size,
             num_batches=args.test_batches,
             max_seq_length=args.max_seq_length,
-            loss=_loss(args, model, closer),
+            loss=trainer_loss(args, model, closer),
         )
         print(f"Test loss (masked-diffusion ELBO bound per answer token) {test_loss:.3f}")
     return model, tokenizer

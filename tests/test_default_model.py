@@ -14,7 +14,7 @@ import pytest
 
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.default import (
-    _ASSET,
+    ASSET,
     DEFAULT_PROMPT,
     chat_prompt,
     default_checkpoint,
@@ -39,7 +39,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def default_model():
-    assert (_ASSET / "config.json").exists(), (
+    assert (ASSET / "config.json").exists(), (
         "the trained default is missing from mlx_dllm_models/assets/default"
     )
     return load(default_checkpoint())

@@ -268,7 +268,7 @@ def test_lora_noise_flags_reach_the_loss(default_model, seed):
     below 0.3 or two share a stratum."""
     import mlx.core as mx
 
-    from mlx_dllm_models.lora import _loss, parse_args
+    from mlx_dllm_models.lora import parse_args, trainer_loss
 
     B, P, L = 8, 2, 402
     batch, lengths = [[5] * L] * B, [[P, L]] * B
@@ -288,7 +288,7 @@ def test_lora_noise_flags_reach_the_loss(default_model, seed):
         args = parse_args(["--train", "--data", "unused"] + argv)
         model = Recorder()
         mx.random.seed(seed)
-        _loss(args, model, ())(model, mx.array(batch), mx.array(lengths))
+        trainer_loss(args, model, ())(model, mx.array(batch), mx.array(lengths))
         return sorted(sum(t == mask for t in row[P:]) / (L - P) for row in model.inputs.tolist())
 
     eps = 0.3

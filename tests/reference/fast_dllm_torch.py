@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .dream_torch import load_reference as load_dream
-from .llada_torch import _model as load_llada
 from .llada_torch import add_gumbel_noise, get_num_transfer_tokens
+from .llada_torch import load_model as load_llada
 
 
 class _Past:

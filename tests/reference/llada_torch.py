@@ -176,7 +176,9 @@ def _qwen3_moe(config, weights):
 _MODELS = {}
 
 
-def _model(ckpt_path):
+def load_model(ckpt_path):
+    """(transformers model, the context its forwards run in) for a LLaDA checkpoint, built once
+    per path."""
     key = str(Path(ckpt_path).resolve())
     if key not in _MODELS:
         config, weights = _read(ckpt_path)
@@ -186,7 +188,7 @@ def _model(ckpt_path):
 
 def torch_forward(ckpt_path, causal: bool = False):
     """A callable: (B, L) token ids (numpy or torch) -> float32 torch logits (B, L, V)."""
-    model, context = _model(ckpt_path)
+    model, context = load_model(ckpt_path)
 
     def forward(ids):
         ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)
