@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,28 @@ def load_fixture(path):
 def fixture_dir(tmp_path_factory):
     """A session-wide folder; `fixture_dir / name` holds a built checkpoint."""
     return tmp_path_factory.mktemp("checkpoints")
+
+
+def parity(a, b):
+    """(whether `a` matches the reference `b` within the forward-parity tolerance, 1e-4 of b's
+    largest magnitude plus 1e-5; the largest absolute error). The shapes must agree. Computed in
+    float64: the float32 logits are compared exactly."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = np.abs(a - b).max()
+    return err <= 1e-4 * np.abs(b).max() + 1e-5, err
+
+
+def assert_close(a, b):
+    ok, err = parity(a, b)
+    assert ok, f"max abs error {err:.3g} (max |ref| {np.abs(np.asarray(b, np.float64)).max():.3g})"
+
+
+def far(a, b):
+    """`a` differs from `b` by more than 1% of b's largest magnitude: what a wrong reading (a
+    causal mask for a bidirectional one, ...) must do, so that a parity check can tell."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() > 1e-2 * np.abs(b).max()
 
 
 @contextlib.contextmanager
@@ -69,6 +92,32 @@ def run_cli(*args, timeout=300):
         env=cli_env(),
         cwd=ROOT,
     )
+
+
+# `python -m mlx_lm convert` as a user runs it: the import hook is what the installed package's .pth
+# file would import.
+_CONVERT = (
+    "import mlx_dllm_models_hook, runpy, sys; "
+    "sys.argv = ['mlx_lm', 'convert', '--hf-path', sys.argv[1], '--mlx-path', sys.argv[2], "
+    "*sys.argv[3:]]; "
+    "runpy.run_module('mlx_lm', run_name='__main__')"
+)
+
+
+def mlx_lm_convert(src, dst, *flags):
+    """`python -m mlx_lm convert` of `src` into `dst` in a fresh interpreter, with the import hook
+    the installed package puts in a .pth; returns `dst`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(src), str(dst), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return dst
 
 
 def stream_tokens(model, tok, prompt, **settings):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import load_fixture, spy_forwards
+from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
 from mlx_dllm_models import load as load_checkpoint
@@ -45,9 +46,7 @@ def family(fixture_dir):
 
     def get(name):
         if name not in loaded:
-            path = fixture_dir / name
-            if not (path / "config.json").exists():
-                BUILDERS[name](path)
+            path = build_once(fixture_dir / name, BUILDERS[name])
             loaded[name] = (path, *load_fixture(path))
         return loaded[name]
 

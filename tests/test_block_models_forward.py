@@ -8,7 +8,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import load_fixture
+from conftest import assert_close, far, load_fixture
+from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
 from mlx_dllm_models.masks import block_causal_mask, causal_mask
@@ -16,20 +17,6 @@ from mlx_dllm_models.models import llada2_moe, sdar, sdar_moe
 from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import BLOCK_CAUSAL, SHARED_SAMPLERS
 from reference.sdar_torch import reference_logits
-
-
-def assert_close(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert a.shape == b.shape
-    err = np.abs(a - b).max()
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
-        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
-    )
-
-
-def far(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return np.abs(a - b).max() > 1e-2 * np.abs(b).max()
 
 
 def canvas(batch, length, prompt, mask_id, seed):
@@ -57,10 +44,7 @@ def build_direct(module, path, weights=None):
 @pytest.fixture(scope="module")
 def checkpoints(fixture_dir):
     def get(name, builder, **kw):
-        path = fixture_dir / name
-        if not (path / "config.json").exists():
-            builder(path, **kw)
-        return path
+        return build_once(fixture_dir / name, builder, **kw)
 
     return {
         "sdar": get("sdar", sdar_fixture.build_sdar),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mlx_dllm_models.engine.canvas as canvas_mod
+from fixtures import build_once
 from fixtures import diffusion_gemma as fx
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
@@ -29,10 +30,7 @@ PROMPT = [fx.BOS, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
 
 @pytest.fixture(scope="module")
 def checkpoint(fixture_dir):
-    path = fixture_dir / "diffusion_gemma"
-    if not (path / "config.json").exists():
-        fx.CHECKPOINTS["diffusion_gemma"](path)
-    return path
+    return build_once(fixture_dir / "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"])
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,14 @@ matter; encoder and decoder layer scalars differ; the head drives logits into th
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_fixture
+from conftest import assert_close, load_fixture, mlx_lm_convert, parity
+from fixtures import build_once
 from fixtures import diffusion_gemma as fx
 from mlx_dllm_models.models.diffusion_gemma import Model, ModelArgs
 from mlx_dllm_models.settings import family_settings
@@ -26,43 +24,18 @@ PROMPT_LEN = 13  # > SLIDING_WINDOW (8): sliding layers see only part of the pro
 CANVAS = fx.CANVAS_LENGTH
 SC_TEMPERATURE = 0.7  # the engine feeds back temperature-processed logits
 
-_CONVERT = (
-    "import mlx_dllm_models_hook, runpy, sys; "
-    "sys.argv = ['mlx_lm', 'convert', '--hf-path', sys.argv[1], '--mlx-path', sys.argv[2], "
-    "*sys.argv[3:]]; "
-    "runpy.run_module('mlx_lm', run_name='__main__')"
-)
-
-
-def _convert(src, dst, *flags):
-    """`python -m mlx_lm convert`, with the import hook the installed package puts in a .pth."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _CONVERT, str(src), str(dst), *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return dst
-
 
 @pytest.fixture(scope="module")
 def checkpoint(fixture_dir):
-    path = fixture_dir / "diffusion_gemma"
-    if not (path / "config.json").exists():
-        fx.CHECKPOINTS["diffusion_gemma"](path)
-    return path
+    return build_once(fixture_dir / "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"])
 
 
 @pytest.fixture(scope="module")
 def converted(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("diffusion_gemma_mlx")
     return {
-        "f32": _convert(checkpoint, out / "f32"),
-        "q4": _convert(checkpoint, out / "q4", "-q", "--q-bits", "4"),
+        "f32": mlx_lm_convert(checkpoint, out / "f32"),
+        "q4": mlx_lm_convert(checkpoint, out / "q4", "-q", "--q-bits", "4"),
     }
 
 
@@ -105,18 +78,6 @@ def expected(checkpoint):
         "sc_logits": sc_logits.numpy(),
         "second": second.logits.numpy(),
     }
-
-
-def _close(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    err = np.abs(a - b).max()
-    return err <= 1e-4 * np.abs(b).max() + 1e-5, err
-
-
-def assert_close(a, b):
-    ok, err = _close(a, b)
-    assert ok, f"max abs error {err:.3g} (max |ref| {np.abs(np.asarray(b)).max():.3g})"
 
 
 def _run(model, chunks=(PROMPT_LEN,)):
@@ -216,7 +177,7 @@ def test_the_parity_checks_catch_mistakes(converted, expected, mistake):
     model = load_fixture(converted["f32"])[0]
     breaks, output = MISTAKES[mistake]
     breaks(model)
-    ok, err = _close(_run(model)[output], expected[output])
+    ok, err = parity(_run(model)[output], expected[output])
     assert not ok, f"{mistake} went unnoticed (max error {err:.3g})"
 
 

@@ -25,8 +25,8 @@ from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
     run_transformers,
     until_eos,
 )
-from test_diffusion_gemma_forward import _convert
 
+from conftest import mlx_lm_convert
 from fixtures import diffusion_gemma as fx
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
@@ -254,7 +254,7 @@ def test_cli_image(checkpoint, tmp_path, capsys):
 def test_converted_checkpoint_keeps_the_vision_tower(checkpoint, tmp_path):
     """mlx-lm's convert keeps vision_config and the tower's weights (unquantized); without
     processor_config.json the processor takes patch size and pooling from the tower's config."""
-    out = _convert(checkpoint, tmp_path / "q4", "-q", "--q-bits", "4")
+    out = mlx_lm_convert(checkpoint, tmp_path / "q4", "-q", "--q-bits", "4")
     cfg = json.loads((out / "config.json").read_text())
     assert "vision_config" in cfg
     assert not any(k.startswith("model.vision_tower") for k in cfg["quantization"])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
@@ -26,10 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def ckpt(fixture_dir):
-    path = fixture_dir / "dream"
-    if not (path / "config.json").exists():
-        build(path)
-    return path
+    return build_once(fixture_dir / "dream", build)
 
 
 @pytest.fixture(scope="module")

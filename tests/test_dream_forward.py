@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture
+from conftest import assert_close, far, load_fixture
+from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, MASK, build
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
@@ -16,26 +17,9 @@ from mlx_dllm_models.spec import BIDIRECTIONAL
 from reference.dream_torch import dream_generate, reference_forward, reference_logits
 
 
-def assert_close(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert a.shape == b.shape
-    err = np.abs(a - b).max()
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
-        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
-    )
-
-
-def far(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return np.abs(a - b).max() > 1e-2 * np.abs(b).max()
-
-
 @pytest.fixture(scope="module")
 def ckpt(fixture_dir):
-    path = fixture_dir / "dream"
-    if not (path / "config.json").exists():
-        build(path)
-    return path
+    return build_once(fixture_dir / "dream", build)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import load_fixture, spy_forwards
+from fixtures import build_once
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from fixtures.sdar import build_sdar
@@ -32,9 +33,7 @@ BACKENDS = {"prefix": ApproxPrefixCache, "dual": DualCache}
 def models(fixture_dir):
     built = {}
     for name, build in [*LLADA_CHECKPOINTS.items(), ("dream", build_dream), ("sdar", build_sdar)]:
-        path = fixture_dir / f"fast_dllm_{name}"
-        if not (path / "config.json").exists():
-            build(path)
+        path = build_once(fixture_dir / f"fast_dllm_{name}", build)
         built[name] = (path, *load_fixture(path))
     return built
 

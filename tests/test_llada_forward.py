@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture
+from conftest import assert_close, far, load_fixture
+from fixtures import build_once
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.engine import cache_choices
@@ -22,32 +23,9 @@ VARIANTS = ("llada", "llada_moe")
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
 
 
-def max_err(a, b):
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
-
-
-def assert_close(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert a.shape == b.shape
-    err = max_err(a, b)
-    assert err <= 1e-4 * np.abs(b).max() + 1e-5, (
-        f"max abs error {err:.3g} (max |ref| {np.abs(b).max():.3g})"
-    )
-
-
-def far(a, b):
-    return max_err(a, b) > 1e-2 * np.abs(np.asarray(b)).max()
-
-
 @pytest.fixture(scope="module")
 def ckpts(fixture_dir):
-    paths = {}
-    for name in VARIANTS:
-        path = fixture_dir / name
-        if not (path / "config.json").exists():
-            CHECKPOINTS[name](path)
-        paths[name] = path
-    return paths
+    return {name: build_once(fixture_dir / name, CHECKPOINTS[name]) for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from conftest import load_fixture
+from conftest import assert_close, load_fixture, parity
+from fixtures import build_once
 from fixtures import nemotron as fx
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
@@ -24,10 +25,7 @@ PROMPT_LEN, BLOCK_LEN = 21, fx.BLOCK_SIZE
 
 @pytest.fixture(scope="module", params=["nemotron", "nemotron_tied"])
 def checkpoint(request, fixture_dir):
-    path = fixture_dir / request.param
-    if not (path / "config.json").exists():
-        fx.CHECKPOINTS[request.param](path)
-    return path
+    return build_once(fixture_dir / request.param, fx.CHECKPOINTS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +58,6 @@ def _block(seed=2):
     return mx.array(block)
 
 
-def _close(a, b):
-    a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
-    err = np.abs(a - b).max()
-    return err <= 1e-4 * np.abs(b).max() + 1e-5, err
-
-
-def assert_close(a, b):
-    ok, err = _close(a, b)
-    assert ok, f"max abs error {err:.3g} (max |ref| {np.abs(np.array(b)).max():.3g})"
-
-
 class PrefixView:
     """A causal prefix that a diffusion block reads but does not extend (as the engine's cache)."""
 
@@ -99,13 +86,13 @@ def test_parity_fails_on_wrong_mode_or_query_scale(checkpoint, loaded):
     model, _, ref = loaded
     ids = _ids(40)
     bidirectional = ref(ids, use_causal_mask=False).logits
-    assert not _close(model(ids, mask="causal"), bidirectional)[0]
+    assert not parity(model(ids, mask="causal"), bidirectional)[0]
 
     cfg = json.loads((checkpoint / "config.json").read_text())
     cfg["rope_parameters"]["llama_4_scaling_beta"] = 0.0
     unscaled = Model(ModelArgs.from_dict(cfg))
     unscaled.update(model.parameters())
-    assert not _close(unscaled(ids), bidirectional)[0]
+    assert not parity(unscaled(ids), bidirectional)[0]
     # Below original_max_position_embeddings the scale is 1, so only the long positions differ.
     assert_close(unscaled(ids[:, :16]), ref(ids[:, :16], use_causal_mask=False).logits)
 
@@ -132,7 +119,7 @@ def test_causal_prefix_then_bidirectional_block(loaded):
     sequence = mx.concatenate([prompt, block], axis=1)
     causal = model(sequence, mask="causal")[:, PROMPT_LEN:]
     assert_close(ours, model(sequence, mask=keep, head_span=(PROMPT_LEN, n)))
-    assert not _close(ours, causal)[0]
+    assert not parity(ours, causal)[0]
 
     # Commit: a causal forward over the finished block extends the cache exactly.
     committed = model(block, cache=kv, mask="causal")
@@ -174,9 +161,7 @@ def test_rows_slice_the_head(loaded):
 
 
 def test_tied_checkpoint_has_no_stray_head(fixture_dir):
-    path = fixture_dir / "nemotron_tied"
-    if not (path / "config.json").exists():
-        fx.build_tied(path)
+    path = build_once(fixture_dir / "nemotron_tied", fx.build_tied)
     model, _ = load_fixture(path)
     assert not hasattr(model, "diffusion_head")
     # A tied export that still carries the head's copy (mlx-vlm bug B2 keeps it) loads strictly.

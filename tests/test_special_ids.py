@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from fixtures import all_checkpoints
+from fixtures import all_checkpoints, build_once
 from mlx_dllm_models import load
 
 BUILDERS = all_checkpoints()
@@ -83,14 +83,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(root):
     """name -> the fixture's checkpoint, written once for the module."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = BUILDERS[name](root / "clean" / name)
-        return built[name]
-
-    return get
+    return lambda name: build_once(root / "clean" / name, BUILDERS[name])
 
 
 def _set(cfg: dict, key: str, value):
