@@ -76,7 +76,7 @@ def main():
     from mlx_dllm_models import load
     from mlx_dllm_models.default import default_checkpoint, held_out_problems
     from mlx_dllm_models.engine import cache_choices
-    from mlx_dllm_models.generate import checkpoint_settings
+    from mlx_dllm_models.request import checkpoint_settings
     from mlx_dllm_models.settings import resolve_settings
 
     path = args.model or default_checkpoint()

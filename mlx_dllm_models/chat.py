@@ -21,12 +21,14 @@ from .cli_common import (
     LiveView,
     add_loading_flags,
     add_setting_flags,
+    add_template_config_flag,
     chosen_settings,
     load_for_cli,
     render,
     template_kwargs,
 )
-from .generate import responses, stats_line, stream_events
+from .generate import responses, stats_line
+from .request import prepare
 from .vision import text_tokenizer
 
 HELP = "commands: q or /exit  quit | r or /reset  new conversation | h or /help  this help"
@@ -80,9 +82,8 @@ class ChatSession:
         every committed block's new text. A failure (the conversation outgrew the context, a bad
         setting) leaves the conversation as it was."""
         messages = self.messages + [{"role": "user", "content": text}]
-        _, ids, decoder = stream_events(
-            self.model, self.tokenizer, [self.prompt(messages)], **self.settings
-        )
+        request = prepare(self.model, self.tokenizer, [self.prompt(messages)], self.settings)
+        ids, decoder = request.ids, request.decoder(self.model)
         step = None if on_step is None else (lambda event: on_step(event, decoder))
         reply, tokens, last = "", [], None
         for last in responses(decoder, ids, self.tokenizer, on_step=step, prior=self.prior):
@@ -105,6 +106,7 @@ def _parser():
         allow_abbrev=False,
     )
     add_loading_flags(p)
+    add_template_config_flag(p)
     p.add_argument("--system-prompt", default=None, help="system prompt of the conversation")
     p.add_argument(
         "--no-live", action="store_true", help="no live canvas, print blocks as they come"

@@ -36,7 +36,7 @@ import numpy as np
 
 from .decoding.llada import guided_logits, unconditional_tokens
 from .engine import BlockEvent, make_decoder
-from .generate import _encode, _prepare
+from .request import encode, prepare
 from .settings import SettingsError
 from .spec import BIDIRECTIONAL
 from .training import align_logits, forward_process, mask_tokens, sample_noise, weighted_nll
@@ -61,7 +61,7 @@ def _check_family(model, what: str):
 
 
 def _pair(tokenizer, prompt: Text, continuation: Text) -> Tuple[List[int], List[int]]:
-    ids = _encode(tokenizer, prompt)
+    ids = encode(tokenizer, prompt)
     if isinstance(continuation, str):
         cont = text_tokenizer(tokenizer).encode(continuation, add_special_tokens=False)
     else:
@@ -189,11 +189,11 @@ def greedy_matches(
         settings["cfg_scale"] = cfg_scale
     if spec.confidence == "sampled":
         settings["top_p"] = 1.0  # the model's own softmax, unfiltered
-    _, s, prompt_ids, _ = _prepare(model, tokenizer, [ids], settings)
+    request = prepare(model, tokenizer, [ids], settings)
     # No EOS handling: the whole span is compared, EOS included where the continuation has it.
-    decoder = make_decoder(model, s, ())
+    decoder = make_decoder(model, request.settings, ())
     got = []
-    for event in decoder.run(prompt_ids):
+    for event in decoder.run(request.ids):
         if isinstance(event, BlockEvent):
             got.extend(event.tokens[0])
     return got == cont

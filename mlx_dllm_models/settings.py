@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
-from .spec import GENERATION_CONFIG_KEYS  # noqa: F401  (importable from here as before)
 
 # ------------------------------------------------------------------------------------ validators
 # A validator takes (name, value) and returns an error message, or None when the value is valid.

@@ -20,8 +20,9 @@ from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
-from mlx_dllm_models.generate import checkpoint_settings, stream_events
+from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.models import diffusion_gemma
+from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 
 C = fx.CANVAS_LENGTH

@@ -18,7 +18,7 @@ from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diff
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule
 from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
-from mlx_dllm_models.generate import _eos_ids, checkpoint_settings
+from mlx_dllm_models.request import checkpoint_settings, eos_ids
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 from reference.dream_torch import dream_generate, reference_forward
 
@@ -426,11 +426,11 @@ def test_bad_settings_are_clear_errors(dream, kw, match):
 def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
     model, tok = dream
     spec = model.diffusion_spec
-    assert ENDOFTEXT in _eos_ids(model, tok, spec) and IM_END not in _eos_ids(model, tok, spec)
+    assert ENDOFTEXT in eos_ids(model, tok, spec) and IM_END not in eos_ids(model, tok, spec)
     saved = model.generation_config
     model.generation_config = dict(saved, eos_token_id=[ENDOFTEXT, IM_END])
     try:
-        assert {ENDOFTEXT, IM_END} <= _eos_ids(model, tok, spec)
+        assert {ENDOFTEXT, IM_END} <= eos_ids(model, tok, spec)
     finally:
         model.generation_config = saved
 

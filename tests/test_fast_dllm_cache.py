@@ -14,7 +14,7 @@ from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from fixtures.sdar import build_sdar
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.fast_dllm import ApproxPrefixCache, DualCache
-from mlx_dllm_models.generate import checkpoint_settings
+from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import SettingsError, resolve_settings
 from mlx_dllm_models.spec import SHARED_SAMPLERS
 from reference import fast_dllm_torch as fast

@@ -199,11 +199,11 @@ def test_eos_options_match_generate_py(eos_heavy, options):
 
 def test_eot_id_comes_from_the_tokenizer(eos_heavy):
     model, tok, eos, eot = eos_heavy
-    from mlx_dllm_models.generate import _eot_id
+    from mlx_dllm_models.request import eot_id
     from mlx_dllm_models.settings import resolve_settings
 
     s = resolve_settings(model.diffusion_spec, {"confidence_eos_eot_inf": True})
-    assert _eot_id(tok, model.diffusion_spec, s) == eot == 313  # the fixture's <|eot_id|>
+    assert eot_id(tok, model.diffusion_spec, s) == eot == 313  # the fixture's <|eot_id|>
 
 
 @pytest.mark.parametrize(

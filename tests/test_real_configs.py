@@ -20,8 +20,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dllm_models.generate import _eos_ids, checkpoint_settings
 from mlx_dllm_models.registry import MODEL_TYPES
+from mlx_dllm_models.request import checkpoint_settings, eos_ids
 from mlx_dllm_models.settings import resolve_settings
 
 DATA = Path(__file__).parent / "data"
@@ -247,7 +247,7 @@ def test_runtime_eos_ids_include_generation_config(name):
     _require(name, "config.json")
     _, model, spec = _built(name)
     model.generation_config = _load(name, "generation_config.json") or {}
-    assert _eos_ids(model, None, spec) == CHECKPOINTS[name]["runtime_eos"]
+    assert eos_ids(model, None, spec) == CHECKPOINTS[name]["runtime_eos"]
 
 
 # ------------------------------------------------------------ real size, lazily; weight names
