@@ -93,9 +93,9 @@ def main():
     )
     args = ap.parse_args()
     if args.no_row_steps:
+        from mlx_dllm_models.engine import FullRecompute
         from mlx_dllm_models.engine.block_cache import PrefixCache
         from mlx_dllm_models.engine.causal_prefix import CausalPrefixCache
-        from mlx_dllm_models.engine.masked import FullRecompute
 
         for backend in (FullRecompute, PrefixCache, CausalPrefixCache):
             backend.row_steps = False

@@ -17,6 +17,7 @@ from .cli_common import LiveView as _LiveView
 from .cli_common import (
     add_loading_flags,
     add_setting_flags,
+    add_template_config_flag,
     chosen_settings,
     load_for_cli,
     str2bool,
@@ -44,6 +45,7 @@ def _generate_parser():
         allow_abbrev=False,
     )
     add_loading_flags(p)
+    add_template_config_flag(p)
     p.add_argument("--version", action="version", version=f"mlx_dllm_models {__version__}")
     p.add_argument("--prompt", "-p", default=None, help="prompt text ('-' reads stdin)")
     p.add_argument("--system-prompt", default=None)

@@ -36,6 +36,7 @@ def chosen_settings(args) -> dict:
 
 
 def add_loading_flags(parser: argparse.ArgumentParser):
+    """What every command that loads a checkpoint takes: generate, chat, serve."""
     parser.add_argument(
         "--model", default=None, help="checkpoint folder (default: the embedded model)"
     )
@@ -57,6 +58,11 @@ def add_loading_flags(parser: argparse.ArgumentParser):
         metavar="TOKEN",
         help="another token (its text or id) that ends generation (repeatable)",
     )
+
+
+def add_template_config_flag(parser: argparse.ArgumentParser):
+    """mlx_lm.generate's `--chat-template-config` (the server takes mlx_lm.server's
+    `--chat-template-args` instead)."""
     parser.add_argument(
         "--chat-template-config",
         default=None,

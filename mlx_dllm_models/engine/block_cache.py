@@ -38,6 +38,14 @@ class PrefixCache:
     # open block are rewritten by every step and made final by the next block's folded forward,
     # which runs over every row.
     row_steps = True
+    # A restart over [prompt ; committed] (the server's joins) re-encodes the committed blocks
+    # into K/V equal to those cached: blocks stay on their absolute positions, since block-causal
+    # padding is a multiple of the block length.
+    join_reencodes = True
+
+    @classmethod
+    def joins_exactly(cls, settings) -> bool:
+        return True
 
     def __init__(self, model, spec, layout, settings):
         if not layout.aligned:

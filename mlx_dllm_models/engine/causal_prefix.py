@@ -120,6 +120,21 @@ class CausalPrefixCache:
     # A denoising forward reads the cache and never extends it: it may run on `select(layout,
     # rows)` for the rows that still have masks (the block's final K/V come from its own forward).
     row_steps = True
+    join_reencodes = True
+
+    @classmethod
+    def joins_exactly(cls, settings) -> bool:
+        """Whether a restart over [prompt ; committed] (the server's joins) reproduces the run:
+        its causal prefill writes the K/V and AR seed the per-block forwards would have only when
+        every block is whole (blocks are counted from the prompt's end and attend within the
+        block: a partial last block would see a longer row's columns). With causal_context=False
+        the restart would encode the committed blocks with the prompt (not block by block), and a
+        thinking budget would be counted from the restart."""
+        return (
+            settings["max_tokens"] % settings["block_length"] == 0
+            and settings.get("causal_context", True)
+            and settings.get("end_think_token_id") is None
+        )
 
     def __init__(self, model, spec, layout, settings):
         if layout.aligned or len(set(layout.starts)) != 1:

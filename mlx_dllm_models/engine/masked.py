@@ -115,6 +115,10 @@ class MaskedBlockDecoder:
     backend, a class that engine.registry picks from the spec's attention layout and the `cache`
     setting."""
 
+    # `run(cancelled=)` drops a cancelled row at its next block, and `run(budgets=)` restarts rows
+    # over [prompt ; committed] with what is left of their max_tokens (the server's joins).
+    drops_cancelled_rows = True
+
     def __init__(
         self,
         model,

@@ -6,6 +6,7 @@ A layout's cache choices are exactly its rows here, so validation, the error mes
 decoders read one truth.
 """
 
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from ..settings import SettingsError
@@ -59,6 +60,27 @@ def select_backend(spec, settings):
     if check is not None:
         check(spec, settings)  # settings a backend cannot honour fail before decoding starts
     return backend
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a run of some settings takes rows, as the server's scheduler needs to know."""
+
+    joins: bool  # rows may join a running batch at a block boundary, exactly (a restart)
+    free_join: bool  # such a join re-encodes nothing (the backend keeps no K/V)
+    drops_rows: bool  # the decoder drops a cancelled row at its next block
+
+
+def join_policy(spec, settings) -> Batching:
+    """What the decoder and backend of these (resolved) settings declare: a decoder that restarts
+    rows with per-row budgets says `drops_cancelled_rows`, a backend whose restart over [prompt ;
+    committed] reproduces the run says `joins_exactly(settings)`."""
+    decoder = select_decoder(spec, settings)
+    drops = getattr(decoder, "drops_cancelled_rows", False)
+    backend = select_backend(spec, settings) if drops else None
+    exact = getattr(backend, "joins_exactly", None)
+    joins = bool(exact is not None and exact(settings))
+    return Batching(joins, joins and not backend.join_reencodes, drops)
 
 
 def select_decoder(spec, settings):

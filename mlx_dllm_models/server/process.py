@@ -1,0 +1,227 @@
+"""`mlx_dllm serve` as a process: its flags, the HTTP server over the scheduler's thread, the
+ranks of a sharded server, and shutdown.
+
+The flags follow `mlx_lm.server` (`--model`, `--host`, `--port`, `--adapter-path`,
+`--chat-template-args`, `--allowed-origins`, `--decode-concurrency`, `--temp`), with the loading
+flags of every command (cli_common.add_loading_flags) and one flag per decoding setting
+(settings.SETTINGS) whose value is the server's default.
+
+Sharded (`mlx.launch -n N ... serve`): every rank loads its shard and runs the scheduler; rank 0
+alone serves HTTP (its scheduler hands the other ranks what it saw at each step, as mlx_lm.server
+shares its requests across ranks). Rank 0 stops every rank (SIGTERM / Ctrl-C); a rank that dies
+stops the others with distributed.py's one-line error.
+"""
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Callable, Optional
+
+from ..cli_common import add_loading_flags, add_setting_flags, chosen_settings, load_for_cli
+from ..distributed import launch_group
+from ..request import checkpoint_settings
+from ..settings import SettingsError, resolve_settings
+from ..vision import text_tokenizer
+from .api import DiffusionAPIHandler, Service
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def make_server(
+    load_model: Callable[[], tuple],
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_id: str = "default_model",
+    defaults: Optional[dict] = None,
+    chat_template_args: Optional[dict] = None,
+    allowed_origins=("*",),
+    max_batch: int = 32,
+    group=None,
+):
+    """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
+    thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
+    raised here). `server.serve_forever()` serves; `shutdown(server)` stops both. `group`: rank 0
+    of a sharded server (the other ranks run `follow`)."""
+    scheduler = Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
+    model, tokenizer = scheduler.model, scheduler.tokenizer
+    service = Service(
+        model, tokenizer, scheduler, model_id, defaults, chat_template_args, allowed_origins
+    )
+    # As mlx-lm's _run_http_server: the address family of the host (IPv6 hosts too).
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = info[0]
+
+    class Server(ThreadingHTTPServer):
+        address_family = family
+        daemon_threads = True
+
+    try:
+        server = Server(address, lambda *a, **k: DiffusionAPIHandler(service, *a, **k))
+    except OSError:
+        scheduler.stop()
+        raise
+    server.service = service
+    if group is not None:
+        # A sharded scheduler that fails (a rank died) ends the serving too: main() then exits
+        # with its error. (shutdown() may come before serve_forever starts: it then returns at
+        # once.)
+        def stop_serving():
+            scheduler.thread.join()
+            if scheduler.error is not None:
+                server.shutdown()
+
+        threading.Thread(target=stop_serving, name="mlx_dllm-watch", daemon=True).start()
+    return server
+
+
+def follow(load_model: Callable[[], tuple], group, max_batch: int = 32) -> Scheduler:
+    """A rank other than 0 of a sharded server: the scheduler thread (loading this rank's shard
+    with `load_model()`) that makes rank 0's decisions on it, until rank 0 stops (`thread` ends;
+    `error` says why when it failed)."""
+    return Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
+
+
+def shutdown(server, serving: bool = True):
+    """Stop a server made by make_server (`serving`: its serve_forever has run, which
+    `shutdown()` waits for)."""
+    if serving:
+        server.shutdown()
+    server.server_close()
+    server.service.scheduler.stop()
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        prog="mlx_dllm serve",
+        description="An OpenAI-compatible server for a diffusion language model "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health). Concurrent requests "
+        "share forwards. The setting flags set the defaults that a request's body fields of the "
+        "same name override.",
+        allow_abbrev=False,
+    )
+    add_loading_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: x.split(","),
+        default=["*"],
+        help="allowed CORS origins (default: *)",
+    )
+    p.add_argument("--chat-template", default=None, help="a chat template replacing the model's")
+    p.add_argument(
+        "--chat-template-args",
+        type=json.loads,
+        default={},
+        help="JSON arguments for the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="most requests decoded in one batch (default: 32)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    )
+    add_setting_flags(p)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
+    )
+    defaults = chosen_settings(args)
+    # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
+    group = launch_group()
+    if group is not None and group.rank() != 0:
+        return _follow_main(args, defaults, group)
+    try:
+        # Loaded as `mlx_dllm generate` loads (its errors are one-line SystemExits), on the
+        # scheduler's thread.
+        server = make_server(
+            lambda: load_for_cli(args),
+            host=args.host,
+            port=args.port,
+            model_id=str(args.model or "default_model"),
+            defaults=defaults,
+            chat_template_args=args.chat_template_args,
+            allowed_origins=args.allowed_origins,
+            max_batch=args.decode_concurrency,
+            group=group,
+        )
+    except ValueError as e:  # CheckpointError, SettingsError
+        raise SystemExit(f"error: {e}")
+    except OSError as e:  # the port is taken, the host unknown
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {e}")
+    service = server.service
+    if args.chat_template is not None:
+        text_tokenizer(service.tokenizer).chat_template = args.chat_template
+    try:  # the server flags' defaults, checked once rather than on every request
+        resolve_settings(service.spec, defaults, checkpoint_settings(service.model, service.spec))
+    except SettingsError as e:
+        shutdown(server, serving=False)
+        raise SystemExit(f"error: {e}")
+    logger.info("serving %s on http://%s:%d", service.model_id, args.host, server.server_address[1])
+    previous = _sigterm_interrupts()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown(server)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if service.scheduler.error is not None:
+        raise SystemExit(service.scheduler.error)
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_interrupts():
+    """SIGTERM stops the server as Ctrl-C does (a sharded server's rank 0 then tells the other
+    ranks to stop). Returns the previous handler, None when not on the main thread (where Python
+    takes no signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _follow_main(args, defaults: dict, group) -> int:
+    """`mlx_dllm serve` on a rank other than 0: no HTTP server, the scheduler loop on this rank's
+    shard until rank 0 stops. Ctrl-C reaches every rank of `mlx.launch`: rank 0 alone decides when
+    they stop (it tells the others), so this rank ignores it."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        try:
+            scheduler = follow(lambda: load_for_cli(args), group, args.decode_concurrency)
+        except ValueError as e:  # CheckpointError, SettingsError
+            raise SystemExit(f"error: {e}")
+        try:  # the same check as rank 0's, which then stops every rank
+            resolve_settings(
+                scheduler.spec, defaults, checkpoint_settings(scheduler.model, scheduler.spec)
+            )
+        except SettingsError as e:
+            scheduler.stop()
+            raise SystemExit(f"error: {e}")
+        scheduler.thread.join()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if scheduler.error is not None:
+        raise SystemExit(scheduler.error)
+    return 0

@@ -1,0 +1,407 @@
+"""The server's scheduler: continuous batching at block granularity.
+
+One worker thread owns the model (every MLX call happens there). Each request arrives prepared
+(request.prepare: settings resolved, prompt encoded, on the HTTP handler's thread); requests whose
+resolved settings agree (all but `max_tokens`) form a group that shares one decoder run, so one
+forward serves every row; groups with different settings (block length, sampler, family settings,
+temperature, seed...) take turns block by block. Within a group:
+
+* A row leaves when it finishes (EOS or its max_tokens), or at the next block boundary after its
+  client disconnects (or its stop string appeared): the decoder drops it like a finished row.
+* Requests that arrive while a group decodes join it at the next block boundary when the engine
+  says such a join is exact (engine.join_policy: the decoder restarts rows over [prompt ;
+  committed] with per-row budgets, `MaskedBlockDecoder.run(prompts, budgets=...)`, and the backend
+  declares `joins_exactly(settings)`). For full recompute (bidirectional or block-causal) and the
+  block-causal prefix cache this is exact: the tokens, positions and attention a row sees in the
+  restarted run are those of its own run at the same block (left padding is never attended; a
+  bidirectional row never attends past its own last column; block-causal padding is a multiple of
+  the block length, so blocks stay on their absolute positions); the prefix cache re-encodes the
+  survivors' committed blocks, K/V that equal those it had cached. Causal-prefix blocks (Nemotron)
+  join the same way when max_tokens is a whole number of blocks, with causal context and no
+  thinking budget (engine/causal_prefix.py says why). So at temperature 0 each request's tokens
+  equal a single `generate_diffusion` call with the same prompt and settings. Fast-dLLM's
+  approximate caches refresh their K/V on their own schedule, which a restart would move.
+* Other runs batch at arrival: the requests waiting when a group's run starts share it, later ones
+  wait for the next run (DiffusionGemma's canvases, which draw each row's noise from its own seeded
+  stream that a restart would start over; self-speculation, which decodes row by row; the cases
+  above). For these groups `max_tokens` is part of the settings that must agree, and a cancelled
+  row of a decoder that cannot drop rows keeps its place until the run ends.
+
+At temperature > 0 a batched row's draws depend on its batch-mates (the masked decoder draws one
+batch-wide key per step), as with any batched sampler: `seed` reproduces a request served alone.
+
+Sharded (`mlx.launch -n N ... serve`): every rank loads its shard and runs the scheduler; rank 0
+alone takes the requests, and each step begins with rank 0 handing the others what it saw since the
+last one (Scheduler docstring).
+"""
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from ..distributed import lost_rank, lost_rank_exits, share
+from ..engine import Batching, join_policy, make_decoder
+from ..request import Request, prepare
+
+logger = logging.getLogger(__name__)
+
+
+class Job:
+    """One request's generation, shared by its HTTP handler thread and the scheduler thread.
+
+    The scheduler posts to `events`: ("accepted", prompt_tokens), ("error", message), or
+    ("block", tokens, finished, eos) per committed block. The handler sets `cancelled` (client
+    gone, stop string met) at any time; the scheduler reads it once per step, into `dropped`
+    (the value every rank of a sharded server acts on), and drops the row at the next block
+    boundary."""
+
+    def __init__(self, prompt, overrides: dict, images=None, request: Optional[Request] = None):
+        self.prompt = prompt
+        self.overrides = overrides
+        self.images = images
+        # The prepared request (settings resolved, prompt encoded): the HTTP handler prepares it
+        # on its own thread; a job without one (another rank's copy, a direct submit) is
+        # prepared at admission.
+        self.request = request
+        self.events: "queue.Queue" = queue.Queue()
+        self.cancelled = False
+        self.dropped = False
+        self.uid: Optional[int] = None  # the admission order: the same on every rank
+        self.done = False
+        self.tokens: List[int] = []  # committed so far
+        self.nfe = 0  # forwards of the runs this row took part in
+
+    @property
+    def ids(self) -> List[int]:
+        return self.request.ids[0]
+
+    @property
+    def settings(self) -> Dict[str, Any]:
+        return self.request.settings
+
+    @property
+    def pixel_values(self):
+        pixels = self.request.pixel_values
+        return None if pixels is None else pixels[0]
+
+
+class _NoEvents:
+    """The events of a request that rank 0 answers, on another rank: nothing reads them."""
+
+    def put(self, event):
+        pass
+
+
+class Group:
+    """Requests whose settings let them share forwards, and their current decoder run."""
+
+    def __init__(self, request: Request, batching: Batching):
+        self.settings = request.settings
+        self.eos_token_ids = request.eos_token_ids
+        self.eot_token_id = request.eot_token_id
+        self.batching = batching
+        self.waiting: List[Job] = []
+        self.jobs: List[Job] = []  # rows of the current run, by row index
+        self.run = None
+        self.decoder = None
+        self.cancelled: set = set()  # row indices the current run drops at its next block
+        self.nfe_seen = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.run is None and not self.waiting
+
+
+class Scheduler:
+    """Continuous batching at block granularity (see the module docstring). `step()` admits new
+    requests and advances one group by one block, on the thread that built the model;
+    `Scheduler.on_thread(load_model)` runs it on a worker thread that builds the model.
+
+    Sharded over `group` (mlx.launch): every rank runs this scheduler on its shard; rank 0 takes
+    the requests. At the start of each step rank 0 hands every rank what it saw since the last
+    one (new requests, cancellations, a stop: `distributed.share`) before any of them acts on it.
+    Everything else the scheduler decides follows from that and from the decoders' outputs,
+    which are bitwise the same on every rank, so all ranks make the same forwards in the same
+    order. The other ranks' jobs post their events nowhere."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 32, group=None):
+        self.group = group
+        self.rank = 0 if group is None else group.rank()
+        self.model, self.tokenizer = model, tokenizer
+        self.spec = model.diffusion_spec
+        self.max_batch = max_batch
+        self.inbox: "queue.Queue[Job]" = queue.Queue()
+        self.groups: Dict[str, Group] = {}
+        self.thread: Optional[threading.Thread] = None
+        self.stopped = threading.Event()  # asked to stop (rank 0 shares it at the next step)
+        self.ended = False  # the step that every rank stops at has run
+        self.error: Optional[str] = None  # why a sharded scheduler stopped serving, if it failed
+        self._uids = itertools.count()
+        # Counters the tests and the benchmark read.
+        self.joins = 0  # runs restarted to take in rows that arrived while a batch decoded
+        self.blocks = 0
+        self.forwards = 0
+        self.max_rows = 0  # largest batch a forward served
+
+    # -- submission (any thread)
+
+    def submit(self, job: Job) -> Job:
+        self.inbox.put(job)
+        return job
+
+    # -- the worker
+
+    @classmethod
+    def on_thread(
+        cls, load_model: Callable[[], tuple], max_batch: int = 32, group=None
+    ) -> "Scheduler":
+        """A scheduler whose worker thread first loads the model (`load_model()` -> (model,
+        tokenizer)), then serves. MLX streams belong to a thread, and the arrays a model builds
+        lazily (RoPE frequencies, masks) can only be evaluated on the thread that built them: the
+        model is built where it runs, as mlx-lm's server loads in its generation thread. A load
+        error is raised here."""
+        box, ready = {}, threading.Event()
+
+        def work():
+            try:
+                scheduler = cls(*load_model(), max_batch=max_batch, group=group)
+                box["scheduler"] = scheduler
+            except BaseException as e:  # raised again in the caller's thread
+                box["error"] = e
+                ready.set()
+                return
+            scheduler.thread = threading.current_thread()
+            ready.set()
+            scheduler._loop()
+
+        threading.Thread(target=work, name="mlx_dllm-scheduler", daemon=True).start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["scheduler"]
+
+    def stop(self):
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and not self.stopped.is_set()
+
+    def _loop(self):
+        try:
+            with lost_rank_exits(self.group):
+                while not self.ended:
+                    try:
+                        self.step(wait=0.05)
+                    except Exception as e:
+                        # A bug must not take the server down with every request in it. Across
+                        # ranks it must: the ranks could no longer agree on their collectives.
+                        if self.group is not None or lost_rank(e):
+                            raise
+                        logger.exception("scheduler step failed")
+                        self._fail_all("internal error in the decoding loop (see the server log)")
+        except SystemExit as e:  # lost_rank_exits: another rank died
+            self._end(str(e))
+        except Exception:
+            logger.exception("scheduler step failed")
+            self._end(
+                f"error: rank {self.rank} of {self.group.size()}: the decoding loop failed (see "
+                "the traceback above); the ranks can no longer agree on their forwards, so all stop"
+            )
+
+    def _end(self, message: str):
+        """A sharded scheduler stops serving: its requests get the error, and the process exits
+        with it (server.main), which ends the other ranks too (their next collective fails)."""
+        self.error = message
+        self._fail_all(message)
+
+    def _fail_all(self, message):
+        for group in self.groups.values():
+            for job in group.jobs + group.waiting:
+                if not job.done:
+                    job.done = True
+                    job.events.put(("error", message))
+        self.groups.clear()
+
+    def step(self, wait: float = 0.0) -> bool:
+        """Admit what arrived (waiting up to `wait` seconds for it when no group has work), apply
+        the cancellations, then advance the next group with work by one block. Returns whether a
+        block was decoded."""
+        busy = any(not g.idle for g in self.groups.values())
+        news = self._news(None if busy else wait)
+        if news is not None:
+            jobs, cancelled, stop = news
+            self._admit(jobs)
+            for job in self._live():
+                job.dropped = job.dropped or job.uid in cancelled
+            if stop:
+                self.ended = True
+                return False
+        for key in list(self.groups):
+            group = self.groups[key]
+            if group.idle:
+                del self.groups[key]
+                continue
+            # Round robin: the group goes to the back of the order after its block.
+            self.groups[key] = self.groups.pop(key)
+            self._advance(group)
+            return True
+        return False
+
+    def _live(self):
+        for group in self.groups.values():
+            yield from (job for job in group.jobs + group.waiting if not job.done)
+
+    def _news(self, wait: Optional[float]):
+        """(new jobs, uids of the jobs cancelled since the last step, stop) as rank 0 saw them,
+        the same on every rank; None when nothing happened. Rank 0 waits for requests on its
+        inbox for up to `wait` seconds (idle); the other ranks wait in the collective, which
+        polls (the ring backend keeps about a third of a core busy while it waits), so an idle
+        rank sleeps most of rank 0's wait before it enters it."""
+        if self.rank != 0:
+            if wait:
+                time.sleep(0.8 * wait)
+            shared = share(None, self.group)
+            if shared is None:
+                return None
+            requests, cancelled, stop = shared
+            jobs = [Job(*request) for request in requests]
+            for job in jobs:
+                job.events = _NoEvents()
+            return jobs, set(cancelled), stop
+        jobs = []
+        try:
+            jobs.append(self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait())
+            while True:
+                jobs.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        jobs = [job for job in jobs if not job.cancelled]
+        cancelled = {job.uid for job in self._live() if job.cancelled and not job.dropped}
+        stop = self.stopped.is_set()
+        if not (jobs or cancelled or stop):
+            share(None, self.group)
+            return None
+        if self.group is not None:
+            requests = [(job.prompt, job.overrides, job.images) for job in jobs]
+            share((requests, sorted(cancelled), stop), self.group)
+        return jobs, cancelled, stop
+
+    def _admit(self, jobs: List[Job]):
+        for job in jobs:
+            job.uid = next(self._uids)
+            try:
+                if job.request is None:
+                    images = None if job.images is None else [job.images]
+                    job.request = prepare(
+                        self.model, self.tokenizer, [job.prompt], job.overrides, images
+                    )
+                batching = join_policy(job.request.spec, job.settings)
+            except (ValueError, TypeError) as e:
+                job.done = True
+                job.events.put(("error", str(e)))
+                continue
+            # Rows that may join a running batch share a group whatever their max_tokens (each
+            # keeps its own budget); the others must agree on it too.
+            s = job.settings
+            shared = {k: v for k, v in s.items() if k != "max_tokens" or not batching.joins}
+            key = json.dumps([batching.joins, sorted(shared.items())], default=repr)
+            group = self.groups.get(key)
+            if group is None:
+                group = self.groups[key] = Group(job.request, batching)
+            group.waiting.append(job)
+            job.events.put(("accepted", len(job.ids)))
+
+    def _start(self, group: Group):
+        for job in group.jobs + group.waiting:
+            if job.dropped:
+                job.done = True
+        live = [j for j in group.jobs if not j.done]
+        group.waiting = [j for j in group.waiting if not j.done]
+        room = max(self.max_batch - len(live), 0)
+        new, group.waiting = group.waiting[:room], group.waiting[room:]
+        if live and new:
+            self.joins += 1
+        jobs = live + new
+        if not jobs:
+            group.run, group.jobs = None, []
+            return
+        budgets = [j.settings["max_tokens"] - len(j.tokens) for j in jobs]
+        settings = dict(group.settings, max_tokens=max(budgets))
+        images = None
+        if any(j.pixel_values is not None for j in jobs):
+            images = [j.pixel_values for j in jobs]
+        decoder = make_decoder(
+            self.model,
+            settings,
+            group.eos_token_ids,
+            images=images,
+            eot_token_id=group.eot_token_id,
+        )
+        prompts = [j.ids + j.tokens for j in jobs]
+        group.cancelled = set()
+        if group.batching.joins:
+            group.run = decoder.run(prompts, budgets=budgets, cancelled=group.cancelled)
+        elif group.batching.drops_rows:
+            group.run = decoder.run(prompts, cancelled=group.cancelled)
+        else:
+            group.run = decoder.run(prompts)
+        group.decoder, group.jobs, group.nfe_seen = decoder, jobs, 0
+
+    def _advance(self, group: Group):
+        if group.run is None or self._should_join(group):
+            self._start(group)
+            if group.run is None:
+                return
+        if group.batching.drops_rows:
+            # The decoder drops these rows when it resumes, before its next block.
+            for row, job in enumerate(group.jobs):
+                if job.dropped and not job.done:
+                    group.cancelled.add(row)
+                    job.done = True
+        event = None
+        try:
+            while event is None or not hasattr(event, "finished"):
+                event = next(group.run)
+        except StopIteration:
+            group.run = None
+            for job in group.jobs:  # rows the run dropped without a final event (cancelled)
+                job.done = True
+            return
+        nfe = group.decoder.nfe
+        delta, group.nfe_seen = nfe - group.nfe_seen, nfe
+        self.blocks += 1
+        self.forwards += delta
+        self.max_rows = max(self.max_rows, len(event.rows))
+        for row, toks, eos, finished in zip(event.rows, event.tokens, event.eos, event.finished):
+            job = group.jobs[row]
+            if job.done:
+                continue
+            job.tokens.extend(toks)
+            job.nfe += delta
+            if job.dropped:
+                job.done = True
+                continue
+            job.done = finished
+            job.events.put(("block", list(toks), finished, eos))
+        if all(j.done for j in group.jobs):
+            group.run = None
+
+    def _should_join(self, group: Group) -> bool:
+        """Whether the waiting requests join the running batch at this block boundary. Full
+        recompute keeps no K/V, so a join costs nothing: always. A backend with a K/V cache
+        re-encodes the survivors' prompts and committed blocks on a join: it joins once the
+        newcomers are at least as many as the survivors (else they wait for more arrivals or for
+        the run's end), which bounds that re-encoding by the newcomers' own prefill."""
+        if not (group.batching.joins and group.waiting):
+            return False
+        live = sum(not j.done and not j.dropped for j in group.jobs)
+        if live >= self.max_batch:
+            return False
+        return group.batching.free_join or len(group.waiting) >= live
