@@ -28,12 +28,12 @@ def _looks_like_repo_id(name: str) -> bool:
 
 def resolve_checkpoint(path_or_repo, revision=None) -> Path:
     """A local folder as given, or a Hugging Face repo id resolved as `mlx_lm.load` resolves it
-    (mlx_lm.utils._download: huggingface_hub's snapshot_download of the same files, `revision`,
-    the Hugging Face cache, HF_HUB_OFFLINE)."""
+    (huggingface_hub's snapshot_download of mlx-lm's DEFAULT_ALLOW_PATTERNS, `revision`, the
+    Hugging Face cache, HF_HUB_OFFLINE)."""
     path = Path(path_or_repo)
     if path.exists() or not _looks_like_repo_id(str(path_or_repo)):
         return path
-    from huggingface_hub import constants
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HFValidationError,
@@ -41,12 +41,14 @@ def resolve_checkpoint(path_or_repo, revision=None) -> Path:
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
-    from mlx_lm.utils import _download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     repo = str(path_or_repo)
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(_download(repo, revision=revision))
+        return Path(
+            snapshot_download(repo, revision=revision, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+        )
     except HFValidationError:
         return path  # not a repo id after all: the local-folder checks say what is missing
     except GatedRepoError:
