@@ -116,14 +116,20 @@ class SelfSpeculativeDecoder:
         for row, prompt in enumerate(prompts):
             yield from run_row(row, [int(t) for t in prompt])
 
-    def _end_thinking(self, new: List[int], made: int, out: List[int]) -> List[int]:
-        """`new`, the round's tokens (new tokens number made.. of a row that has produced `out`),
-        cut after the marker when ar_generate's thinking budget forces it among them."""
+    def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
+        """`new`, the round's tokens (new tokens number len(out).. of a row that has produced
+        `out`), cut after the marker when ar_generate's thinking budget forces it among them."""
         marker, budget = self.s.get("end_think_token_id"), self.s.get("max_thinking_tokens")
-        at = None if marker is None else budget - made
+        at = None if marker is None else budget - len(out)
         if at is None or not 0 <= at < len(new) or marker in out or marker in new[:at]:
             return new
         return new[:at] + [marker]
+
+    def _confirmed(self, row: int, new: List[int], out: List[int]):
+        """The block event of a row's newly confirmed tokens, which join `out`."""
+        out += new
+        finished = len(out) >= self.s["max_tokens"]
+        return block_event([row], [new], [finished], self.eos, self.nfe)
 
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
@@ -131,15 +137,14 @@ class SelfSpeculativeDecoder:
     def _run_row(self, row, prompt):
         s, spec = self.s, self.spec
         mask_id, max_tokens, window = spec.mask_token_id, s["max_tokens"], s["block_length"]
-        greedy = s["temperature"] == 0
         x = mx.array([prompt + [mask_id] * max_tokens], dtype=mx.int32)
         run = self.forwards(self.model, x.shape[1], None)
         committed = 0  # columns before it have final K/V
         known = len(prompt)  # columns before it hold confirmed tokens
         drafts, q = [], None  # drafts of the columns from `known` on, and their distributions
-        made, out = 0, []
-        while made < max_tokens:
-            left = max_tokens - made
+        out = []
+        while len(out) < max_tokens:
+            left = max_tokens - len(out)
             drafts = drafts[: left - 1]  # a round returns the kept drafts and one token more
             k = len(drafts)
             w = min(window, left - k - 1)  # the next round's column of t, then its drafts
@@ -155,15 +160,9 @@ class SelfSpeculativeDecoder:
             if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
                 check_finite(logits, self.model)
             verify, window_logits = logits[: k + 1], logits[k + 2 :]
-            if greedy:
-                ar = self._tokens(verify)
-                n = next((i for i in range(k) if ar[i] != drafts[i]), k)
-                new = drafts[:n] + [ar[n]]
-            else:
-                p = _probs(verify, s, spec)
-                new = speculative_accept(p, q, drafts, next_key(self))
-                n = len(new) - 1
-            budgeted = self._end_thinking(new, made, out)
+            new = self._accept(verify, drafts, q)
+            n = len(new) - 1
+            budgeted = self._end_thinking(new, out)
             # A forced marker replaces the causal model's token: the window's drafts followed that.
             kept_all = n == k and budgeted == new
             new = budgeted
@@ -175,12 +174,11 @@ class SelfSpeculativeDecoder:
             run.keep(committed)
             if kept_all and w:
                 drafts = self._tokens(window_logits, suppress=(mask_id,))
+                greedy = s["temperature"] == 0
                 q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
             else:
                 drafts, q = [], None
-            made += len(new)
-            out += new
-            event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
+            event = self._confirmed(row, new, out)
             yield event
             if event.finished[0]:
                 return
@@ -242,13 +240,11 @@ class SelfSpeculativeDecoder:
         self.nfe += 1
         logits = run.causal(x, 0, start, head_span=(start - 1, start))[0]
         check_finite(logits, model)
-        new = self._end_thinking(self._tokens(logits), 0, [])
-        made, out = 0, []
+        out = []
+        new = self._end_thinking(self._tokens(logits), out)
         while True:
             x[:, start] = new[-1]
-            made += len(new)
-            out += new
-            event = block_event([row], [new], [made >= max_tokens], self.eos, self.nfe)
+            event = self._confirmed(row, new, out)
             yield event
             if event.finished[0]:
                 return
@@ -257,11 +253,11 @@ class SelfSpeculativeDecoder:
             drafts, q = self._draft(run, x, start, stop)
             self.nfe += 1
             verify = run.mixed(x, start, stop, stop)[0]
-            new = self._end_thinking(self._accept(verify, drafts, q), made, out)
+            new = self._end_thinking(self._accept(verify, drafts, q), out)
             n = len(new) - 1
             self.drafted += len(drafts)
             self.accepted += n
             # t and the kept drafts have final K/V; the causal next token goes at start + 1 + n.
             run.keep(start + 1 + n)
-            new = new[: max_tokens - made]
+            new = new[: max_tokens - len(out)]
             start += 1 + n
