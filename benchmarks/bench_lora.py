@@ -47,14 +47,14 @@ def subtraction(n, seed):
 def german(n, problems, seed):
     """n training rows from the default's task range (never a held-out pair), then the first
     `problems` held-out pairs, both asked in German."""
-    from mlx_dllm_models.default import _held_out_pairs, held_out_pairs, in_addition_task
+    from mlx_dllm_models.default import held_out_list, held_out_pairs, in_addition_task
 
     rng, excluded, pairs = random.Random(seed), held_out_pairs(), {}
     while len(pairs) < n:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         if in_addition_task(a, b) and (a, b) not in excluded:
             pairs[(a, b)] = None
-    pairs = list(pairs) + _held_out_pairs()[:problems]
+    pairs = list(pairs) + held_out_list()[:problems]
     return [{"prompt": f"Was ist {a}+{b}?", "completion": str(a + b)} for a, b in pairs]
 
 
@@ -132,7 +132,7 @@ def main():
             )
             model.train()
 
-    train_set, valid_set, _ = lora._load_datasets(args, tokenizer)
+    train_set, valid_set, _ = lora.load_datasets(args, tokenizer)
     np.random.seed(a.seed)  # mlx-lm's batch order, as lora.run seeds it
     lora.train_model(args, model, train_set, valid_set, Report(), lora.turn_closer(tokenizer))
 

@@ -1,4 +1,5 @@
-"""`mlx_dllm generate` and `mlx_dllm convert`.
+"""The `mlx_dllm` command: dispatches generate, chat, serve, convert, lora, fuse and evaluate to
+their modules; `generate` and `convert` live here.
 
 generate applies the tokenizer's chat template when it has one (as mlx_lm.generate does), shows the
 canvas filling in live on a terminal, and ends with a statistics line.
@@ -13,17 +14,17 @@ import tempfile
 from pathlib import Path
 
 from . import __version__, chat, lora
-from .cli_common import LiveView as _LiveView
 from .cli_common import (
+    LiveView,
     add_loading_flags,
     add_setting_flags,
     add_template_config_flag,
     chosen_settings,
     load_for_cli,
+    render,
     str2bool,
     template_kwargs,
 )
-from .cli_common import render as _render
 from .distributed import lost_rank_exits
 from .errors import CheckpointError, SettingsError
 
@@ -35,7 +36,7 @@ def _parse_value(text):
         return text
 
 
-def _generate_parser():
+def generate_parser():
     p = argparse.ArgumentParser(
         prog="mlx_dllm generate",
         description="Generate text with a diffusion language model. Settings that name a family "
@@ -103,7 +104,7 @@ def generate_main(argv):
     from .generate import responses, stats_line, stream_events
     from .vision import is_processor, text_tokenizer
 
-    parser = _generate_parser()
+    parser = generate_parser()
     args, unknown = parser.parse_known_args(argv)
     settings = chosen_settings(args)
     settings.update(_extra_settings(unknown))
@@ -145,14 +146,14 @@ def generate_main(argv):
 
     spec = model.diffusion_spec
     live = sys.stdout.isatty() and not args.no_live and args.verbose
-    view = _LiveView(sys.stdout) if live else None
+    view = LiveView(sys.stdout) if live else None
     on_step = None
     if view is not None:
 
         def on_step(event):
             pending = getattr(event, "pending", None)
             pending = pending[0].tolist() if pending is not None else None
-            view.draw(_render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
+            view.draw(render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
 
     text, last = "", None
     for last in responses(decoder, ids, tokenizer, on_step=on_step):

@@ -89,15 +89,12 @@ def template_kwargs(args) -> dict:
 
 def load_for_cli(args):
     """(model, tokenizer or processor) for the loading flags; every failure is a one-line error."""
+    from .default import model_or_default
     from .distributed import launch_group, rank0_prints
     from .loader import load
     from .vision import text_tokenizer
 
-    model_path = args.model
-    if model_path is None:
-        from .default import default_checkpoint
-
-        model_path = default_checkpoint()
+    model_path = model_or_default(args.model)
     kwargs = {}
     if args.adapter_path is not None:
         adapters = Path(args.adapter_path)

@@ -58,10 +58,11 @@ def held_out_problems(n: int = 200) -> List[Tuple[str, str]]:
     first n of the same list for any n <= 250."""
     if not 0 < n <= 250:
         raise ValueError(f"n must be in 1..250, got {n}")
-    return [(addition_prompt(a, b), str(a + b)) for a, b in _held_out_pairs()[:n]]
+    return [(addition_prompt(a, b), str(a + b)) for a, b in held_out_list()[:n]]
 
 
-def _held_out_pairs():
+def held_out_list():
+    """The 250 held-out (a, b), in order: DEFAULT_PROMPT's first."""
     rng = random.Random(20240607)
     pairs = [(47, 85)]
     seen = {(47, 85), (85, 47)}
@@ -76,7 +77,7 @@ def _held_out_pairs():
 
 def held_out_pairs():
     """What training must exclude: the held-out (a, b), in both orders."""
-    return {p for a, b in _held_out_pairs() for p in ((a, b), (b, a))}
+    return {p for a, b in held_out_list() for p in ((a, b), (b, a))}
 
 
 # The long-context form of the task (issue #14): solved examples before the question. With 7 shots

@@ -178,7 +178,7 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
     )
 
 
-def _load_datasets(args, tokenizer):
+def load_datasets(args, tokenizer):
     from mlx_lm.tuner.datasets import load_dataset
 
     data = str(args.data)
@@ -221,7 +221,7 @@ def run(args, training_callback=None):
     model, tokenizer = load(
         args.model, tokenizer_config={"trust_remote_code": args.trust_remote_code}
     )
-    train_set, valid_set, test_set = _load_datasets(args, tokenizer)
+    train_set, valid_set, test_set = load_datasets(args, tokenizer)
     closer = turn_closer(tokenizer)
     if args.train:
         train_model(args, model, train_set, valid_set, training_callback, closer)

@@ -558,12 +558,12 @@ def test_batch_equals_one_by_one(dg):
 
 
 def test_live_view_shades_pending_positions(dg):
-    from mlx_dllm_models.cli import _render
+    from mlx_dllm_models.cli_common import render
 
     _, proc = dg
     canvas = [104, 105, 33, fx.EOS, 65]
-    assert _render(proc, canvas, None, {fx.EOS}) == "hi!"
-    assert _render(proc, canvas, None, {fx.EOS}, pending=[0, 1, 0, 0, 0]) == "h░!"
+    assert render(proc, canvas, None, {fx.EOS}) == "hi!"
+    assert render(proc, canvas, None, {fx.EOS}, pending=[0, 1, 0, 0, 0]) == "h░!"
 
 
 def test_spec_names_the_canvas_loop(dg):

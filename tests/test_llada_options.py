@@ -238,9 +238,9 @@ def test_llada_options_are_llada_only(dream, settings):
 
 
 def test_cli_flags(dense):
-    from mlx_dllm_models.cli import _generate_parser
+    from mlx_dllm_models.cli import generate_parser
 
-    args = _generate_parser().parse_args(
+    args = generate_parser().parse_args(
         ["--cfg-scale", "1.5", "--logits-eos-inf", "true", "--confidence-eos-eot-inf", "no"]
     )
     assert (args.cfg_scale, args.logits_eos_inf, args.confidence_eos_eot_inf) == (1.5, True, False)

@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.nemotron import build as build_nemotron
@@ -40,10 +41,7 @@ def _serve(path, model_id, **kwargs):
 
 @pytest.fixture(scope="module")
 def llada_path(fixture_dir):
-    path = fixture_dir / "server_llada"
-    if not (path / "config.json").exists():
-        build_llada(path)
-    return path
+    return build_once(fixture_dir / "server_llada", build_llada)
 
 
 @pytest.fixture(scope="module")
@@ -312,9 +310,7 @@ def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(fixture_dir
     """Requests arrive one block apart, so each joins a batch in progress (the bidirectional
     full-recompute, block-causal prefix-cache and causal-prefix cache backends); one leaves
     mid-way. Budgets that are not whole blocks of a causal-prefix model batch at arrival."""
-    path = fixture_dir / f"server_{build.__name__}"
-    if not (path / "config.json").exists():
-        build(path)
+    path = build_once(fixture_dir / f"server_{build.__name__}", build)
     model, tokenizer = load(path)
     scheduler = Scheduler(model, tokenizer, max_batch=4)
     prompts = ["hello world", "a longer prompt", "x", "tell me", "ok fine"]
@@ -422,9 +418,7 @@ def data_url(image):
 
 @pytest.fixture(scope="module")
 def gemma(fixture_dir):
-    path = fixture_dir / "server_diffusion_gemma"
-    if not (path / "config.json").exists():
-        dgfx.CHECKPOINTS["diffusion_gemma"](path)
+    path = build_once(fixture_dir / "server_diffusion_gemma", dgfx.CHECKPOINTS["diffusion_gemma"])
     model, processor = load(path)
     server, url = _serve(path, "gemma-fixture")
     yield model, processor, url, path
