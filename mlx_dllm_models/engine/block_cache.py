@@ -102,7 +102,13 @@ class PrefixCache:
         return PriorKV(x[0, :committed].tolist(), self.cache, self._kind())
 
     def _kind(self):
-        return f"block-causal (block_length {self.block})"
+        return self.kv_kind({"block_length": self.block})
+
+    @classmethod
+    def kv_kind(cls, settings) -> str:
+        """The PriorKV.kind a run under these settings leaves and can resume from: block-causal
+        K/V depend on the block partition."""
+        return f"block-causal (block_length {settings['block_length']})"
 
     def begin_block(self, x, start, stop):
         return x

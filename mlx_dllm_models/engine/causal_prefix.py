@@ -195,6 +195,12 @@ class CausalPrefixCache:
         committed = self.fwd.cache.committed
         return PriorKV(x[0, :committed].tolist(), self.fwd.cache, "causal")
 
+    @classmethod
+    def kv_kind(cls, settings) -> Optional[str]:
+        """The PriorKV.kind a run under these settings leaves (kv_prefix) and can resume from;
+        None: it leaves nothing reusable (a bidirectional prompt, see resume)."""
+        return "causal" if settings.get("causal_context", True) else None
+
     def begin_block(self, x, start, stop):
         if self.pending is not None:
             self._context_after(x, *self.pending)
@@ -243,3 +249,7 @@ class CausalPrefixRecompute(CausalPrefixCache):
     # No K/V to keep or reuse: every forward recomputes the whole sequence.
     resume = None
     kv_prefix = None
+
+    @classmethod
+    def kv_kind(cls, settings):
+        return None

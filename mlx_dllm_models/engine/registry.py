@@ -7,7 +7,7 @@ decoders read one truth.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..settings import SettingsError
 from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, ENCODER_CANVAS
@@ -69,6 +69,9 @@ class Batching:
     joins: bool  # rows may join a running batch at a block boundary, exactly (a restart)
     free_join: bool  # such a join re-encodes nothing (the backend keeps no K/V)
     drops_rows: bool  # the decoder drops a cancelled row at its next block
+    # The kind of K/V (cache.PriorKV.kind) a one-row run leaves for a later prompt that continues
+    # its tokens, and can resume from (`run(prompts, prior=...)`); None: nothing reusable.
+    kv_kind: Optional[str] = None
 
 
 def join_policy(spec, settings) -> Batching:
@@ -80,7 +83,9 @@ def join_policy(spec, settings) -> Batching:
     backend = select_backend(spec, settings) if drops else None
     exact = getattr(backend, "joins_exactly", None)
     joins = bool(exact is not None and exact(settings))
-    return Batching(joins, joins and not backend.join_reencodes, drops)
+    kind = getattr(backend, "kv_kind", None)
+    kind = kind(settings) if kind is not None else None
+    return Batching(joins, joins and not backend.join_reencodes, drops, kind)
 
 
 def select_decoder(spec, settings):

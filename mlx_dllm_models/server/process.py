@@ -27,6 +27,7 @@ from ..request import checkpoint_settings
 from ..settings import SettingsError, resolve_settings
 from ..vision import text_tokenizer
 from .api import DiffusionAPIHandler, Service
+from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,20 @@ def make_server(
     allowed_origins=("*",),
     max_batch: int = 32,
     group=None,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: Optional[int] = None,
 ):
     """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
     thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
     raised here). `server.serve_forever()` serves; `shutdown(server)` stops both. `group`: rank 0
-    of a sharded server (the other ranks run `follow`)."""
-    scheduler = Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
+    of a sharded server (the other ranks run `follow`). `prompt_cache_size` entries (0: off) of
+    at most `prompt_cache_bytes` in all keep finished requests' K/V (server/prompt_cache.py)."""
+    scheduler = Scheduler.on_thread(
+        load_model,
+        max_batch=max_batch,
+        group=group,
+        prompt_cache=prompt_cache(prompt_cache_size, prompt_cache_bytes),
+    )
     model, tokenizer = scheduler.model, scheduler.tokenizer
     service = Service(
         model, tokenizer, scheduler, model_id, defaults, chat_template_args, allowed_origins
@@ -79,11 +88,22 @@ def make_server(
     return server
 
 
-def follow(load_model: Callable[[], tuple], group, max_batch: int = 32) -> Scheduler:
+def prompt_cache(size: int, nbytes: Optional[int]) -> Optional[PromptCache]:
+    return PromptCache(size, nbytes) if size > 0 else None
+
+
+def follow(
+    load_model: Callable[[], tuple],
+    group,
+    max_batch: int = 32,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: Optional[int] = None,
+) -> Scheduler:
     """A rank other than 0 of a sharded server: the scheduler thread (loading this rank's shard
     with `load_model()`) that makes rank 0's decisions on it, until rank 0 stops (`thread` ends;
     `error` says why when it failed)."""
-    return Scheduler.on_thread(load_model, max_batch=max_batch, group=group)
+    cache = prompt_cache(prompt_cache_size, prompt_cache_bytes)
+    return Scheduler.on_thread(load_model, max_batch=max_batch, group=group, prompt_cache=cache)
 
 
 def shutdown(server, serving: bool = True):
@@ -127,6 +147,19 @@ def parser():
         help="most requests decoded in one batch (default: 32)",
     )
     p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="most finished requests whose K/V are kept for later requests that continue their "
+        "prompt (block-causal and causal-prefix families; 0 turns the cache off; default: 10)",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=parse_size,
+        default=None,
+        help="most bytes of K/V the prompt cache keeps, e.g. 8GB (default: no bound)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -158,6 +191,8 @@ def main(argv=None) -> int:
             allowed_origins=args.allowed_origins,
             max_batch=args.decode_concurrency,
             group=group,
+            prompt_cache_size=args.prompt_cache_size,
+            prompt_cache_bytes=args.prompt_cache_bytes,
         )
     except ValueError as e:  # CheckpointError, SettingsError
         raise SystemExit(f"error: {e}")
@@ -208,7 +243,13 @@ def _follow_main(args, defaults: dict, group) -> int:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         try:
-            scheduler = follow(lambda: load_for_cli(args), group, args.decode_concurrency)
+            scheduler = follow(
+                lambda: load_for_cli(args),
+                group,
+                args.decode_concurrency,
+                args.prompt_cache_size,
+                args.prompt_cache_bytes,
+            )
         except ValueError as e:  # CheckpointError, SettingsError
             raise SystemExit(f"error: {e}")
         try:  # the same check as rank 0's, which then stops every rank

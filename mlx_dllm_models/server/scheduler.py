@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..distributed import lost_rank, lost_rank_exits, share
 from ..engine import Batching, join_policy, make_decoder
 from ..request import Request, prepare
+from .prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Job:
         self.done = False
         self.tokens: List[int] = []  # committed so far
         self.nfe = 0  # forwards of the runs this row took part in
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prompt cache
 
     @property
     def ids(self) -> List[int]:
@@ -104,6 +106,7 @@ class Group:
         self.eos_token_ids = request.eos_token_ids
         self.eot_token_id = request.eot_token_id
         self.batching = batching
+        self.prior = None  # the prompt cache's entry the current run resumes from
         self.waiting: List[Job] = []
         self.jobs: List[Job] = []  # rows of the current run, by row index
         self.run = None
@@ -128,8 +131,17 @@ class Scheduler:
     which are bitwise the same on every rank, so all ranks make the same forwards in the same
     order. The other ranks' jobs post their events nowhere."""
 
-    def __init__(self, model, tokenizer, max_batch: int = 32, group=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch: int = 32,
+        group=None,
+        prompt_cache: Optional[PromptCache] = None,
+    ):
         self.group = group
+        # K/V of finished requests, reused by later ones that continue their tokens (None: off).
+        self.prompt_cache = prompt_cache
         self.rank = 0 if group is None else group.rank()
         self.model, self.tokenizer = model, tokenizer
         self.spec = model.diffusion_spec
@@ -157,7 +169,11 @@ class Scheduler:
 
     @classmethod
     def on_thread(
-        cls, load_model: Callable[[], tuple], max_batch: int = 32, group=None
+        cls,
+        load_model: Callable[[], tuple],
+        max_batch: int = 32,
+        group=None,
+        prompt_cache: Optional[PromptCache] = None,
     ) -> "Scheduler":
         """A scheduler whose worker thread first loads the model (`load_model()` -> (model,
         tokenizer)), then serves. MLX streams belong to a thread, and the arrays a model builds
@@ -168,7 +184,9 @@ class Scheduler:
 
         def work():
             try:
-                scheduler = cls(*load_model(), max_batch=max_batch, group=group)
+                scheduler = cls(
+                    *load_model(), max_batch=max_batch, group=group, prompt_cache=prompt_cache
+                )
                 box["scheduler"] = scheduler
             except BaseException as e:  # raised again in the caller's thread
                 box["error"] = e
@@ -346,13 +364,32 @@ class Scheduler:
         )
         prompts = [j.ids + j.tokens for j in jobs]
         group.cancelled = set()
+        options = {}
         if group.batching.joins:
-            group.run = decoder.run(prompts, budgets=budgets, cancelled=group.cancelled)
+            options = dict(budgets=budgets, cancelled=group.cancelled)
         elif group.batching.drops_rows:
-            group.run = decoder.run(prompts, cancelled=group.cancelled)
-        else:
-            group.run = decoder.run(prompts)
+            options = dict(cancelled=group.cancelled)
+        group.prior = self._cached_prior(group, prompts)
+        if group.prior is not None:
+            options["prior"] = group.prior
+        group.run = decoder.run(prompts, **options)
         group.decoder, group.jobs, group.nfe_seen = decoder, jobs, 0
+
+    def _cached_prior(self, group: Group, prompts):
+        """The prompt cache's entry for a run of one row (a batch's rows are left-padded, which
+        the cached columns are not: they recompute), or None."""
+        kind = group.batching.kv_kind
+        if self.prompt_cache is None or kind is None or len(prompts) != 1:
+            return None
+        return self.prompt_cache.find(prompts[0], kind)
+
+    def _keep_kv(self, group: Group):
+        """A finished run of one row leaves its final K/V to the prompt cache."""
+        if self.prompt_cache is None or group.batching.kv_kind is None or len(group.jobs) != 1:
+            return
+        prior = group.decoder.kv_prefix()
+        if prior is not None:
+            self.prompt_cache.add(prior)
 
     def _advance(self, group: Group):
         if group.run is None or self._should_join(group):
@@ -371,9 +408,13 @@ class Scheduler:
                 event = next(group.run)
         except StopIteration:
             group.run = None
+            self._keep_kv(group)
             for job in group.jobs:  # rows the run dropped without a final event (cancelled)
                 job.done = True
             return
+        if group.prior is not None:  # the run's prefill has reused what it could
+            group.jobs[0].cached_tokens = getattr(group.decoder.backend, "reused", 0)
+            group.prior = None
         nfe = group.decoder.nfe
         delta, group.nfe_seen = nfe - group.nfe_seen, nfe
         self.blocks += 1
@@ -392,6 +433,7 @@ class Scheduler:
             job.events.put(("block", list(toks), finished, eos))
         if all(j.done for j in group.jobs):
             group.run = None
+            self._keep_kv(group)
 
     def _should_join(self, group: Group) -> bool:
         """Whether the waiting requests join the running batch at this block boundary. Full
