@@ -1,0 +1,80 @@
+"""Batch invariance at every family's default settings: each row of a batch of chat prompts of
+different lengths (so the shorter ones are left-padded) gets the tokens it gets alone, with the
+checkpoint's generation_config and the family's recipe as they are (DiffusionGemma's 48 denoising
+steps, LLaDA's steps = max_tokens, the block-causal families' threshold samplers, Nemotron's
+causal-prefix cache); and so does every concurrent request of the server."""
+
+from pathlib import Path
+
+import pytest
+
+from fixtures import build_once
+from fixtures import diffusion_gemma as dg_fx
+from fixtures import dream as dream_fx
+from fixtures import llada as llada_fx
+from fixtures import llada2 as l2_fx
+from fixtures import nemotron as nem_fx
+from fixtures import sdar as sdar_fx
+from mlx_dllm_models import batch_generate_diffusion, load
+from mlx_dllm_models.server import Job, Scheduler
+from mlx_dllm_models.vision import text_tokenizer
+
+BUILDERS = {
+    **llada_fx.CHECKPOINTS,
+    **dream_fx.CHECKPOINTS,
+    **sdar_fx.CHECKPOINTS,
+    **l2_fx.CHECKPOINTS,
+    "nemotron": nem_fx.build,
+    **dg_fx.CHECKPOINTS,
+}
+QUESTIONS = ["hi", "What is the sum of two and two?", "Tell me about the sea, please, in detail."]
+MAX_TOKENS = 32  # at most one default block of the masked families; two DiffusionGemma canvases
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def family(request, fixture_dir):
+    path = build_once(Path(fixture_dir) / f"invariance_{request.param}", BUILDERS[request.param])
+    model, tok = load(path)
+    chat = text_tokenizer(tok)
+    prompts = [
+        chat.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in QUESTIONS
+    ]
+    limit = model.diffusion_spec.max_position_embeddings
+    lengths = [len(chat.encode(p)) for p in prompts]
+    assert len(set(lengths)) == len(lengths), "the rows must differ in length"
+    # Nemotron's fixture has a 64-position context.
+    max_tokens = MAX_TOKENS if limit is None else min(MAX_TOKENS, limit - max(lengths))
+    assert max_tokens >= 16
+    return request.param, model, tok, prompts, max_tokens
+
+
+def test_batch_rows_equal_single_runs_at_the_defaults(family):
+    name, model, tok, prompts, max_tokens = family
+    alone = [batch_generate_diffusion(model, tok, [p], max_tokens=max_tokens) for p in prompts]
+    batch = batch_generate_diffusion(model, tok, prompts, max_tokens=max_tokens)
+    for row, single in enumerate(alone):
+        assert batch.tokens[row] == single.tokens[0], f"{name}: row {row} differs in the batch"
+        assert batch.finish_reasons[row] == single.finish_reasons[0]
+    assert any(len(r.tokens[0]) > 1 for r in alone), "nothing generated: the test shows nothing"
+
+
+def test_concurrent_requests_equal_single_requests(family):
+    """Requests submitted together share the server's runs (or join them) and get the tokens of
+    a request served alone."""
+    name, model, tok, prompts, max_tokens = family
+    settings = dict(max_tokens=max_tokens)
+
+    def served(batch):
+        scheduler = Scheduler(model, tok, max_batch=8)
+        jobs = [scheduler.submit(Job(p, dict(settings))) for p in batch]
+        while not all(j.done for j in jobs):
+            scheduler.step()
+        return [j.tokens for j in jobs], scheduler.max_rows
+
+    alone = [served([p])[0][0] for p in prompts]
+    together, rows = served(prompts)
+    assert together == alone, f"{name}: a concurrent request got other tokens"
+    assert rows > 1, f"{name}: the requests did not share a forward"
