@@ -1,30 +1,74 @@
-"""What `mlx_dllm convert` adds to mlx-lm's conversion output: no remote code, and a model card.
+"""What a conversion of a diffusion checkpoint adds to mlx-lm's output: no remote code, a model card.
 
-mlx_lm.convert copies config.json (with its `auto_map`), tokenizer_config.json and the checkpoint's
-`*.py` files into the output. With `auto_map` there, plain `mlx_lm.load` (through transformers'
-AutoTokenizer, which reads config.json) stops for 15 s at "Do you wish to run the custom code?
-[y/N]", and answering y runs that Python. The MLX models of this package never use it, so the
-converted checkpoint drops both. mlx-lm also writes a model card (README.md) with an empty body;
-it gets the commands that run the checkpoint.
+mlx-lm's `save` (which `python -m mlx_lm convert` writes with) copies config.json (with its
+`auto_map`), tokenizer_config.json and the checkpoint's `*.py` files into the output. With
+`auto_map` there, plain `mlx_lm.load` (transformers' AutoTokenizer, which reads config.json through
+AutoConfig) stops for 15 s at "Do you wish to run the custom code? [y/N]" on a terminal, and
+answering y runs that Python. The MLX models of this package never use it, so the converted
+checkpoint drops both. mlx-lm also writes a model card (README.md) with an empty body; it gets the
+commands that run the checkpoint.
 
 `finish_conversion(mlx_path, hf_path)` does both on a finished output folder (or on the temporary
-folder of an atomic conversion, before it is renamed into place).
+folder of an atomic conversion, before it is renamed into place). `guard_mlx_lm_utils`, which the
+start-up hook applies to `mlx_lm.utils`, makes plain `python -m mlx_lm convert` do the same for
+this package's model types, and plain `mlx_lm.load` not ask about remote code at all.
 """
 
+import ast
+import contextlib
+import functools
 import importlib
 import json
+import sys
+import warnings
 from pathlib import Path
 
-from .models.common import refuse_autoregressive_tools
 from .registry import MODEL_TYPES
 
 # The JSON files of a converted checkpoint that may carry an `auto_map` to remote code.
 _CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
 
 
+# config.json key of a converted checkpoint: the parameters of the dropped remote code's `generate`.
+REMOTE_GENERATE_KEY = "mlx_dllm_remote_generate_params"
+
+
+def remote_generate_params(path, config: dict) -> frozenset:
+    """Parameter names of `generate` in the checkpoint's own modeling code (the module that
+    config.json's auto_map names for AutoModelForCausalLM / AutoModel), read with `ast`, never
+    run; in a converted checkpoint, which has no remote code, the names drop_remote_code recorded
+    under REMOTE_GENERATE_KEY; empty when there are none. It tells checkpoints apart whose config
+    and tokenizer files are identical: LLaDA2.1's generate takes editing_threshold, 2.0's does
+    not."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        recorded = config.get(REMOTE_GENERATE_KEY)
+        if isinstance(recorded, list) and all(isinstance(a, str) for a in recorded):
+            return frozenset(recorded)
+        return frozenset()
+    for key in ("AutoModelForCausalLM", "AutoModel"):
+        target = auto_map.get(key)
+        if not isinstance(target, str) or "." not in target:
+            continue
+        module, cls = target.split("--")[-1].rsplit(".", 1)
+        source = Path(path) / f"{module}.py"
+        try:
+            tree = ast.parse(source.read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "generate":
+                        args = item.args.args + item.args.kwonlyargs
+                        return frozenset(a.arg for a in args)
+    return frozenset()
+
+
 def drop_remote_code(mlx_path) -> list:
     """Remove `auto_map` from the output's configs and delete the `*.py` files mlx_lm.convert
-    copied next to them; returns what was removed (file names, and `file:auto_map` entries)."""
+    copied next to them; returns what was removed (file names, and `file:auto_map` entries). The
+    parameters of the remote code's `generate` are kept in config.json (REMOTE_GENERATE_KEY)."""
     mlx_path = Path(mlx_path)
     removed = []
     for name in _CONFIG_FILES:
@@ -33,6 +77,10 @@ def drop_remote_code(mlx_path) -> list:
             continue
         config = json.loads(file.read_text())
         if isinstance(config, dict) and "auto_map" in config:
+            # What the remote code's generate takes outlives the code (LLaDA2.1's defaults).
+            params = remote_generate_params(mlx_path, config) if name == "config.json" else ()
+            if params:
+                config[REMOTE_GENERATE_KEY] = sorted(params)
             del config["auto_map"]
             file.write_text(json.dumps(config, indent=4, ensure_ascii=False) + "\n")
             removed.append(f"{name}:auto_map")
@@ -46,6 +94,8 @@ def drop_remote_code(mlx_path) -> list:
 
 def _runs_in_mlx_lm(model_type: str) -> bool:
     """Whether mlx-lm's own generate can run the family (Nemotron is also an AR model)."""
+    from .models.common import refuse_autoregressive_tools  # mlx: only when a card is written
+
     module = importlib.import_module(f"{__package__}.models.{MODEL_TYPES[model_type]}")
     return getattr(module.Model, "make_cache", None) is not refuse_autoregressive_tools
 
@@ -116,3 +166,76 @@ def finish_conversion(mlx_path, hf_path=None) -> Path:
     """Both steps on a converted checkpoint folder; returns the card's path."""
     drop_remote_code(mlx_path)
     return write_model_card(mlx_path, hf_path)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """AutoTokenizer reads config.json and warns that it does not know our model types: noise."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            # transformers reads SDAR's config.json and warns that its `rope_scaling` field is
+            # deprecated: a note for the checkpoint's authors, not for the user loading it.
+            warnings.filterwarnings(
+                "ignore", message=r"`rope_scaling` is deprecated", category=FutureWarning
+            )
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _model_type(path):
+    """The model_type in `path`/config.json, or None (no such local file, not a config)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def guard_mlx_lm_utils(utils) -> None:
+    """Adjust mlx-lm's `load_tokenizer` and `save` (mlx_lm.utils, which `mlx_lm.load` and
+    `python -m mlx_lm convert` call) for this package's model types; the start-up hook calls it
+    once the module is executed, before `mlx_lm.convert` binds `save`.
+
+    * load_tokenizer: the checkpoints of these families carry an `auto_map` to remote code, and
+      transformers' AutoTokenizer, asked without `trust_remote_code`, reads config.json through
+      AutoConfig and stops for 15 s at "Do you wish to run the custom code? [y/N]" on a terminal
+      (then goes on without it). Their tokenizers need no remote code: unless the caller says
+      otherwise, `trust_remote_code=False` is passed, so nothing asks and nothing runs.
+    * save: the output of a conversion (or fuse) gets finish_conversion, as `mlx_dllm convert`
+      gives it: no `auto_map` or `*.py` remote code, and this package's model card."""
+    load_tokenizer = utils.load_tokenizer
+    if getattr(load_tokenizer, "__wrapped__", None) is None:
+
+        @functools.wraps(load_tokenizer)
+        def guarded_load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
+            if _model_type(model_path) not in MODEL_TYPES:
+                return load_tokenizer(model_path, tokenizer_config_extra, *args, **kwargs)
+            extra = dict(tokenizer_config_extra or {})
+            extra.setdefault("trust_remote_code", False)
+            with quiet_transformers():
+                return load_tokenizer(model_path, extra, *args, **kwargs)
+
+        utils.load_tokenizer = guarded_load_tokenizer
+
+    save = utils.save
+    if getattr(save, "__wrapped__", None) is None:
+
+        @functools.wraps(save)
+        def guarded_save(dst_path, src_path_or_repo, model, tokenizer, config, *args, **kwargs):
+            save(dst_path, src_path_or_repo, model, tokenizer, config, *args, **kwargs)
+            if isinstance(config, dict) and config.get("model_type") in MODEL_TYPES:
+                finish_conversion(dst_path, src_path_or_repo)
+
+        utils.save = guarded_save
+        # Bound before the hook was installed (a process that imported mlx-lm first).
+        convert = sys.modules.get("mlx_lm.convert")
+        if convert is not None and getattr(convert, "save", None) is save:
+            convert.save = guarded_save

@@ -2,16 +2,14 @@
 checkpoint checked first (clear errors instead of mlx-lm's), its generation_config attached, and
 mlx-vlm's processor for checkpoints with a vision tower."""
 
-import ast
-import contextlib
 import importlib
 import json
 import typing
-import warnings
 from pathlib import Path
 
 import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
 
+from .conversion import quiet_transformers, remote_generate_params
 from .errors import (
     CheckpointError,  # noqa: F401  (raised here; importable from here as before)
     SettingsError,
@@ -230,55 +228,6 @@ def _generation_config(gen_file: Path) -> dict:
     return gen
 
 
-def remote_generate_params(path: Path, config: dict) -> frozenset:
-    """Parameter names of `generate` in the checkpoint's own modeling code (the module that
-    config.json's auto_map names for AutoModelForCausalLM / AutoModel), read with `ast`, never
-    run; empty when there is none. It tells checkpoints apart whose config and tokenizer files
-    are identical: LLaDA2.1's generate takes editing_threshold, 2.0's does not."""
-    auto_map = config.get("auto_map")
-    if not isinstance(auto_map, dict):
-        return frozenset()
-    for key in ("AutoModelForCausalLM", "AutoModel"):
-        target = auto_map.get(key)
-        if not isinstance(target, str) or "." not in target:
-            continue
-        module, cls = target.split("--")[-1].rsplit(".", 1)
-        source = path / f"{module}.py"
-        try:
-            tree = ast.parse(source.read_text())
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name == cls:
-                for item in node.body:
-                    if isinstance(item, ast.FunctionDef) and item.name == "generate":
-                        args = item.args.args + item.args.kwonlyargs
-                        return frozenset(a.arg for a in args)
-    return frozenset()
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """AutoTokenizer reads config.json and warns that it does not know our model types: noise."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        yield
-        return
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            # transformers reads SDAR's config.json and warns that its `rope_scaling` field is
-            # deprecated: a note for the checkpoint's authors, not for the user loading it.
-            warnings.filterwarnings(
-                "ignore", message=r"`rope_scaling` is deprecated", category=FutureWarning
-            )
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 def load(path, **kwargs):
     """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
     checkpoint checked first, and its generation_config.json attached as `model.generation_config`.
@@ -309,7 +258,7 @@ def load(path, **kwargs):
 
         kwargs["group"] = group
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model, tokenizer = mlx_load(str(path), tokenizer_config=tokenizer_config, **kwargs)
     except SettingsError:
         raise  # e.g. a group that cannot split the checkpoint: already says what to do
@@ -348,10 +297,15 @@ def load(path, **kwargs):
                 f"{adapter}: the draft adapter cannot be read ({e}); remove the folder to run "
                 "without it"
             ) from None
+    # On MLX's CPU backend, half-precision and quantized weights compute through float32 BLAS
+    # (models/cpu_layers.py); elsewhere nothing changes.
+    from .models.cpu_layers import use_float32_matmuls
+
+    use_float32_matmuls(model)
     if getattr(model, "vision_tower", None) is not None:
         from .vision import load_processor, vision_config_of
 
-        with _quiet_transformers():
+        with quiet_transformers():
             tokenizer = load_processor(
                 path, tokenizer_config["trust_remote_code"], vision_config_of(path)
             )

@@ -18,7 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlx_dllm_models.conversion import drop_remote_code, model_card_text, write_model_card
+from mlx_dllm_models.conversion import (
+    drop_remote_code,
+    model_card_text,
+    remote_generate_params,
+    write_model_card,
+)
 from mlx_dllm_models.default import default_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +135,31 @@ def test_drop_remote_code_and_model_card(tmp_path):
     # Nemotron also runs as an AR model in mlx-lm: its card says so instead.
     nemotron = model_card_text(out, None, "nemotron_labs_diffusion")
     assert "also runs as an autoregressive model" in nemotron and "refuse" not in nemotron
+
+
+def test_conversion_keeps_what_the_remote_generate_takes(tmp_path):
+    """LLaDA2.1's config and tokenizer files are 2.0's byte for byte: the parameters of its remote
+    code's generate (editing_threshold) tell it apart. The conversion drops the code (read with
+    ast, never run) but records them in config.json, so the converted checkpoint keeps 2.1's
+    Quality Mode defaults."""
+    out = tmp_path / "converted"
+    out.mkdir()
+    auto_map = {"AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}
+    config = {"model_type": "llada2_moe", "auto_map": auto_map}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "modeling_llada2_moe.py").write_text(
+        "raise SystemExit('the remote code ran')\n"
+        "class LLaDA2MoeModelLM:\n"
+        "    def generate(self, inputs, threshold=0.95, editing_threshold=None):\n"
+        "        pass\n"
+    )
+    before = remote_generate_params(out, config)
+    assert before == {"self", "inputs", "threshold", "editing_threshold"}
+
+    drop_remote_code(out)
+    converted = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in converted and not list(out.glob("*.py"))
+    assert remote_generate_params(out, converted) == before
 
 
 # ------------------------------------------------------------------------ mlx_dllm lora / fuse

@@ -279,9 +279,9 @@ def test_patched_mlx_lm_finds_models_through_entry_points_alone(installed, mlx_l
     assert "not supported" in got["unknown"]
 
 
-# One interpreter per checkpoint: `python -m mlx_lm convert` (run as __main__, as the CLI does)
-# plain, -q 4 bit and -q 8 bit, then mlx_lm.load of the HF folder and of each conversion.
-CONVERT_AND_LOAD = """
+# `python -m mlx_lm convert` (run as __main__, as the CLI does) plain, -q 4 bit and -q 8 bit, in
+# one interpreter per checkpoint.
+CONVERT = """
 import json, runpy, sys
 before = sorted(m for m in ("mlx_dllm_models", "mlx", "mlx_lm") if m in sys.modules)
 src, work = sys.argv[1], sys.argv[2]
@@ -290,17 +290,29 @@ variants = {"plain": [], "q4": ["-q", "--q-bits", "4", "--q-group-size", "32"],
 for name, flags in variants.items():
     sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", f"{work}/{name}", *flags]
     runpy.run_module("mlx_lm", run_name="__main__")
+print("RESULT", json.dumps({"before": before}))
+"""
 
+# Then plain `mlx_lm.load` (no tokenizer_config) in a fresh interpreter whose stdin is a terminal,
+# of the Hugging Face folder (its auto_map kept), of the same folder without auto_map, and of each
+# conversion: each load timed (after one untimed load, which imports transformers' tokenizer
+# modules), a forward, generate_diffusion, and `mlx_dllm generate` of the plain conversion (the
+# command's main, in this interpreter).
+LOAD_AND_GENERATE = """
+import contextlib, io, json, sys, time
 import mlx.core as mx
 import mlx_lm
 import mlx_dllm_models
+from mlx_dllm_models.cli import main as mlx_dllm
 
-out = {"before": before, "package": mlx_dllm_models.__file__, "models": {}}
+paths = dict(arg.split("=", 1) for arg in sys.argv[1:])
+out = {"package": mlx_dllm_models.__file__, "models": {}}
+mlx_lm.load(paths["hf_bare"])  # the first load also imports transformers' tokenizer modules
 reference = None
-for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
-    # The fixtures carry auto_map as real checkpoints do, and `mlx_lm convert` keeps it (only
-    # `mlx_dllm convert` drops it): say no to the remote code rather than be asked.
-    model, tokenizer = mlx_lm.load(path, tokenizer_config={"trust_remote_code": False})
+for name, path in paths.items():
+    t = time.perf_counter()
+    model, tokenizer = mlx_lm.load(path)
+    seconds = time.perf_counter() - t
     ids = tokenizer.encode("hello world")
     logits = model(mx.array([ids]))
     mx.eval(logits)
@@ -314,6 +326,7 @@ for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
     except Exception as e:  # reported, and asserted on by the test
         generated = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     out["models"][name] = {
+        "seconds": seconds,
         "generated": generated,
         "module": type(model).__module__,
         "ids": len(ids),
@@ -322,6 +335,11 @@ for name, path in [("hf", src)] + [(n, f"{work}/{n}") for n in variants]:
         "rel_diff": float(diff),
         "bits": bits,
     }
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    code = mlx_dllm(["generate", "--model", paths["plain"], "--prompt", "hello",
+                     "--max-tokens", "8", "--no-live"])
+out["cli"] = {"code": code, "stdout": printed.getvalue()}
 print("RESULT", json.dumps(out))
 """
 
@@ -330,16 +348,76 @@ print("RESULT", json.dumps(out))
 # is not asserted. Keep this empty once every family decodes.
 DECODING_PENDING = set()
 
+# transformers' question, which would wait 15 s for an answer on a terminal.
+PROMPT = "Do you wish to run the custom code"
+REMOTE_CODE_RAN = "the remote code ran"
+
+
+def _remote_code_that_exits(src):
+    """The `*.py` files the checkpoint's auto_map names (in config.json and tokenizer_config.json),
+    written as code that ends the process: if anything runs them, the load fails."""
+    for name in ("config.json", "tokenizer_config.json"):
+        file = Path(src) / name
+        auto_map = json.loads(file.read_text()).get("auto_map", {}) if file.exists() else {}
+        for targets in auto_map.values():
+            for target in targets if isinstance(targets, list) else [targets]:
+                if target:
+                    module = target.split("--")[-1].rsplit(".", 1)[0]
+                    (Path(src) / f"{module}.py").write_text(
+                        f"raise SystemExit({REMOTE_CODE_RAN!r})\n"
+                    )
+
+
+def _without_auto_map(src, dst):
+    """A copy of the checkpoint folder with no auto_map and no remote code: the timing baseline."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.py"))
+    for name in ("config.json", "tokenizer_config.json"):
+        file = dst / name
+        if file.exists():
+            config = json.loads(file.read_text())
+            config.pop("auto_map", None)
+            file.write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def _pty_result(installed, code, *args, timeout=600):
+    rc, text = _run_on_a_pty(
+        [installed.python, "-c", textwrap.dedent(code), *args], installed.workdir, _env(), timeout
+    )
+    assert rc == 0, text[-4000:]
+    assert PROMPT not in text and REMOTE_CODE_RAN not in text, text[-4000:]
+    line = next((ln for ln in text.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, f"no RESULT line:\n{text[-4000:]}"
+    return json.loads(line[len("RESULT ") :]), text
+
 
 @pytest.mark.parametrize("name", sorted(all_checkpoints()))
 def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, installed, tmp_path):
+    """Issue 25 §1, the main path: `python -m mlx_lm convert` (with and without -q) of the
+    Hugging Face layout, then plain `mlx_lm.load` in a fresh interpreter on a terminal: no
+    question about remote code, none run, no wait (each load within 1 s of the same checkpoint
+    without auto_map), and `mlx_dllm generate` on the result."""
     src = all_checkpoints()[name](tmp_path / "hf")
-    model_type = json.loads((Path(src) / "config.json").read_text())["model_type"]
+    config = json.loads((Path(src) / "config.json").read_text())
+    model_type = config["model_type"]
+    _remote_code_that_exits(src)
+    bare = _without_auto_map(Path(src), tmp_path / "hf_bare")
     work = tmp_path / "mlx"
     work.mkdir()
-    got = _python(installed, CONVERT_AND_LOAD, src, work)
+    converted, _ = _pty_result(installed, CONVERT, src, work)
+    assert converted["before"] == [], "the interpreter imported these before mlx-lm needed them"
+    variants = ("plain", "q4", "q8")
+    for variant in variants:
+        out = work / variant
+        # The start-up hook's mlx_lm.utils.save: no remote code in the output, our model card.
+        for file in ("config.json", "tokenizer_config.json"):
+            assert "auto_map" not in json.loads((out / file).read_text()), (variant, file)
+        assert not list(out.glob("*.py")), f"{variant}: the remote code was copied"
+        assert "mlx_dllm generate --model" in (out / "README.md").read_text(), variant
 
-    assert got["before"] == [], "the interpreter imported these before mlx-lm needed them"
+    paths = [("hf", src), ("hf_bare", bare)] + [(v, work / v) for v in variants]
+    got, _ = _pty_result(installed, LOAD_AND_GENERATE, *(f"{n}={p}" for n, p in paths))
+
     assert Path(got["package"]).is_relative_to(installed.site), "not the installed wheel"
     expected_module = f"mlx_dllm_models.models.{MODEL_TYPES[model_type]}"
     hf = got["models"]["hf"]
@@ -349,10 +427,16 @@ def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, instal
         assert m["finite"], variant
         if model_type not in DECODING_PENDING:
             assert m["generated"] == {"ok": True, "type": "str"}, (variant, m["generated"])
+    # No wait: every load within 1 s of the folder without auto_map (each takes well under 1 s).
+    baseline = got["models"]["hf_bare"]["seconds"]
+    seconds = {v: round(m["seconds"], 3) for v, m in got["models"].items()}
+    assert all(s < baseline + 1.0 for s in seconds.values()), seconds
     # The plain conversion keeps the weights (up to the dtype cast convert applies from torch_dtype).
     assert got["models"]["plain"]["bits"] == [] and got["models"]["plain"]["rel_diff"] < 1e-2
     assert 4 in got["models"]["q4"]["bits"], "-q --q-bits 4 quantized nothing"
     assert 8 in got["models"]["q8"]["bits"], "-q --q-bits 8 quantized nothing"
+    if model_type not in DECODING_PENDING:
+        assert got["cli"]["code"] == 0 and "NFE:" in got["cli"]["stdout"], got["cli"]
 
 
 # ------------------------------------------------------------- mlx-lm's own tools (issue 15 §2)
