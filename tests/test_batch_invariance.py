@@ -4,9 +4,11 @@ checkpoint's generation_config and the family's recipe as they are (DiffusionGem
 steps, LLaDA's steps = max_tokens, the block-causal families' threshold samplers, Nemotron's
 causal-prefix cache); and so does every concurrent request of the server."""
 
+import threading
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as dg_fx
@@ -16,7 +18,7 @@ from fixtures import llada2 as l2_fx
 from fixtures import nemotron as nem_fx
 from fixtures import sdar as sdar_fx
 from mlx_dllm_models import batch_generate_diffusion, load
-from mlx_dllm_models.server import Job, Scheduler
+from mlx_dllm_models.server import Job, Scheduler, make_server, shutdown
 from mlx_dllm_models.vision import text_tokenizer
 
 BUILDERS = {
@@ -78,3 +80,42 @@ def test_concurrent_requests_equal_single_requests(family):
     together, rows = served(prompts)
     assert together == alone, f"{name}: a concurrent request got other tokens"
     assert rows > 1, f"{name}: the requests did not share a forward"
+
+
+def test_simultaneous_canvas_requests_share_a_run(fixture_dir):
+    """DiffusionGemma's canvases take no rows once a run has started: requests sent at the same
+    moment by concurrent clients wait the server's short gathering window and share one run,
+    each with the tokens it gets alone."""
+    path = build_once(Path(fixture_dir) / "invariance_diffusion_gemma", dg_fx.build)
+    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id="dg")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none")
+    try:
+
+        def ask(question):
+            reply = client.chat.completions.create(
+                model="dg",
+                messages=[{"role": "user", "content": question}],
+                max_tokens=16,
+                seed=1,
+            )
+            return reply.choices[0].message.content
+
+        alone = [ask(q) for q in QUESTIONS[:2]]
+        assert server.service.scheduler.max_rows == 1
+        start = threading.Barrier(2)
+        answers = [None, None]
+
+        def client_thread(i):
+            start.wait()
+            answers[i] = ask(QUESTIONS[i])
+
+        threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert answers == alone
+        assert server.service.scheduler.max_rows == 2, "the two requests queued one by one"
+    finally:
+        shutdown(server)

@@ -56,6 +56,7 @@ def make_server(
         max_batch=max_batch,
         group=group,
         prompt_cache=prompt_cache(prompt_cache_size, prompt_cache_bytes),
+        gather=GATHER_SECONDS,
     )
     model, tokenizer = scheduler.model, scheduler.tokenizer
     service = Service(
@@ -86,6 +87,12 @@ def make_server(
 
         threading.Thread(target=stop_serving, name="mlx_dllm-watch", daemon=True).start()
     return server
+
+
+# How long a run that takes no rows once started (DiffusionGemma's canvases, self-speculation,
+# Fast-dLLM's caches) waits after its first request for requests sent at the same moment
+# (Scheduler.gather); requests that may join a running batch never wait.
+GATHER_SECONDS = 0.05
 
 
 def prompt_cache(size: int, nbytes: Optional[int]) -> Optional[PromptCache]:

@@ -107,12 +107,17 @@ class Group:
         self.eot_token_id = request.eot_token_id
         self.batching = batching
         self.prior = None  # the prompt cache's entry the current run resumes from
+        self.gather_until = 0.0  # a run batched at arrival starts no earlier (Scheduler.gather)
         self.waiting: List[Job] = []
         self.jobs: List[Job] = []  # rows of the current run, by row index
         self.run = None
         self.decoder = None
         self.cancelled: set = set()  # row indices the current run drops at its next block
         self.nfe_seen = 0
+
+    def gathering(self, now: float) -> bool:
+        """Whether the group's next run waits for more requests (Scheduler.gather)."""
+        return self.run is None and bool(self.waiting) and now < self.gather_until
 
     @property
     def idle(self) -> bool:
@@ -138,10 +143,16 @@ class Scheduler:
         max_batch: int = 32,
         group=None,
         prompt_cache: Optional[PromptCache] = None,
+        gather: float = 0.0,
     ):
         self.group = group
         # K/V of finished requests, reused by later ones that continue their tokens (None: off).
         self.prompt_cache = prompt_cache
+        # A run that takes no rows once it has started (batched at arrival) waits this long after
+        # its first request for others sent at the same moment by concurrent clients, so that
+        # they share its forwards rather than queue behind it. Never across ranks: the ranks
+        # would not agree on what arrived within it.
+        self.gather = gather if group is None else 0.0
         self.rank = 0 if group is None else group.rank()
         self.model, self.tokenizer = model, tokenizer
         self.spec = model.diffusion_spec
@@ -174,6 +185,7 @@ class Scheduler:
         max_batch: int = 32,
         group=None,
         prompt_cache: Optional[PromptCache] = None,
+        gather: float = 0.0,
     ) -> "Scheduler":
         """A scheduler whose worker thread first loads the model (`load_model()` -> (model,
         tokenizer)), then serves. MLX streams belong to a thread, and the arrays a model builds
@@ -185,7 +197,11 @@ class Scheduler:
         def work():
             try:
                 scheduler = cls(
-                    *load_model(), max_batch=max_batch, group=group, prompt_cache=prompt_cache
+                    *load_model(),
+                    max_batch=max_batch,
+                    group=group,
+                    prompt_cache=prompt_cache,
+                    gather=gather,
                 )
                 box["scheduler"] = scheduler
             except BaseException as e:  # raised again in the caller's thread
@@ -251,7 +267,11 @@ class Scheduler:
         """Admit what arrived (waiting up to `wait` seconds for it when no group has work), apply
         the cancellations, then advance the next group with work by one block. Returns whether a
         block was decoded."""
-        busy = any(not g.idle for g in self.groups.values())
+        now = time.monotonic()
+        gathering = [g.gather_until - now for g in self.groups.values() if g.gathering(now)]
+        busy = any(not g.idle and not g.gathering(now) for g in self.groups.values())
+        if gathering:
+            wait = min([wait, *gathering])
         news = self._news(None if busy else wait)
         if news is not None:
             jobs, cancelled, stop = news
@@ -265,6 +285,8 @@ class Scheduler:
             group = self.groups[key]
             if group.idle:
                 del self.groups[key]
+                continue
+            if group.gathering(time.monotonic()):
                 continue
             # Round robin: the group goes to the back of the order after its block.
             self.groups[key] = self.groups.pop(key)
@@ -334,6 +356,8 @@ class Scheduler:
             if group is None:
                 group = self.groups[key] = Group(job.request, batching)
             group.waiting.append(job)
+            if self.gather and group.run is None and len(group.waiting) == 1 and not batching.joins:
+                group.gather_until = time.monotonic() + self.gather
             job.events.put(("accepted", len(job.ids)))
 
     def _start(self, group: Group):
