@@ -2,11 +2,16 @@
 clients, against serving the same requests one at a time.
 
     python benchmarks/bench_server.py [--requests 16] [--max-tokens 64] [--block-length 8]
-        [--runs 3] [--clients 1,4,8]
+        [--runs 3] [--clients 1,4,8] [--model nemotron|sdar|default] [--turns T]
+        [--prompt-cache-size N]
 
-The model is the dense random model of bench_vs_mlx_vlm.py (Nemotron-Labs-Diffusion: hidden 512,
-6 layers, causal-prefix KV cache), served by `mlx_dllm serve` in a
-subprocess on 127.0.0.1. Each measurement sends the same --requests completion requests (distinct
+The model (--model) is the dense random model of bench_vs_mlx_vlm.py (Nemotron-Labs-Diffusion:
+hidden 512, 6 layers, causal-prefix KV cache), a random block-causal SDAR (hidden 384, 6 layers,
+vocabulary 4096, the exact prefix cache) or the embedded default (LLaDA, full recompute), served by
+`mlx_dllm serve` in a subprocess on 127.0.0.1. With --turns T a request is a conversation: the
+client sends T completions, each the previous prompt and answer followed by a new question, so the
+server's prompt cache (--prompt-cache-size, 0 turns it off) can reuse the earlier turns' K/V; the
+table then adds the mean of usage.prompt_tokens_details.cached_tokens over the later turns. Each measurement sends the same --requests completion requests (distinct
 prompts of different lengths, greedy, the family's default sampler) from N client threads, each
 sending its next request when its previous one is answered (closed loop): with N = 1 the server
 serves them one at a time. Requests that arrive while others decode join the running batch at the
@@ -47,9 +52,10 @@ def post(url, body, timeout=600):
         return json.loads(r.read())
 
 
-def start_server(path, port):
+def start_server(path, port, prompt_cache_size=10):
     cmd = [sys.executable, "-m", "mlx_dllm_models", "serve", "--model", str(path)]
     cmd += ["--port", str(port), "--log-level", "WARNING"]
+    cmd += ["--prompt-cache-size", str(prompt_cache_size)]
     proc = subprocess.Popen(cmd, cwd=str(ROOT))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -64,12 +70,32 @@ def start_server(path, port):
     raise SystemExit("the server did not start")
 
 
-def load_run(url, bodies, clients):
-    """Send every body from `clients` closed-loop threads: (wall s, completion tokens, latencies,
-    texts)."""
+FOLLOW_UPS = [" And then?", " Why is that?", " Say more about it.", " What else?"]
+
+
+def converse(url, body, turns):
+    """A conversation of `turns` completions, each the previous prompt and answer followed by a
+    new question: (its answers joined, completion tokens, cached prompt tokens of turns 2..)."""
+    body, answers, tokens, cached = dict(body), [], 0, []
+    for turn in range(turns):
+        out = post(url, body)
+        answer = out["choices"][0]["text"]
+        answers.append(answer)
+        tokens += out["usage"]["completion_tokens"]
+        if turn:
+            details = out["usage"].get("prompt_tokens_details") or {}
+            cached.append(details.get("cached_tokens", 0))
+        body["prompt"] = body["prompt"] + answer + FOLLOW_UPS[turn % len(FOLLOW_UPS)]
+    return "|".join(answers), tokens, cached
+
+
+def load_run(url, bodies, clients, turns=1):
+    """Send every body (a conversation of `turns` requests) from `clients` closed-loop threads:
+    (wall s, completion tokens, latencies, texts, cached prompt tokens of the later turns)."""
     todo = list(range(len(bodies)))
     lock = threading.Lock()
     latencies, texts, tokens = [None] * len(bodies), [None] * len(bodies), [0] * len(bodies)
+    cached = []
 
     def client():
         while True:
@@ -78,10 +104,10 @@ def load_run(url, bodies, clients):
                     return
                 i = todo.pop(0)
             tic = time.perf_counter()
-            out = post(url, bodies[i])
+            texts[i], tokens[i], hits = converse(url, bodies[i], turns)
             latencies[i] = time.perf_counter() - tic
-            texts[i] = out["choices"][0]["text"]
-            tokens[i] = out["usage"]["completion_tokens"]
+            with lock:
+                cached.extend(hits)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     tic = time.perf_counter()
@@ -89,7 +115,33 @@ def load_run(url, bodies, clients):
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - tic, sum(tokens), latencies, texts
+    return time.perf_counter() - tic, sum(tokens), latencies, texts, cached
+
+
+def build_model(kind, tmp):
+    """(checkpoint folder, a line describing it)."""
+    if kind == "default":
+        from mlx_dllm_models.default import default_checkpoint
+
+        path = default_checkpoint()
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        return path, f"the embedded default (LLaDA, d_model {cfg['d_model']}, full recompute)"
+    if kind == "sdar":
+        from fixtures import sdar as fx
+
+        for name, value in dict(VOCAB=4096, HIDDEN=384, HEADS=6, KV_HEADS=2, LAYERS=6).items():
+            setattr(fx, name, value)
+        path = fx.build_sdar(Path(tmp) / "sdar")
+        cfg = json.loads((path / "config.json").read_text())
+        return path, (
+            f"random SDAR: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+            "block-causal prefix cache"
+        )
+    path, cfg = build_nemotron(Path(tmp) / "nemotron")
+    return path, (
+        f"nemotron: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        "causal-prefix cache"
+    )
 
 
 def main():
@@ -102,34 +154,49 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--model", choices=["nemotron", "sdar", "default"], default="nemotron")
+    ap.add_argument("--turns", type=int, default=1, help="requests per conversation")
+    ap.add_argument("--prompt-cache-size", type=int, default=10)
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
-        path, cfg = build_nemotron(Path(tmp) / "nemotron")
-        proc, url = start_server(path, args.port)
+        path, described = build_model(args.model, tmp)
+        proc, url = start_server(path, args.port, args.prompt_cache_size)
         try:
             topics = ["the sea", "a mountain", "rain", "the city at night", "a small cat"]
             bodies = [
                 {
                     "prompt": f"Request {i}: write about {topics[i % 5]}" + " please" * (i % 4),
                     "max_tokens": args.max_tokens,
-                    "block_length": args.block_length,
                     "temperature": 0,
                 }
                 for i in range(args.requests)
             ]
-            load_run(url, bodies[:2], 1)  # warm-up
+            if args.model == "default":  # its task: sums, through its chat template
+                from transformers import AutoTokenizer
+
+                from mlx_dllm_models.default import addition_prompt, chat_prompt
+
+                tok = AutoTokenizer.from_pretrained(str(path))
+                for i, body in enumerate(bodies):
+                    body["prompt"] = chat_prompt(tok, addition_prompt(10 + 7 * i, 90 - 3 * i))
+            else:
+                for body in bodies:
+                    body["block_length"] = args.block_length
+            load_run(url, bodies[:2], 1, args.turns)  # warm-up
             walls = {c: [] for c in levels}
             tps = {c: [] for c in levels}
             lat = {c: [] for c in levels}
+            hits = {c: [] for c in levels}
             answers = {}
             for r in range(args.runs):
                 for c in levels if r % 2 == 0 else reversed(levels):
-                    wall, toks, latencies, texts = load_run(url, bodies, c)
+                    wall, toks, latencies, texts, cached = load_run(url, bodies, c, args.turns)
                     walls[c].append(wall)
                     tps[c].append(toks / wall)
                     lat[c].extend(latencies)
+                    hits[c].extend(cached)
                     answers.setdefault(c, texts)
                     same = texts == answers[c]
                     first = answers[levels[0]] if levels[0] in answers else texts
@@ -145,24 +212,26 @@ def main():
             proc.terminate()
             proc.wait(timeout=30)
 
-    base = statistics.median(tps[levels[0]])
+    base = statistics.median(tps[levels[0]]) or float("nan")
     print()
+    what = f"conversations of {args.turns} requests" if args.turns > 1 else "requests"
     print(
-        f"nemotron: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers; "
-        f"{args.requests} requests of "
-        f"{args.max_tokens} tokens, block {args.block_length}; medians of {args.runs} runs"
+        f"{described}; {args.requests} {what} of {args.max_tokens} tokens; prompt cache "
+        f"{args.prompt_cache_size or 'off'}; medians of {args.runs} runs"
     )
     print(
         "| clients | aggregate tok/s | vs one at a time | latency p50 s | p90 s | max s | "
-        "same answers as one at a time |"
+        "cached prompt tokens (turns 2..) | same answers as one at a time |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for c in levels:
         q = statistics.quantiles(lat[c], n=10)
         med = statistics.median(tps[c])
         print(
             f"| {c} | {med:.1f} | {med / base:.2f}x | {statistics.median(lat[c]):.2f} | "
-            f"{q[8]:.2f} | {max(lat[c]):.2f} | {'yes' if answers[c] == answers[levels[0]] else 'no'} |"
+            f"{q[8]:.2f} | {max(lat[c]):.2f} | "
+            f"{statistics.mean(hits[c]) if hits[c] else 0:.1f} | "
+            f"{'yes' if answers[c] == answers[levels[0]] else 'no'} |"
         )
 
 
