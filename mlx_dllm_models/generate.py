@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .engine import BlockEvent
+from .engine import BlockEvent, TokenLogprob
 from .request import Detokenizer, Prompt, prepare
 from .settings import SettingsError
 
@@ -31,6 +31,9 @@ class DiffusionResponse:
     prompt_tps: float
     generation_tps: float
     peak_memory: float  # GB
+    # With the logprobs setting: one TokenLogprob per token of `tokens` (its log-probability at
+    # the step that committed it, and that step's best alternatives); else None.
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 @dataclass
@@ -42,6 +45,7 @@ class BatchResponse:
     tokens_per_forward: float
     generation_tps: float
     peak_memory: float
+    logprobs: Optional[List[List[TokenLogprob]]] = None  # per prompt, with the logprobs setting
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -116,6 +120,7 @@ def responses(decoder, ids, tokenizer, on_step=None, prior=None) -> Iterator[Dif
             prompt_tps=len(ids[0]) / prompt_time if prompt_time else 0.0,
             generation_tps=generated / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
+            logprobs=None if event.logprobs is None else event.logprobs[0],
         )
         if done:
             return
@@ -174,13 +179,16 @@ def batch_generate_diffusion(
         raise SettingsError("prompts is empty: give at least one prompt")
     s, ids, decoder = stream_events(model, tokenizer, prompts, images=images, **settings)
     out = [[] for _ in ids]
+    logprobs = None if s.get("logprobs") is None else [[] for _ in ids]
     reasons = ["length"] * len(ids)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     for event in decoder.run(ids):
         if isinstance(event, BlockEvent):
-            for row, toks, hit in zip(event.rows, event.tokens, event.eos):
+            for i, (row, toks, hit) in enumerate(zip(event.rows, event.tokens, event.eos)):
                 out[row].extend(toks)
+                if logprobs is not None:
+                    logprobs[row].extend(event.logprobs[i])
                 if hit:
                     reasons[row] = "stop"
     elapsed = time.perf_counter() - tic
@@ -193,4 +201,5 @@ def batch_generate_diffusion(
         tokens_per_forward=total / max(decoder.nfe, 1),
         generation_tps=total / elapsed if elapsed > 0 else 0.0,
         peak_memory=mx.get_peak_memory() / 1e9,
+        logprobs=logprobs,
     )

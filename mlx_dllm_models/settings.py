@@ -74,6 +74,15 @@ def _choice(options: Tuple[str, ...], context: str):
     return check
 
 
+def _int_in(low: int, high: int, what: str = ""):
+    def check(name, v):
+        if _is_int(v) and low <= v <= high:
+            return None
+        return f"{name} must be an integer in [{low}, {high}]{what}, got {v!r}"
+
+    return check
+
+
 def _positive_int(name, v):
     return None if _is_int(v) and v >= 1 else f"{name} must be a positive integer, got {v!r}"
 
@@ -136,6 +145,8 @@ class Setting:
     token_id: bool = False
 
 
+# The most alternatives the `logprobs` setting lists per token (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
 _DIFFUSION = ("diffusion",)  # Nemotron: the samplers act in diffusion mode, not self-speculation
 _WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
 _CANVAS = ("diffusion_gemma",)
@@ -229,6 +240,15 @@ SETTINGS: Tuple[Setting, ...] = (
         unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
     Setting("seed", 0, "PRNG seed", int, _seed),
+    # Read by every loop, changes no token: each returned token's log-probability at the step
+    # that committed it, with this many alternatives (engine.base.TokenLogprob); none: off.
+    Setting(
+        "logprobs",
+        None,
+        f"report each token's log-probability and this many alternatives (0-{MAX_LOGPROBS})",
+        int,
+        _optional(_int_in(0, MAX_LOGPROBS, " (alternatives per token, as OpenAI's bound)")),
+    ),
     # Validated against the backend table of the family's attention layout (engine.registry).
     Setting(
         "cache",

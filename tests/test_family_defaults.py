@@ -76,6 +76,7 @@ SHARED = dict(
     top_k=None,
     seed=0,
     cache="auto",
+    logprobs=None,
 )
 # LLaDA generate.py: generate(steps=128, gen_length=128, block_length=32 (README), temperature=0.,
 # cfg_scale=0., remasking='low_confidence'), logits_eos_inf / confidence_eos_eot_inf off; steps

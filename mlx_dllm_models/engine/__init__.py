@@ -5,6 +5,8 @@ base.py            events (StepEvent, BlockEvent), the block-event helper, the f
 layout.py          Layout: where each row's prompt and canvas sit in the batch's token array
 masked.py          masked block decoding (MaskedBlockDecoder): the loop over blocks and steps
 editing.py         LLaDA2.1's token editing over one block (BlockEditing)
+logprobs.py        the logprobs setting: each committed position's log-probability, recorded on
+                   the device and read with its tokens (PositionLogprobs)
 full_recompute.py  FullRecompute, the reference backend (every forward over the whole sequence)
 block_cache.py     exact prefix KV cache of block-causal families (SDAR, LLaDA2)
 causal_prefix.py   AR-seeded blocks over a causal KV prefix (Nemotron)
@@ -17,7 +19,7 @@ The sampler -> commit rule table is decoding.samplers.COMMIT_RULES (StepContext 
 """
 
 from ..decoding.samplers import StepContext
-from .base import BlockEvent, StepEvent
+from .base import BlockEvent, StepEvent, TokenLogprob
 from .full_recompute import FullRecompute
 from .layout import Layout
 from .masked import MaskedBlockDecoder
@@ -35,6 +37,7 @@ from .registry import (
 __all__ = [
     "BlockEvent",
     "StepEvent",
+    "TokenLogprob",
     "FullRecompute",
     "Layout",
     "MaskedBlockDecoder",

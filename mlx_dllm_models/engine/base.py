@@ -3,7 +3,7 @@ how a loop or a backend draws a token from logits with its own PRNG key."""
 
 import copy
 from dataclasses import dataclass
-from typing import AbstractSet, List, Sequence
+from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -25,17 +25,28 @@ class StepEvent:
         return self.generated.tolist()
 
 
+class TokenLogprob(NamedTuple):
+    """A returned token's log-probability under the step that committed it (the `logprobs`
+    setting; decoding.logprobs says which distribution), and the best alternatives there."""
+
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...]  # (token, log-probability), most probable first
+
+
 @dataclass
 class BlockEvent:
     """A block was committed. `tokens[i]` are row `rows[i]`'s new tokens (cut before its EOS);
     `eos[i]` says the row met an EOS in this block; `finished[i]` that the row is done (EOS, or
-    max_tokens reached)."""
+    max_tokens reached); `logprobs[i]` (with the `logprobs` setting, else None) one TokenLogprob
+    per token of `tokens[i]`."""
 
     rows: List[int]
     tokens: List[List[int]]
     eos: List[bool]
     finished: List[bool]
     nfe: int
+    logprobs: Optional[List[List[TokenLogprob]]] = None
 
 
 def block_event(
@@ -44,16 +55,22 @@ def block_event(
     at_limit: Sequence[bool],
     eos: AbstractSet[int],
     nfe: int,
+    logprobs: Optional[Sequence[Sequence[TokenLogprob]]] = None,
 ) -> BlockEvent:
     """The event of a committed block: each row's new `tokens` cut before its first EOS; a row is
-    finished when it met an EOS or, with these tokens, reached max_tokens (`at_limit`)."""
-    emitted, hit, finished = [], [], []
-    for toks, limit in zip(tokens, at_limit):
+    finished when it met an EOS or, with these tokens, reached max_tokens (`at_limit`).
+    `logprobs`: each row's entries, one per token, cut with them."""
+    emitted, hit, finished, kept = [], [], [], []
+    for row, (toks, limit) in enumerate(zip(tokens, at_limit)):
         cut = next((i for i, t in enumerate(toks) if t in eos), None)
         hit.append(cut is not None)
         emitted.append(list(toks) if cut is None else list(toks[:cut]))
         finished.append(cut is not None or bool(limit))
-    return BlockEvent(list(rows), emitted, hit, finished, nfe)
+        if logprobs is not None:
+            kept.append(list(logprobs[row][: len(emitted[-1])]))
+    return BlockEvent(
+        list(rows), emitted, hit, finished, nfe, kept if logprobs is not None else None
+    )
 
 
 def check_finite(logits: mx.array, model) -> None:

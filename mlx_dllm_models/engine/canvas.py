@@ -32,8 +32,10 @@ from ..decoding import (
     stable_and_confident,
     threshold_commit,
 )
+from ..decoding.logprobs import log_probs
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite
+from .logprobs import PositionLogprobs
 
 
 @dataclass
@@ -143,11 +145,16 @@ class CanvasDecoder:
         while True:
             length = self.canvas_length(s["max_tokens"] - total)
             mask = model.padding_masks(valid, length) if valid is not None else None
-            argmax = yield from self._denoise(cache, rows, length, mask, before)
+            argmax, lp = yield from self._denoise(cache, rows, length, mask, before)
             wanted = min(length, s["max_tokens"] - total)
-            new = argmax[:, :wanted].tolist()
+            new, logprobs = self._read(argmax, lp, wanted)
             event = block_event(
-                rows, new, [total + wanted >= s["max_tokens"]] * len(rows), self.eos, self.nfe
+                rows,
+                new,
+                [total + wanted >= s["max_tokens"]] * len(rows),
+                self.eos,
+                self.nfe,
+                logprobs,
             )
             yield event
             total += wanted
@@ -166,6 +173,18 @@ class CanvasDecoder:
             model.encode(argmax, cache, valid=valid)
             mx.eval([(c.keys, c.values) for c in cache])
             before = mx.concatenate([before, argmax], axis=1)
+
+    @staticmethod
+    def _read(argmax, lp, wanted):
+        """The canvas's first `wanted` tokens, and with the logprobs setting their
+        TokenLogprobs: one read."""
+        if lp is None:
+            return argmax[:, :wanted].tolist(), None
+        read = mx.concatenate(
+            [argmax[:, :wanted].astype(mx.float32), lp.packed(wanted)], axis=1
+        ).tolist()
+        new = [[int(t) for t in r[:wanted]] for r in read]
+        return new, [lp.unpack(r[wanted:], t) for r, t in zip(read, new)]
 
     def _draw(self, draw, rows, done, *args):
         """Draws for the rows still denoising; rows that stopped keep their streams untouched."""
@@ -192,6 +211,10 @@ class CanvasDecoder:
         revealed = mx.zeros((B, length), dtype=mx.bool_)
         start = before.shape[1]
         all_positions = mx.ones((B, length), dtype=mx.bool_)
+        # The canvas is the argmax of each row's last step: its log-probabilities are that step's.
+        lp = None
+        if s.get("logprobs") is not None:
+            lp = PositionLogprobs(s["logprobs"], (), B, length)
         for remaining in range(steps, 0, -1):
             temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
             logits = model.decode(canvas, cache, self_cond, mask=mask)
@@ -221,6 +244,8 @@ class CanvasDecoder:
                 processed = mx.where(frozen[..., None], self_cond, processed)
                 if threshold:
                     keep = mx.where(frozen, revealed, keep)
+            if lp is not None:  # a row that has stopped keeps its last step's
+                lp.put(log_probs(logits), new_argmax, ~stopped[:, None])
             stop, history = stable_and_confident(
                 history, new_argmax, st.entropy, stability, s["confidence_threshold"]
             )
@@ -238,4 +263,4 @@ class CanvasDecoder:
             yield CanvasStepEvent(list(rows), generated, (start, start + length), self.nfe, pending)
             if all(done):
                 break
-        return argmax
+        return argmax, lp

@@ -32,6 +32,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..cache import Positions, PrefixKVCache, PriorKV
+from ..decoding.logprobs import log_probs
 from ..masks import causal_prefix_mask, prompt_block_mask
 from .base import next_key, replaced, sample_tokens
 
@@ -151,6 +152,9 @@ class CausalPrefixCache:
         self.generated = layout.generated
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.seed = None  # (B,) the AR head's token for the next block's first position
+        # (B, V) the AR head's log-probabilities there, with the logprobs setting (masked.py reads
+        # them as that position's, which no denoising step decides)
+        self.seed_log_probs = None
         self.pending = None  # the finished block whose causal forward has not run yet
         self.reused = 0  # prompt columns whose K/V came from an earlier run (resume)
         self.nfe = 0
@@ -159,6 +163,8 @@ class CausalPrefixCache:
         self.nfe += 1
         logits = self.fwd.causal(x, start, stop, head_span=(stop - start - 1, stop - start))
         self.seed = sample_tokens(logits[:, -1], self.settings, self.spec, next_key(self))
+        if self.settings.get("logprobs") is not None:
+            self.seed_log_probs = log_probs(logits[:, -1])
 
     def _encode(self, x, start, stop):
         self.nfe += self.fwd.encode(x, start, stop)
@@ -239,6 +245,9 @@ class CausalPrefixCache:
             fwd=self.fwd.select(idx, pads),
             generated=layout.generated,
             seed=None if self.seed is None else self.seed[mx.array(idx)],
+            seed_log_probs=None
+            if self.seed_log_probs is None
+            else self.seed_log_probs[mx.array(idx)],
         )
 
 

@@ -38,6 +38,7 @@ from ..spec import BLOCK_CAUSAL
 from .base import BlockEvent, StepEvent, block_event, check_finite
 from .editing import BlockEditing
 from .layout import Layout
+from .logprobs import PositionLogprobs
 
 logger = logging.getLogger(__name__)
 _WARNED_BLOCK_LENGTHS = set()
@@ -71,13 +72,17 @@ def _settled_by_eos(block, cand, gen, eos) -> mx.array:
     return is_eos.any(axis=-1) & ~(cand & ~seen).any(axis=-1)
 
 
-def _prepend_infill(event: BlockEvent, layout: Layout, x: mx.array) -> None:
+def _prepend_infill(event: BlockEvent, layout: Layout, x: mx.array, lo: int, window) -> None:
     """The masks of a prompt are all filled with the first block (its quota counted them): a row's
-    returned span starts at its prompt's first mask."""
+    returned span starts at its prompt's first mask. `window`: each row's TokenLogprobs of the
+    block's window, which starts at column `lo` (None without the logprobs setting)."""
     for i, toks in enumerate(event.tokens):
         where = layout.infill[i].tolist()
         if True in where:
-            toks[:0] = x[i, where.index(True) : layout.starts[i]].tolist()
+            first = where.index(True)
+            toks[:0] = x[i, first : layout.starts[i]].tolist()
+            if window is not None:
+                event.logprobs[i][:0] = window[i][first - lo : layout.starts[i] - lo]
 
 
 @dataclass
@@ -107,6 +112,7 @@ class _Block:
     rows_left: List[int]  # rows with masks left, on the host (kept up to date without editing)
     editing: Optional[BlockEditing]  # token editing, for families that declare it
     part: Optional[tuple] = None  # (rows, their backend view) while only some rows have masks left
+    logprobs: Optional[PositionLogprobs] = None  # the window's, with the logprobs setting
 
 
 class MaskedBlockDecoder:
@@ -159,6 +165,10 @@ class MaskedBlockDecoder:
         self.rule = rule
         self.schedule = getattr(rule, "schedule", None) or default_schedule
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
+        # Alternatives listed per token (None: no log-probabilities); never the ids a step cannot
+        # propose.
+        self.top_logprobs = settings.get("logprobs")
+        self.unproposed = (self.spec.mask_token_id, *self.spec.suppressed_token_ids)
         _warn_untrained_block_length(self.spec, settings)
 
     @property
@@ -271,7 +281,22 @@ class MaskedBlockDecoder:
             [cand.any(axis=1).astype(mx.int32), schedule.max(axis=0).astype(mx.int32)]
         ).tolist()
         floor_max, rows_left = first_read[n:], first_read[:n]
-        return _Block(start, stop, lo, gen, cand, schedule, floor_max, rows_left, editing)
+        blk = _Block(start, stop, lo, gen, cand, schedule, floor_max, rows_left, editing)
+        if self.top_logprobs is not None:
+            blk.logprobs = self._open_logprobs(batch, x, lo, start, stop)
+        return blk
+
+    def _open_logprobs(self, batch: _Batch, x, lo: int, start: int, stop: int):
+        """The window's log-probability record; a backend that seeded the block's first column
+        (the AR head of causal_prefix.py) gives that column's from its `seed_log_probs`."""
+        lp = PositionLogprobs(self.top_logprobs, self.unproposed, x.shape[0], stop - lo)
+        seeded = getattr(batch.backend, "seed_log_probs", None)
+        if seeded is not None:
+            column = (mx.arange(stop - lo) == start - lo)[None] & batch.layout.generated[
+                :, start : start + 1
+            ]
+            lp.put(seeded[:, None], x[:, start : start + 1], column, never=())
+        return lp
 
     def _step(self, batch: _Batch, blk: _Block, step: int) -> None:
         """One denoising step of the open block: a forward, the statistics, the commit (and the
@@ -297,6 +322,9 @@ class MaskedBlockDecoder:
             commit = commit | blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
         block = mx.where(commit, x0.astype(mx.int32), current)
         batch.x[:, blk.lo : blk.stop] = block
+        if blk.logprobs is not None:
+            rows = block if idx is None else block[idx]
+            blk.logprobs.record(logits, rows, commit if idx is None else commit[idx], idx)
         self._settle(blk, block)
 
     def _forward(self, batch: _Batch, blk: _Block):
@@ -354,21 +382,34 @@ class MaskedBlockDecoder:
     def _close_block(self, batch: _Batch, blk: _Block) -> BlockEvent:
         """The block's event, from its one host read."""
         x, layout, start, stop = batch.x, batch.layout, blk.start, blk.stop
-        # One read: each row's returned tokens (-1 past max_tokens), then whether masks are left.
-        read = mx.concatenate(
-            [
-                mx.where(layout.generated[:, start:stop], x[:, start:stop], -1),
-                blk.cand.any(axis=1, keepdims=True).astype(x.dtype),
-            ],
-            axis=1,
-        ).tolist()
-        assert not any(r[-1] for r in read), "a block left masks after its step budget"
+        # One read: each row's returned tokens (-1 past max_tokens), then whether masks are left
+        # (then, with the logprobs setting, the window's tokens and their log-probabilities).
+        parts = [
+            mx.where(layout.generated[:, start:stop], x[:, start:stop], -1),
+            blk.cand.any(axis=1, keepdims=True).astype(x.dtype),
+        ]
+        n, width = stop - start, stop - blk.lo
+        window = logprobs = None
+        if blk.logprobs is None:
+            read = mx.concatenate(parts, axis=1).tolist()
+        else:
+            parts = [a.astype(mx.float32) for a in parts + [x[:, blk.lo : stop]]]
+            read = mx.concatenate(parts + [blk.logprobs.packed()], axis=1).tolist()
+            tokens = [[int(t) for t in r[n + 1 : n + 1 + width]] for r in read]
+            window = [blk.logprobs.unpack(r[n + 1 + width :], t) for r, t in zip(read, tokens)]
+            read = [[int(t) for t in r[: n + 1]] for r in read]
+            # The returned columns' entries: the window's from `start` on.
+            logprobs = [
+                [w[start - blk.lo + c] for c, t in enumerate(r[:n]) if t >= 0]
+                for w, r in zip(window, read)
+            ]
+        assert not any(r[n] for r in read), "a block left masks after its step budget"
         batch.backend.end_block(x, start, stop)
-        new = [[t for t in r[:-1] if t >= 0] for r in read]
+        new = [[t for t in r[:n] if t >= 0] for r in read]
         at_limit = [stop >= end for end in layout.ends]
-        event = block_event(batch.rows, new, at_limit, self.eos, self.nfe)
+        event = block_event(batch.rows, new, at_limit, self.eos, self.nfe, logprobs)
         if layout.has_infill and blk.lo < start:
-            _prepend_infill(event, layout, x)
+            _prepend_infill(event, layout, x, blk.lo, window)
         return event
 
     def _keep_rows(self, batch: _Batch, event: BlockEvent, cancelled) -> bool:

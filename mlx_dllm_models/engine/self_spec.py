@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from ..decoding import filter_logits, threshold_commit
 from .base import block_event, check_finite, next_key, sample_tokens
+from .logprobs import entries
 
 
 def _probs(logits, settings, spec, suppress=()):
@@ -125,11 +126,16 @@ class SelfSpeculativeDecoder:
             return new
         return new[:at] + [marker]
 
-    def _confirmed(self, row: int, new: List[int], out: List[int]):
-        """The block event of a row's newly confirmed tokens, which join `out`."""
+    def _confirmed(self, row: int, new: List[int], out: List[int], logits):
+        """The block event of a row's newly confirmed tokens, which join `out`; `logits`: the
+        causal rows that gave them, in order (their log-probabilities, with the logprobs
+        setting: one more read)."""
+        logprobs = None
+        if self.s.get("logprobs") is not None:
+            logprobs = [entries(logits, new, self.s["logprobs"])]
         out += new
         finished = len(out) >= self.s["max_tokens"]
-        return block_event([row], [new], [finished], self.eos, self.nfe)
+        return block_event([row], [new], [finished], self.eos, self.nfe, logprobs)
 
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
@@ -178,7 +184,7 @@ class SelfSpeculativeDecoder:
                 q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
             else:
                 drafts, q = [], None
-            event = self._confirmed(row, new, out)
+            event = self._confirmed(row, new, out, verify)
             yield event
             if event.finished[0]:
                 return
@@ -244,7 +250,7 @@ class SelfSpeculativeDecoder:
         new = self._end_thinking(self._tokens(logits), out)
         while True:
             x[:, start] = new[-1]
-            event = self._confirmed(row, new, out)
+            event = self._confirmed(row, new, out, logits)
             yield event
             if event.finished[0]:
                 return
@@ -252,7 +258,7 @@ class SelfSpeculativeDecoder:
             x[:, start + 1 : stop] = mask_id
             drafts, q = self._draft(run, x, start, stop)
             self.nfe += 1
-            verify = run.mixed(x, start, stop, stop)[0]
+            verify = logits = run.mixed(x, start, stop, stop)[0]
             new = self._end_thinking(self._accept(verify, drafts, q), out)
             n = len(new) - 1
             self.drafted += len(drafts)

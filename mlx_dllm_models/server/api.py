@@ -18,7 +18,8 @@ What comes from mlx-lm's server, and what cannot:
   appear anywhere in a freshly committed block, not only at its end). Its argument validation is
   replaced by the settings table's (request.prepare), whose messages name what each family
   understands; sampling arguments mlx-lm accepts that diffusion decoding has no use for
-  (logprobs, penalties, min_p, logit_bias, tools, draft models) are refused, never ignored.
+  (penalties, min_p, logit_bias, tools, draft models) are refused, never ignored. logprobs are
+  each token's at the step that committed it, in OpenAI's shapes (logprobs.py).
 """
 
 import argparse
@@ -41,6 +42,8 @@ from mlx_lm import server as lm_server
 
 from ..request import Detokenizer, Request, prepare
 from ..vision import is_processor, text_tokenizer
+from .logprobs import Logprobs
+from .logprobs import read_fields as read_logprobs
 from .scheduler import Job, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -61,12 +64,12 @@ REQUEST_FIELDS = {
     "role_mapping",
     "n",
     "user",
+    "logprobs",  # these two: logprobs.read_fields
+    "top_logprobs",
 }
 # Fields mlx-lm's server (or OpenAI) accepts that diffusion decoding has no use for: refused when
 # given a value that would change anything, rather than ignored.
 UNSUPPORTED_FIELDS = {
-    "logprobs": "diffusion decoding commits whole blocks and returns no per-token log-probabilities",
-    "top_logprobs": "diffusion decoding returns no per-token log-probabilities",
     "logit_bias": "the diffusion samplers take no logit bias",
     "min_p": "the diffusion samplers take temperature, top_p and top_k",
     "repetition_penalty": "the diffusion samplers take no repetition penalty",
@@ -128,8 +131,6 @@ def neutral(name, value) -> bool:
         return False
     if name == "repetition_penalty":
         return value in (0, 1)
-    if name == "top_logprobs":
-        return value in (0, -1)
     return value in (0, "", [], {})
 
 
@@ -241,6 +242,7 @@ class Service:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             overrides["max_tokens"] = max_tokens
+        read_logprobs(body, overrides)
         if body.get("n") not in (None, 1):
             raise RequestError(f"n must be 1 (one completion per request), got {body['n']!r}")
         options = body.get("stream_options")
@@ -433,6 +435,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         prompt_tokens = event[1]
         stopper = StopWords(stop_words)
         detok = Detokenizer(text_tokenizer(service.tokenizer))
+        logprobs = Logprobs.of(prepared.settings, detok.tokenizer, self.object_type)
         text, completion_tokens, finish = "", 0, None
         try:
             if self.stream:
@@ -448,8 +451,10 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                         self._send_event("[DONE]")
                         return
                     return self._error(event[1], 500)
-                _, toks, finished, eos = event
+                _, toks, finished, eos, entries = event
                 completion_tokens += len(toks)
+                if logprobs is not None:
+                    logprobs.add(entries)
                 new = detok.add(toks) + (detok.flush() if finished else "")
                 new, hit = stopper.feed(new, final=finished)
                 if hit:
@@ -458,7 +463,10 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 elif finished:
                     finish = "stop" if eos else "length"
                 if self.stream:  # one chunk per committed block
-                    self._send_event(self.generate_response(new, finish))
+                    packet = self.generate_response(new, finish)
+                    if logprobs is not None:
+                        logprobs.attach(packet, completion_tokens)
+                    self._send_event(packet)
                 else:
                     text += new
             usage = self._usage(job, prompt_tokens, completion_tokens)
@@ -472,6 +480,8 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 return
             packet = self.generate_response(text, finish, prompt_tokens, completion_tokens)
             packet["usage"].update(usage)
+            if logprobs is not None:
+                logprobs.attach(packet, completion_tokens)
             body = json.dumps(packet).encode()
             self._set_completion_headers(200)
             self.send_header("Content-Length", str(len(body)))

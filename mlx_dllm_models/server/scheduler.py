@@ -2,9 +2,10 @@
 
 One worker thread owns the model (every MLX call happens there). Each request arrives prepared
 (request.prepare: settings resolved, prompt encoded, on the HTTP handler's thread); requests whose
-resolved settings agree (all but `max_tokens`) form a group that shares one decoder run, so one
-forward serves every row; groups with different settings (block length, sampler, family settings,
-temperature, seed...) take turns block by block. Within a group:
+resolved settings agree (all but `max_tokens`, and `logprobs`, which changes no token) form a group
+that shares one decoder run, so one forward serves every row; groups with different settings
+(block length, sampler, family settings, temperature, seed...) take turns block by block. Within a
+group:
 
 * A row leaves when it finishes (EOS or its max_tokens), or at the next block boundary after its
   client disconnects (or its stop string appeared): the decoder drops it like a finished row.
@@ -55,7 +56,8 @@ class Job:
     """One request's generation, shared by its HTTP handler thread and the scheduler thread.
 
     The scheduler posts to `events`: ("accepted", prompt_tokens), ("error", message), or
-    ("block", tokens, finished, eos) per committed block. The handler sets `cancelled` (client
+    ("block", tokens, finished, eos, logprobs) per committed block (logprobs: the tokens'
+    TokenLogprobs when the request asked for them, else None). The handler sets `cancelled` (client
     gone, stop string met) at any time; the scheduler reads it once per step, into `dropped`
     (the value every rank of a sharded server acts on), and drops the row at the next block
     boundary."""
@@ -89,6 +91,21 @@ class Job:
     def pixel_values(self):
         pixels = self.request.pixel_values
         return None if pixels is None else pixels[0]
+
+
+def _most_logprobs(jobs: List[Job]) -> Optional[int]:
+    """The logprobs setting of a run: the most alternatives its rows ask for (None: none asks)."""
+    asked = [j.settings.get("logprobs") for j in jobs]
+    asked = [k for k in asked if k is not None]
+    return max(asked) if asked else None
+
+
+def _row_logprobs(event, i: int, job: Job):
+    """Row i's TokenLogprobs with the alternatives its job asked for; None when it asked none."""
+    k = job.settings.get("logprobs")
+    if k is None or event.logprobs is None:
+        return None
+    return [entry._replace(top=entry.top[:k]) for entry in event.logprobs[i]]
 
 
 class _NoEvents:
@@ -348,9 +365,14 @@ class Scheduler:
                 job.events.put(("error", str(e)))
                 continue
             # Rows that may join a running batch share a group whatever their max_tokens (each
-            # keeps its own budget); the others must agree on it too.
+            # keeps its own budget); the others must agree on it too. The logprobs setting
+            # changes no token: a run records the most alternatives any of its rows asks for.
             s = job.settings
-            shared = {k: v for k, v in s.items() if k != "max_tokens" or not batching.joins}
+            shared = {
+                k: v
+                for k, v in s.items()
+                if k != "logprobs" and (k != "max_tokens" or not batching.joins)
+            }
             key = json.dumps([batching.joins, sorted(shared.items())], default=repr)
             group = self.groups.get(key)
             if group is None:
@@ -375,7 +397,7 @@ class Scheduler:
             group.run, group.jobs = None, []
             return
         budgets = [j.settings["max_tokens"] - len(j.tokens) for j in jobs]
-        settings = dict(group.settings, max_tokens=max(budgets))
+        settings = dict(group.settings, max_tokens=max(budgets), logprobs=_most_logprobs(jobs))
         images = None
         if any(j.pixel_values is not None for j in jobs):
             images = [j.pixel_values for j in jobs]
@@ -444,7 +466,8 @@ class Scheduler:
         self.blocks += 1
         self.forwards += delta
         self.max_rows = max(self.max_rows, len(event.rows))
-        for row, toks, eos, finished in zip(event.rows, event.tokens, event.eos, event.finished):
+        rows = zip(event.rows, event.tokens, event.eos, event.finished)
+        for i, (row, toks, eos, finished) in enumerate(rows):
             job = group.jobs[row]
             if job.done:
                 continue
@@ -454,7 +477,7 @@ class Scheduler:
                 job.done = True
                 continue
             job.done = finished
-            job.events.put(("block", list(toks), finished, eos))
+            job.events.put(("block", list(toks), finished, eos, _row_logprobs(event, i, job)))
         if all(j.done for j in group.jobs):
             group.run = None
             self._keep_kv(group)
