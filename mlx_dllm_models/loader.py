@@ -297,6 +297,11 @@ def load(path, **kwargs):
                 f"{adapter}: the draft adapter cannot be read ({e}); remove the folder to run "
                 "without it"
             ) from None
+    # On MLX's CPU backend, half-precision and quantized weights compute through float32 BLAS
+    # (models/cpu_layers.py); elsewhere nothing changes.
+    from .models.cpu_layers import use_float32_matmuls
+
+    use_float32_matmuls(model)
     if getattr(model, "vision_tower", None) is not None:
         from .vision import load_processor, vision_config_of
 

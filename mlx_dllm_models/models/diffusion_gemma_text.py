@@ -19,6 +19,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from .. import vision
+from . import cpu_layers
 from .common import check_token_ids
 
 NAME = "diffusion_gemma"
@@ -314,6 +315,9 @@ class DiffusionGemmaTextModel(nn.Module):
     def soft_embeddings(self, logits):
         """softmax(logits) @ E * sqrt(hidden), the softmax in float32 as in transformers."""
         e = self.embed_tokens
+        if isinstance(e, cpu_layers.TABLES) and cpu_layers.on_cpu():
+            p = mx.softmax(logits.astype(mx.float32), axis=-1)
+            return cpu_layers.rows_times(e, p) * self.embed_scale
         if isinstance(e, nn.QuantizedEmbedding):
             p = mx.softmax(logits.astype(mx.float32), axis=-1).astype(e.scales.dtype)
             # The table is [V, H] quantized along H: p @ E is the untransposed product.

@@ -1,0 +1,317 @@
+"""Half-precision and quantized weights through float32 matmuls on MLX's CPU backend.
+
+On the CPU, MLX multiplies float32 through BLAS, but bfloat16 / float16 matmuls and
+`quantized_matmul` / `gather_qmm` run in its own single-threaded loops, 40-70x slower, and
+`gather_mm` refuses any dtype but float32 (a bfloat16 MoE cannot run at all). Attention over
+half-precision activations takes the same slow matmuls. So when the default device is the CPU,
+`use_float32_matmuls(model)` (loader.load calls it) turns the model's half-precision and quantized
+weight layers into variants that widen their weight to float32 inside the forward and return
+float32: the activations, and with them attention and the K/V caches, are float32 from the
+embedding on. The model then computes what the float32 upcast of its weights computes (the logits
+agree to float32 rounding; a half-precision checkpoint's bit for bit) without holding that upcast:
+a widened weight lives from shortly before its matmul until the matmul is done, so a forward holds
+those of the layers MLX's scheduler has run ahead to (about a hundred ops: a layer or a few), and
+an LM head or embedding table over CHUNK_ELEMENTS is widened a slice of rows at a time.
+
+The variants are subclasses of mlx's and mlx-lm's layer classes with the same parameters (the
+instances' classes are swapped in place): saving, LoRA, fusing and quantization see the layers they
+know. Each checks the device again when called and otherwise runs its parent's forward, so on
+Metal or CUDA nothing changes. Float32 layers are left alone.
+
+Widening: a half-precision weight by `astype`; an affine-quantized one (2, 4 or 8 bits) as `32 /
+bits` float32 pieces, piece p holding the columns p, p + 32/bits, ... (one compiled kernel over
+contiguous arrays, every packed word read once; `mx.dequantize` is 2-4x slower here), multiplied by
+the matching columns of the input and summed. Other quantization modes and widths go through
+`mx.dequantize`. An expert gather widens the experts the batch selects when it selects fewer pairs
+than there are experts, else every expert once.
+
+Freed buffers of a widened weight are reused by the next layer of the same shape only when MLX's
+allocator keeps them (its CPU buffer cache is 32 MB by default): `use_float32_matmuls` raises that
+cache to 1.5 times what one layer widens (never lowers it). Without it every widening pays the
+page faults of fresh memory, which made an upcast cost twice its matmul.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+# The most elements of one widened slice of an LM head or embedding table (256 MB of float32).
+CHUNK_ELEMENTS = 1 << 26
+
+HALF = (mx.float16, mx.bfloat16)
+F32 = mx.float32
+
+
+def on_cpu() -> bool:
+    """Whether layers run on MLX's CPU backend now (the default device)."""
+    return mx.default_device().type == mx.cpu
+
+
+# ------------------------------------------------------------------------------------ widening
+
+
+def _unpacker(bits):
+    """A compiled kernel: packed affine words and their (repeated) scales and biases -> the
+    32 / bits float32 pieces, every packed word read once."""
+    per, mask = 32 // bits, (1 << bits) - 1
+
+    def unpack(packed, scales, biases):
+        return [scales * ((packed >> p * bits) & mask).astype(F32) + biases for p in range(per)]
+
+    return mx.compile(unpack, shapeless=True)
+
+
+UNPACK = {bits: _unpacker(bits) for bits in (2, 4, 8)}
+
+
+def _pieces(
+    weight, scales=None, biases=None, group_size=None, bits=None, mode="affine", whole=False
+):
+    """`weight` (..., rows, columns) widened to float32, as a list of pieces W_p with
+    W[..., p::len(pieces)] == W_p: one piece unless packed affine fields are unpacked apart
+    (never with `whole`)."""
+    if scales is None:
+        return [weight.astype(F32)]
+    per = 32 // bits
+    split = not whole and bits in UNPACK and group_size % per == 0
+    if split and mode == "affine" and biases is not None:
+        # Packed word j of a row holds columns per * j ... per * j + per - 1, all in group
+        # j // (group_size / per): its scale and bias repeated per word.
+        s = mx.repeat(scales.astype(F32), group_size // per, axis=-1)
+        b = mx.repeat(biases.astype(F32), group_size // per, axis=-1)
+        return UNPACK[bits](weight, s, b)
+    if mode == "affine":
+        scales = scales.astype(F32)
+        biases = None if biases is None else biases.astype(F32)
+    w = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    return [w.astype(F32)]
+
+
+def _layer_pieces(layer, rows=None, experts=None):
+    """The float32 pieces of a layer's weight: its rows `rows` (a slice), or for experts the
+    stacked weights of `experts` (an index array)."""
+
+    def part(name):
+        a = layer.get(name)
+        if a is None:
+            return None
+        if experts is not None:
+            a = a[experts]
+        return a if rows is None else a[..., rows, :]
+
+    if "scales" not in layer:
+        return _pieces(part("weight"))
+    return _pieces(
+        part("weight"),
+        part("scales"),
+        part("biases"),
+        layer.group_size,
+        layer.bits,
+        layer.mode,
+    )
+
+
+def _columns(x, n):
+    """x's last axis split as the pieces split their columns."""
+    if n == 1:
+        return [x]
+    x = x.reshape(*x.shape[:-1], -1, n)
+    return [x[..., p] for p in range(n)]
+
+
+def _times_transposed(x, pieces):
+    """x @ W.T over W's pieces (the pieces' products accumulate in BLAS)."""
+    y = None
+    for xp, wp in zip(_columns(x, len(pieces)), pieces):
+        wt = wp.swapaxes(-1, -2)
+        y = xp @ wt if y is None else mx.addmm(y, xp, wt)
+    return y
+
+
+def _rows_of(layer) -> int:
+    return layer["weight"].shape[-2]
+
+
+def _columns_of(layer) -> int:
+    if "scales" in layer:
+        return layer["scales"].shape[-1] * layer.group_size
+    return layer["weight"].shape[-1]
+
+
+def _row_chunks(layer):
+    """Row slices of a 2-D weight, each widened to at most CHUNK_ELEMENTS (one slice when the
+    weight is that small)."""
+    rows = _rows_of(layer)
+    step = max(1, CHUNK_ELEMENTS // _columns_of(layer))
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def linear(layer, x):
+    """x @ W.T (+ bias) of a Linear-like layer (weight, maybe scales / biases / bias), in
+    float32 with W widened a slice of rows at a time."""
+    x = x.astype(F32)
+    chunks = _row_chunks(layer)
+    if len(chunks) == 1:
+        y = _times_transposed(x, _layer_pieces(layer))
+    else:
+        y = mx.concatenate([_times_transposed(x, _layer_pieces(layer, c)) for c in chunks], -1)
+    if "bias" in layer:
+        y = y + layer["bias"].astype(F32)
+    return y
+
+
+def rows_times(layer, p):
+    """p @ W of a table W (vocabulary, hidden): the probabilities' weighted sum of the rows
+    (DiffusionGemma's self-conditioning), in float32, W widened a slice of rows at a time."""
+    p = p.astype(F32)
+    out = None
+    for c in _row_chunks(layer):
+        pieces = _layer_pieces(layer, c)
+        parts = [p[..., c] @ wp for wp in pieces]
+        y = parts[0] if len(parts) == 1 else mx.stack(parts, axis=-1).flatten(-2)
+        out = y if out is None else out + y
+    return out
+
+
+def gathered(layer, x, indices, sorted_indices=False):
+    """gather_mm / gather_qmm of mlx-lm's SwitchLinear (x @ W[e].T for each token-expert pair)
+    in float32: the selected experts' weights widened when the pairs are fewer than the experts,
+    else every expert's once."""
+    x = x.astype(F32)
+    if indices.size < layer["weight"].shape[0]:
+        pieces = _layer_pieces(layer, experts=indices)
+        y = _times_transposed(x, pieces)
+    else:
+        y = None
+        pieces = _layer_pieces(layer)
+        for xp, wp in zip(_columns(x, len(pieces)), pieces):
+            g = mx.gather_mm(
+                xp, wp.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+            )
+            y = g if y is None else y + g
+    if "bias" in layer:
+        y = y + mx.expand_dims(layer["bias"][indices], -2).astype(F32)
+    return y
+
+
+# ------------------------------------------------------------------------------------- layers
+
+
+class CPULinear(nn.Linear):
+    def __call__(self, x):
+        return linear(self, x) if on_cpu() else super().__call__(x)
+
+
+class CPUQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        return linear(self, x) if on_cpu() else super().__call__(x)
+
+
+class CPUEmbedding(nn.Embedding):
+    def __call__(self, x):
+        return self["weight"][x].astype(F32) if on_cpu() else super().__call__(x)
+
+    def as_linear(self, x):
+        return linear(self, x) if on_cpu() else super().as_linear(x)
+
+
+class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x):
+        if not on_cpu():
+            return super().__call__(x)
+        biases = self.get("biases")
+        return _pieces(
+            self["weight"][x],
+            self["scales"][x],
+            None if biases is None else biases[x],
+            self.group_size,
+            self.bits,
+            self.mode,
+            whole=True,  # the table's column order; the rows gathered are few
+        )[0]
+
+    def as_linear(self, x):
+        return linear(self, x) if on_cpu() else super().as_linear(x)
+
+
+class CPUSwitchLinear(SwitchLinear):
+    def __call__(self, x, indices, sorted_indices=False):
+        if not on_cpu():
+            return super().__call__(x, indices, sorted_indices)
+        return gathered(self, x, indices, sorted_indices)
+
+
+class CPUQuantizedSwitchLinear(QuantizedSwitchLinear):
+    def __call__(self, x, indices, sorted_indices=False):
+        if not on_cpu():
+            return super().__call__(x, indices, sorted_indices)
+        return gathered(self, x, indices, sorted_indices)
+
+
+VARIANTS = {
+    nn.Linear: CPULinear,
+    nn.QuantizedLinear: CPUQuantizedLinear,
+    nn.Embedding: CPUEmbedding,
+    nn.QuantizedEmbedding: CPUQuantizedEmbedding,
+    SwitchLinear: CPUSwitchLinear,
+    QuantizedSwitchLinear: CPUQuantizedSwitchLinear,
+}
+PARENTS = {variant: base for base, variant in VARIANTS.items()}
+TABLES = (CPUEmbedding, CPUQuantizedEmbedding)
+
+
+def _narrow(module) -> bool:
+    """Quantized, or a half-precision weight."""
+    return "scales" in module or module["weight"].dtype in HALF
+
+
+def _widened_bytes(module) -> int:
+    if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+        return 4 * module["weight"].shape[0] * _rows_of(module) * _columns_of(module)
+    return 4 * min(_rows_of(module) * _columns_of(module), CHUNK_ELEMENTS)
+
+
+def use_float32_matmuls(model) -> int:
+    """On the CPU backend, swap the model's half-precision and quantized Linear, Embedding and
+    SwitchLinear layers (mlx's and mlx-lm's classes exactly; float32 ones stay) for the float32
+    variants above, and let MLX's allocator keep about one layer's widened weights for reuse;
+    returns how many layers were swapped. Elsewhere (Metal, CUDA) it does nothing."""
+    if not on_cpu():
+        return 0
+    swapped = 0
+    for _, module in model.named_modules():
+        variant = VARIANTS.get(type(module))
+        if variant is not None and _narrow(module):
+            module.__class__ = variant
+            swapped += 1
+    if swapped:
+        keep = 3 * widened_bytes(model) // 2
+        previous = mx.set_cache_limit(keep)
+        if previous > keep:
+            mx.set_cache_limit(previous)
+    return swapped
+
+
+def widened_bytes(model) -> int:
+    """What one forward widens at a time, about: the largest of the model's layers (all its
+    swapped weights, every expert of an MoE) plus the largest other widened slice (the head's)."""
+
+    def swapped(module):
+        return [m for _, m in module.named_modules() if type(m) in PARENTS]
+
+    blocks = list(getattr(model, "layers", None) or [])
+    in_blocks = {id(m) for b in blocks for m in swapped(b)}
+    per_block = [sum(_widened_bytes(m) for m in swapped(b)) for b in blocks]
+    others = [_widened_bytes(m) for m in swapped(model) if id(m) not in in_blocks]
+    return max(per_block, default=0) + max(others, default=0)
+
+
+def restore_layers(model) -> int:
+    """Undo `use_float32_matmuls`: the layers' own classes back; returns how many."""
+    restored = 0
+    for _, module in model.named_modules():
+        base = PARENTS.get(type(module))
+        if base is not None:
+            module.__class__ = base
+            restored += 1
+    return restored

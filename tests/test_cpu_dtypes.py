@@ -1,0 +1,241 @@
+"""Half-precision and quantized checkpoints on MLX's CPU backend (models/cpu_layers.py): every
+family computes what the float32 upcast of its weights computes, through float32 matmuls, and the
+path is taken on the CPU only.
+
+Forms of a checkpoint: "bf16" (as published), "q4" / "q8" (mlx-lm's quantization of the bf16
+checkpoint: bfloat16 scales), and "q4_f32" (quantized from float32: float32 scales, so today's
+kernels compute in float32 too and the two paths can be compared directly). Today's bfloat16 path
+rounds every activation to bfloat16 (and `quantized_matmul` accumulates in it): on these fixtures
+its logits sit 1e-2 to 8e-1 (of the largest) from the float32 upcast's, which the new path matches
+to float32 rounding."""
+
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_map_with_path
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from conftest import parity
+from fixtures import all_checkpoints, build_once
+from mlx_dllm_models import load, stream_generate_diffusion
+from mlx_dllm_models.models import cpu_layers
+from mlx_dllm_models.models.cpu_layers import restore_layers, use_float32_matmuls
+
+NAMES = sorted(all_checkpoints())
+FORMS = ("bf16", "q4", "q8", "q4_f32")
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def ckpts(fixture_dir):
+    return {n: build_once(fixture_dir / n, b) for n, b in all_checkpoints().items()}
+
+
+def to_bf16(model):
+    keep = getattr(model, "cast_predicate", lambda key: True)  # LLaDA2's expert_bias
+
+    def cast(key, v):
+        return v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) and keep(key) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def narrow(model, form):
+    """The model in `form`, as mlx-lm's convert would write it (its quant_predicate honoured)."""
+    if form != "q4_f32":
+        to_bf16(model)
+    if form == "bf16":
+        return model
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % 32:
+            return False
+        return own(path, module) if own else True
+
+    nn.quantize(model, group_size=32, bits=8 if form == "q8" else 4, class_predicate=predicate)
+    return model
+
+
+def widen(model):
+    """The float32 upcast: every floating tensor (weights, scales, biases) in float32."""
+
+    def cast(_, v):
+        return v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    return model
+
+
+def tokens(model, tok):
+    if model.diffusion_spec.family == "diffusion_gemma":
+        kw = dict(max_denoising_steps=4, seed=1)
+    else:
+        kw = dict(temperature=0.0)
+    out = []
+    for r in stream_generate_diffusion(model, tok, PROMPT, max_tokens=16, **kw):
+        out.extend(r.tokens)
+    return out
+
+
+def logits(model):
+    ids = mx.array([PROMPT + [model.diffusion_spec.mask_token_id or 0] * 8])
+    return np.array(model(ids).astype(mx.float32))
+
+
+def cpu_classes(model):
+    return [m for _, m in model.named_modules() if type(m) in cpu_layers.VARIANTS.values()]
+
+
+def narrow_layers(model):
+    """Layers of the swapped classes' parents that still hold narrow weights."""
+    return [
+        m
+        for _, m in model.named_modules()
+        if type(m) in cpu_layers.VARIANTS
+        and ("scales" in m or m["weight"].dtype in (mx.bfloat16, mx.float16))
+    ]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", NAMES)
+def test_family_computes_its_float32_upcast(ckpts, name, form):
+    model, tok = load(ckpts[name])
+    assert not cpu_classes(model)  # a float32 checkpoint: load swapped nothing
+    narrow(model, form)
+    today = (logits(model), tokens(model, tok)) if form == "q4_f32" else None
+    assert use_float32_matmuls(model) > 0
+    assert not narrow_layers(model)
+    ours = logits(model)
+    assert ours.dtype == np.float32
+
+    reference = widen(narrow(load(ckpts[name])[0], form))
+    ok, err = parity(ours, logits(reference))
+    assert ok, (name, form, err)
+    assert tokens(model, tok) == tokens(reference, tok)
+    if today is not None:  # float32 activations both ways: today's kernels, the same numbers
+        ok, err = parity(ours, today[0])
+        assert ok, (name, form, err)
+        assert tokens(model, tok) == today[1]
+
+
+def _bf16_copy(src, dst):
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        arrays = mx.load(str(f))
+        floating = {k: v.astype(mx.bfloat16) for k, v in arrays.items() if v.dtype == mx.float32}
+        mx.save_safetensors(str(f), {**arrays, **floating}, metadata={"format": "mlx"})
+    return dst
+
+
+def test_load_takes_the_path_on_the_cpu_only(ckpts, tmp_path, monkeypatch):
+    path = _bf16_copy(ckpts["llada"], tmp_path / "bf16")
+    model, tok = load(path)
+    assert cpu_classes(model) and not narrow_layers(model)
+    ours = logits(model)
+    assert ours.dtype == np.float32
+
+    # Another device (Metal, CUDA): load swaps nothing, and a swapped layer runs its parent.
+    monkeypatch.setattr(cpu_layers, "on_cpu", lambda: False)
+    elsewhere, _ = load(path)
+    assert not cpu_classes(elsewhere)
+    assert model(mx.array([PROMPT])).dtype == mx.bfloat16  # the same instance, parents' forward
+    assert use_float32_matmuls(elsewhere) == 0
+    monkeypatch.undo()
+
+    assert restore_layers(model) > 0 and not cpu_classes(model)
+    assert model(mx.array([PROMPT])).dtype == mx.bfloat16
+
+
+# ---------------------------------------------------------------------------------- layers
+
+
+def _rel(a, b):
+    a, b = np.array(a, np.float64), np.array(b.astype(mx.float32), np.float64)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def _dequantized(layer):
+    return mx.dequantize(
+        layer.weight,
+        layer.scales.astype(mx.float32),
+        layer.biases.astype(mx.float32),
+        layer.group_size,
+        layer.bits,
+    )
+
+
+@pytest.mark.parametrize("bits", [None, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_linear_and_table_widen_exactly(bits, group_size, monkeypatch):
+    """Linear, QuantizedLinear (the unpacked pieces for 2 / 4 / 8 bits, mx.dequantize for 3 / 6),
+    and an embedding as table, as head (widened a slice of rows at a time) and as self-conditioning
+    read-back (p @ E)."""
+    mx.random.seed(0)
+    lin = nn.Linear(256, 96, bias=True)
+    lin.set_dtype(mx.bfloat16)
+    table = nn.Embedding(300, 64)
+    table.set_dtype(mx.bfloat16)
+    if bits:
+        lin = nn.QuantizedLinear.from_linear(lin, group_size, bits)
+        table = nn.QuantizedEmbedding.from_embedding(table, group_size, bits)
+        w, e = _dequantized(lin), _dequantized(table)
+    else:
+        w, e = lin.weight.astype(mx.float32), table.weight.astype(mx.float32)
+    model = nn.Sequential(lin, table)
+    assert use_float32_matmuls(model) == 2
+
+    x = mx.random.normal((2, 5, 256))
+    assert _rel(lin(x), x @ w.T + lin.bias.astype(mx.float32)) < 1e-5
+    ids = mx.array([[1, 5, 299]])
+    assert table(ids).dtype == mx.float32 and _rel(table(ids), e[ids]) == 0
+    h, p = mx.random.normal((3, 64)), mx.softmax(mx.random.normal((2, 300)), axis=-1)
+    for chunk in (1 << 26, 1000):  # whole, and 5 rows a slice (the LM head of a big vocabulary)
+        monkeypatch.setattr(cpu_layers, "CHUNK_ELEMENTS", chunk)
+        assert _rel(table.as_linear(h), h @ e.T) < 1e-5
+        assert _rel(cpu_layers.rows_times(table, p), p @ e) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_expert_gather_widens_exactly(bits, tokens):
+    """SwitchGLU through gather_mm / gather_qmm: 2 tokens x 4 experts (fewer pairs than the 16
+    experts: only those selected widened) and 40 tokens (every expert once, mlx-lm's sorted
+    gather)."""
+    mx.random.seed(1)
+    glu = SwitchGLU(64, 32, 16)
+    glu.set_dtype(mx.bfloat16)
+    if bits:
+        nn.quantize(glu, 32, bits)
+    reference = SwitchGLU(64, 32, 16)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(glu, name)
+        wide = _dequantized(layer) if bits else layer.weight.astype(mx.float32)
+        getattr(reference, name).weight = wide
+    x = mx.random.normal((1, tokens, 64))
+    idx = mx.random.randint(0, 16, (1, tokens, 4)).astype(mx.uint32)
+    assert use_float32_matmuls(glu) == 3
+    assert _rel(glu(x, idx), reference(x, idx)) < 1e-5
+
+
+def test_widened_weights_do_not_accumulate():
+    """A forward holds the widened weights of the layers MLX has scheduled ahead (its CPU
+    scheduler runs about a hundred ops ahead of the computation: some 25 layers of this bare chain
+    of matmuls, a few layers of a transformer), not the model's: the peak does not grow with the
+    depth."""
+    depth, width = 96, 512
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+    model.set_dtype(mx.bfloat16)
+    use_float32_matmuls(model)
+    x = mx.random.normal((4, width))
+    mx.eval(x, model.parameters(), model(x))
+    widened = 4 * width * width
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(model(x))
+    assert mx.get_peak_memory() - before < 40 * widened  # the upcast: 96 of them
