@@ -10,114 +10,23 @@ A family's defaults have one home, its spec (`DiffusionSpec.defaults`, some read
 the rows of family settings hold none (default None), and the shared rows hold the package defaults.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
-
-# ------------------------------------------------------------------------------------ validators
-# A validator takes (name, value) and returns an error message, or None when the value is valid.
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_at_least(least: int, what: str = ""):
-    def check(name, v):
-        if _is_int(v) and v >= least:
-            return None
-        return f"{name} must be an integer >= {least}{what}, got {v!r}"
-
-    return check
-
-
-def _number(low=None, high=None, low_open=False, high_open=False, what="", finite=False):
-    """A number in [low, high] (either end open or absent)."""
-
-    def check(name, v):
-        if _is_int(v) and abs(v) >= 2**63:
-            # Past int64, mlx cannot turn it into an array (a bare "std::bad_cast").
-            return f"{name} must be a number below 2**63 in magnitude (a float is fine), got {v!r}"
-        ok = _is_number(v) and v == v and (not finite or math.isfinite(v))
-        ok = ok and (low is None or (v > low if low_open else v >= low))
-        ok = ok and (high is None or (v < high if high_open else v <= high))
-        if ok:
-            return None
-        if high is None:
-            span = f"a {'finite ' if finite else ''}number {'>' if low_open else '>='} {low}"
-        else:
-            span = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        return f"{name} must be {span}{what}, got {v!r}"
-
-    return check
-
-
-def _optional(check):
-    def optional(name, v):
-        return None if v is None else check(name, v)
-
-    return optional
-
-
-def _choice(options: Tuple[str, ...], context: str):
-    def check(name, v):
-        if v in options:
-            return None
-        return f"unknown {name} {v!r}{context}; choose one of: {', '.join(options)}"
-
-    return check
-
-
-def _int_in(low: int, high: int, what: str = ""):
-    def check(name, v):
-        if _is_int(v) and low <= v <= high:
-            return None
-        return f"{name} must be an integer in [{low}, {high}]{what}, got {v!r}"
-
-    return check
-
-
-def _positive_int(name, v):
-    return None if _is_int(v) and v >= 1 else f"{name} must be a positive integer, got {v!r}"
-
-
-def _seed(name, v):
-    # mx.random.key takes an unsigned 64-bit seed; outside that range it raises a bare TypeError.
-    if _is_int(v) and 0 <= v < 2**64:
-        return None
-    return f"{name} must be an integer in [0, 2**64), got {v!r}"
-
-
-def _bool(name, v):
-    return None if isinstance(v, bool) else f"{name} must be true or false, got {v!r}"
-
-
-def _cli_bool(text: str) -> bool:
-    """CLI values of on/off settings."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
-
-
-def _text(name, v):
-    # The value is then looked up in a table (the cache backends): a list or a number would fail
-    # there with a bare TypeError, or an empty one be read as "auto".
-    return None if isinstance(v, str) and v else f"{name} must be a name (a string), got {v!r}"
-
-
-def _cli_optional_float(text: str):
-    """CLI values of settings that may be unset: 'none' / 'null' unset them."""
-    return None if text.lower() in ("none", "null") else float(text)
-
+from .validators import (
+    a_name,
+    choice,
+    cli_bool,
+    cli_optional_float,
+    int_at_least,
+    int_in,
+    number,
+    optional,
+    positive_int,
+    seed_value,
+    true_or_false,
+)
 
 # ------------------------------------------------------------------------------------ the table
 
@@ -152,13 +61,13 @@ _WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distr
 _CANVAS = ("diffusion_gemma",)
 
 SETTINGS: Tuple[Setting, ...] = (
-    Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, _positive_int),
+    Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, positive_int),
     Setting(
         "block_length",
         32,
         "positions per block",
         int,
-        _positive_int,
+        positive_int,
         unused={
             "diffusion_gemma": "each canvas is a block; set min_canvas_length / max_canvas_length"
         },
@@ -168,7 +77,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "denoising steps per block (default: block_length)",
         int,
-        _int_at_least(1, " (denoising steps per block)"),
+        int_at_least(1, " (denoising steps per block)"),
         modes=_DIFFUSION,
         unused={
             "diffusion_gemma": "set max_denoising_steps (an upper bound per canvas: a canvas stops "
@@ -187,7 +96,7 @@ SETTINGS: Tuple[Setting, ...] = (
         0.9,
         "confidence threshold of the threshold sampler, in (0, 1]",
         float,
-        _number(0, 1, low_open=True),
+        number(0, 1, low_open=True),
         samplers=("threshold",),
         modes=_DIFFUSION,
     ),
@@ -196,7 +105,7 @@ SETTINGS: Tuple[Setting, ...] = (
         1.0,
         "factor of the factor sampler (Fast-dLLM)",
         float,
-        _number(0, low_open=True),
+        number(0, low_open=True),
         samplers=("factor",),
         modes=_DIFFUSION,
         unused={
@@ -208,7 +117,7 @@ SETTINGS: Tuple[Setting, ...] = (
         0.1,
         "entropy budget of the entropy sampler (EB-Sampler), in nats",
         float,
-        _number(0, what=" (nats)"),
+        number(0, what=" (nats)"),
         samplers=("entropy",),
         modes=_DIFFUSION,
     ),
@@ -217,7 +126,7 @@ SETTINGS: Tuple[Setting, ...] = (
         0.0,
         "sampling temperature; 0 is greedy",
         float,
-        _number(0, finite=True),
+        number(0, finite=True),
         unused={
             "diffusion_gemma": "the temperature follows a schedule from t_max (first step) to t_min; "
             "set those"
@@ -227,8 +136,8 @@ SETTINGS: Tuple[Setting, ...] = (
         "top_p",
         None,
         "nucleus filtering",
-        _cli_optional_float,
-        _optional(_number(0, 1, low_open=True)),
+        cli_optional_float,
+        optional(number(0, 1, low_open=True)),
         unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
     Setting(
@@ -236,10 +145,10 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "top-k filtering",
         int,
-        _optional(_int_at_least(0)),
+        optional(int_at_least(0)),
         unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
-    Setting("seed", 0, "PRNG seed", int, _seed),
+    Setting("seed", 0, "PRNG seed", int, seed_value),
     # Read by every loop, changes no token: each returned token's log-probability at the step
     # that committed it, with this many alternatives (engine.base.TokenLogprob); none: off.
     Setting(
@@ -247,7 +156,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         f"report each token's log-probability and this many alternatives (0-{MAX_LOGPROBS})",
         int,
-        _optional(_int_in(0, MAX_LOGPROBS, " (alternatives per token, as OpenAI's bound)")),
+        optional(int_in(0, MAX_LOGPROBS, " (alternatives per token, as OpenAI's bound)")),
     ),
     # Validated against the backend table of the family's attention layout (engine.registry).
     Setting(
@@ -255,7 +164,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "auto",
         "auto | none | a cache the family's attention layout offers",
         str,
-        _text,
+        a_name,
     ),
     # Dream's diffusion_generate.
     Setting(
@@ -263,7 +172,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "Dream: origin | maskgit_plus | topk_margin | entropy",
         str,
-        _choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
+        choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
         families=("dream",),
         samplers=("dream",),
     ),
@@ -271,8 +180,8 @@ SETTINGS: Tuple[Setting, ...] = (
         "alg_temp",
         None,
         "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
-        _cli_optional_float,
-        _optional(_number(0, what=" (0 or null ranks greedily)")),
+        cli_optional_float,
+        optional(number(0, what=" (0 or null ranks greedily)")),
         families=("dream",),
         samplers=("dream",),
     ),
@@ -281,7 +190,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "Dream: the last timestep of its schedule, in (0, 1)",
         float,
-        _number(
+        number(
             0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"
         ),
         families=("dream",),
@@ -293,15 +202,15 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "LLaDA: classifier-free guidance scale (0: off); the unconditional row masks the prompt",
         float,
-        _number(0, finite=True, what=" (0 turns guidance off)"),
+        number(0, finite=True, what=" (0 turns guidance off)"),
         families=("llada",),
     ),
     Setting(
         "logits_eos_inf",
         None,
         "LLaDA: never propose EOS (its logit is -inf), as generate.py's logits_eos_inf",
-        _cli_bool,
-        _bool,
+        cli_bool,
+        true_or_false,
         families=("llada",),
     ),
     Setting(
@@ -309,8 +218,8 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "LLaDA: a proposed end-of-turn token gets confidence 0, as generate.py's "
         "confidence_eos_eot_inf",
-        _cli_bool,
-        _bool,
+        cli_bool,
+        true_or_false,
         families=("llada",),
     ),
     # SDAR generate.py's entropy_bounded remasking.
@@ -319,7 +228,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "SDAR: entropy budget of the entropy_bounded sampler (generate.py's eb_threshold)",
         float,
-        _number(0, low_open=True),
+        number(0, low_open=True),
         families=("sdar",),
         samplers=("entropy_bounded",),
     ),
@@ -332,7 +241,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1 / 2.2 "
         "checkpoints, off for 2.0",
         str,
-        _choice(("quality", "speed", "off"), " for the llada2 family"),
+        choice(("quality", "speed", "off"), " for the llada2 family"),
         families=("llada2",),
     ),
     # LLaDA2.1 token editing.
@@ -341,9 +250,9 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "LLaDA2.1: rewrite a committed token when another is proposed above this probability "
         "(none: editing off)",
-        _cli_optional_float,
-        _optional(
-            _number(
+        cli_optional_float,
+        optional(
+            number(
                 0,
                 1,
                 what=" (a committed token is rewritten when the model proposes another "
@@ -357,7 +266,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "LLaDA2.1: editing forwards after a block has no masks left",
         int,
-        _int_at_least(0, " (editing forwards after a block has no masks left)"),
+        int_at_least(0, " (editing forwards after a block has no masks left)"),
         families=("llada2",),
         requires="editing_threshold",
     ),
@@ -367,7 +276,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "Nemotron: diffusion | self_spec (lossless self-speculation)",
         str,
-        _choice(("diffusion", "self_spec"), " for the nemotron family"),
+        choice(("diffusion", "self_spec"), " for the nemotron family"),
         families=("nemotron",),
     ),
     Setting(
@@ -375,8 +284,8 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "Nemotron self_spec: linear_spec_generate's threshold: drafts over several forwards, each "
         "revealing the masks whose confidence reaches it (none: one draft forward)",
-        _cli_optional_float,
-        _optional(_number(0, 1, low_open=True, what=" (linear_spec_generate's threshold)")),
+        cli_optional_float,
+        optional(number(0, 1, low_open=True, what=" (linear_spec_generate's threshold)")),
         families=("nemotron",),
         modes=("self_spec",),
     ),
@@ -388,8 +297,8 @@ SETTINGS: Tuple[Setting, ...] = (
         "Nemotron: true: the context (prompt, finished blocks) is causal and the AR head seeds "
         "each block; false: the prompt and each finished block attend bidirectionally within "
         "themselves and to what precedes them, and blocks start as masks",
-        _cli_bool,
-        _bool,
+        cli_bool,
+        true_or_false,
         families=("nemotron",),
         modes=_DIFFUSION,
     ),
@@ -399,7 +308,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "Nemotron: thinking budget: a row that has not produced end_think_token_id within this "
         "many new tokens gets it at that position (with end_think_token_id)",
         int,
-        _optional(_int_at_least(0, " (new tokens before end_think_token_id is forced)")),
+        optional(int_at_least(0, " (new tokens before end_think_token_id is forced)")),
         families=("nemotron",),
         requires="end_think_token_id",
     ),
@@ -409,7 +318,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "Nemotron: the token that ends thinking (e.g. the id of </think>), forced at "
         "max_thinking_tokens",
         int,
-        _optional(_int_at_least(0, " (a token id)")),
+        optional(int_at_least(0, " (a token id)")),
         families=("nemotron",),
         requires="max_thinking_tokens",
         token_id=True,
@@ -420,7 +329,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: denoising steps per canvas at most",
         int,
-        _int_at_least(1),
+        int_at_least(1),
         families=_CANVAS,
     ),
     Setting(
@@ -428,7 +337,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: temperature of the last step",
         float,
-        _number(0),
+        number(0),
         families=_CANVAS,
     ),
     Setting(
@@ -436,7 +345,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: temperature of the first step",
         float,
-        _number(0, low_open=True),
+        number(0, low_open=True),
         families=_CANVAS,
     ),
     Setting(
@@ -444,7 +353,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: steps the argmax must stay unchanged to stop a canvas",
         int,
-        _int_at_least(0),
+        int_at_least(0),
         families=_CANVAS,
     ),
     Setting(
@@ -452,7 +361,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: mean entropy below which a stable canvas stops",
         float,
-        _number(0),
+        number(0),
         families=_CANVAS,
     ),
     Setting(
@@ -461,7 +370,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "DiffusionGemma: shortest last canvas (default: the trained canvas length, as "
         "transformers; lower it to shorten the last canvas to the tokens still wanted)",
         int,
-        _int_at_least(1),
+        int_at_least(1),
         families=_CANVAS,
     ),
     Setting(
@@ -469,7 +378,7 @@ SETTINGS: Tuple[Setting, ...] = (
         None,
         "DiffusionGemma: longest canvas (the trained length)",
         int,
-        _int_at_least(1),
+        int_at_least(1),
         families=_CANVAS,
     ),
 )
