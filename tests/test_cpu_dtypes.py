@@ -239,3 +239,48 @@ def test_widened_weights_do_not_accumulate():
     before = mx.get_active_memory()
     mx.eval(model(x))
     assert mx.get_peak_memory() - before < 40 * widened  # the upcast: 96 of them
+
+
+# ------------------------------------------------------- per-step work outside the forward
+
+
+@pytest.mark.parametrize("confidence", ["raw", "sampled"])
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (0.0, 3), (0.7, None)])
+def test_confidence_is_the_softmax_at_the_proposal_bit_for_bit(confidence, temperature, top_k):
+    """token_stats reads exp(logit[x0] - logsumexp) instead of a softmax over the vocabulary
+    (and one normaliser when nothing processed the logits): the same float32 values as the
+    softmax's element at x0, so every rule commits the same positions."""
+    from mlx_dllm_models.decoding.stats import filter_logits, softmax_stats, token_stats
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 9, 300)).astype(np.float32) * 4
+    logits[0, 1] = -np.inf  # a row without a finite logit: confidence 0
+    logits[1, 2, :5] = np.nan
+    logits = mx.array(logits)
+    key = mx.random.key(0) if temperature else None
+    s = token_stats(logits, temperature=temperature, top_k=top_k, key=key, confidence=confidence)
+    clean = mx.where(mx.isnan(logits), float("-inf"), logits)
+    scores = clean
+    if confidence == "sampled":
+        scores = filter_logits(clean / temperature if temperature else clean, top_k=top_k)
+    p, _, entropy = softmax_stats(scores if confidence == "sampled" else clean)
+    finite = mx.any(clean > float("-inf"), axis=-1)
+    want = mx.where(finite, mx.take_along_axis(p, s.x0[..., None], axis=-1)[..., 0], 0.0)
+    assert np.array_equal(np.array(s.confidence), np.array(want))
+    assert np.array_equal(np.array(s.entropy), np.array(softmax_stats(clean)[2]))
+
+
+def test_rank_is_reused_only_for_the_same_arrays():
+    """A step's rule and its quota floor rank the same confidences once; other arrays (even equal
+    ones) are ranked afresh."""
+    from mlx_dllm_models.decoding import quota_commit, threshold_commit
+
+    conf = mx.array([[0.2, 0.9, 0.5, 0.7]])
+    cand = mx.array([[True, True, True, False]])
+    hit = threshold_commit(conf, cand, 0.95) | quota_commit(conf, cand, 2)
+    assert hit.tolist() == [[False, True, True, False]]
+    flipped = mx.array([[0.9, 0.2, 0.5, 0.7]])
+    assert quota_commit(flipped, cand, 1).tolist() == [[True, False, False, False]]
+    assert quota_commit(conf, mx.array([[True, False, True, True]]), 1).tolist() == [
+        [False, False, False, True]
+    ]

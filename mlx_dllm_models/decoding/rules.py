@@ -10,6 +10,12 @@ import mlx.core as mx
 _NEG_INF = float("-inf")
 
 
+# The last rank computed, with the arrays it was computed from (held, so that `is` cannot match
+# a new array at a reused address): a step's rule ranks the same confidences twice (its own
+# threshold / factor rule, then the schedule's quota floor) and gets the first rank back.
+_last_rank = (None, None, None, None)
+
+
 def _rank(scores: mx.array, candidates: mx.array, descending: bool = True) -> mx.array:
     """Rank of each position among the row's candidates (0 = best); non-candidates rank last.
 
@@ -17,13 +23,19 @@ def _rank(scores: mx.array, candidates: mx.array, descending: bool = True) -> mx
     outcome never depends on a sort's stability: rank_i = #{j better than i} + #{j < i tied with i}.
     Pairwise over the block, which is at most a few hundred positions.
     """
+    global _last_rank
+    last_scores, last_candidates, last_descending, last = _last_rank
+    if scores is last_scores and candidates is last_candidates and descending == last_descending:
+        return last
     key = scores if descending else -scores
     key = mx.where(candidates, key, _NEG_INF)
     a, b = key[..., :, None], key[..., None, :]  # a: position i, b: position j
     n = key.shape[-1]
     earlier = mx.arange(n)[None, :] < mx.arange(n)[:, None]  # [i, j]: j < i
     beats = (b > a) | ((b == a) & earlier)
-    return beats.sum(axis=-1)
+    rank = beats.sum(axis=-1)
+    _last_rank = (scores, candidates, descending, rank)
+    return rank
 
 
 def quota_commit(confidence: mx.array, candidates: mx.array, k) -> mx.array:
@@ -70,7 +82,8 @@ def entropy_commit(entropy: mx.array, candidates: mx.array, bound: float) -> mx.
     before = mx.cumsum(h_sorted, axis=-1) - h_sorted
     ok_sorted = before <= bound
     ok = mx.take_along_axis(ok_sorted, mx.argsort(order, axis=-1), axis=-1)
-    return (ok & candidates) | quota_commit(-entropy, candidates, 1)
+    # The lowest entropy always commits: quota_commit(-entropy, candidates, 1), from this rank.
+    return (ok | (rank < 1)) & candidates
 
 
 def edit_commit(

@@ -121,34 +121,63 @@ def token_stats(
         proposal = proposal - mx.log(-mx.log(u))
     x0 = mx.argmax(proposal, axis=-1)
 
-    p_raw, finite, entropy = softmax_stats(logits)
+    unknown = set(extras) - {"margin", "processed_entropy"}
+    if unknown:
+        raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
+    if confidence not in ("raw", "sampled"):
+        raise ValueError(f"unknown confidence kind {confidence!r}")
+    # The confidence reads one probability per position, exp(logit[x0] - logsumexp): no softmax
+    # over the vocabulary is materialised for it, and the entropy (a pass over the vocabulary)
+    # is computed only if a rule reads it (MLX evaluates what is used). The values are those of
+    # the softmax's element at x0, bit for bit.
+    base = _Normaliser(logits)
+    raw = base
     if confidence_suppress_ids:
         ids = mx.array(list(confidence_suppress_ids))
         keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
         keep[ids] = False
-        p_raw, _, _ = softmax_stats(mx.where(keep, logits, _NEG_INF))
-    unknown = set(extras) - {"margin", "processed_entropy"}
-    if unknown:
-        raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
-    p_proc = h_proc = None
+        raw = _Normaliser(mx.where(keep, logits, _NEG_INF))
+    # The processed distribution is the model's own when no processing step changed the logits
+    # (temperature 0 without top-k / top-p): one normaliser serves both.
+    proc = None
     if confidence == "sampled" or extras:
-        p_proc, _, h_proc = softmax_stats(scores)
-    if confidence == "raw":
-        p = p_raw
-    elif confidence == "sampled":
-        p = p_proc
-    else:
-        raise ValueError(f"unknown confidence kind {confidence!r}")
-    conf = mx.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
-    conf = mx.where(finite[..., 0], conf, 0.0)
-    out = TokenStats(x0, conf, entropy)
+        proc = base if scores is logits else _Normaliser(scores)
+    conf = (raw if confidence == "raw" else proc).at(x0)
+    conf = mx.where(base.finite[..., 0], conf, 0.0)
+    out = TokenStats(x0, conf, base.entropy())
     if "margin" in extras:
+        p_proc = proc.probabilities()
         if p_proc.shape[-1] > 1:
             top2 = mx.topk(p_proc, 2, axis=-1)
             margin = mx.abs(top2[..., 0] - top2[..., 1])
         else:
             margin = p_proc[..., 0]
-        out.margin = mx.where(finite[..., 0], margin, 0.0)
+        out.margin = mx.where(base.finite[..., 0], margin, 0.0)
     if "processed_entropy" in extras:
-        out.processed_entropy = h_proc
+        out.processed_entropy = proc.entropy()
     return out
+
+
+class _Normaliser:
+    """softmax_stats's quantities of one set of logits, each built when asked and once: the
+    log-normaliser, the probability at given ids, the full probabilities, the entropy."""
+
+    def __init__(self, logits):
+        self.finite = mx.any(logits > _NEG_INF, axis=-1, keepdims=True)
+        self.safe = mx.where(self.finite, logits, 0.0)
+        self.lse = mx.logsumexp(self.safe, axis=-1, keepdims=True)
+        self._p = None
+
+    def at(self, ids):
+        return mx.exp(mx.take_along_axis(self.safe, ids[..., None], axis=-1) - self.lse)[..., 0]
+
+    def probabilities(self):
+        if self._p is None:
+            self._logp = self.safe - self.lse
+            self._p = mx.exp(self._logp)
+        return self._p
+
+    def entropy(self):
+        p = self.probabilities()
+        h = -mx.sum(mx.where(p > 0, p * self._logp, 0.0), axis=-1)
+        return mx.where(self.finite[..., 0], h, float("inf"))
