@@ -54,14 +54,25 @@ class Request:
 
 
 def prepare(
-    model, tokenizer, prompts: Sequence[Prompt], settings: dict, images=None, suffix=None
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    settings: dict,
+    images=None,
+    suffix=None,
+    fit_context: bool = False,
 ) -> Request:
     """The Request of a batch of prompts: settings resolved and every input checked (a
     SettingsError or CheckpointError says what is wrong). `images`: None, or one entry per prompt:
     None, an image (a path, PIL image or array) or a list of them, for text prompts, with the
     processor that `load` returns for a multimodal checkpoint. `suffix` (text or ids,
-    infilling): every prompt is followed by max_tokens masks and then the suffix."""
-    spec, s, ids, pixel_values = _prepare_rows(model, tokenizer, prompts, settings, images)
+    infilling): every prompt is followed by max_tokens masks and then the suffix.
+    `fit_context`: a max_tokens past the model's context is lowered to what fits after the
+    longest prompt (the server's rule, as mlx_lm.server's), instead of refused; a prompt that
+    fills the context alone is still refused."""
+    spec, s, ids, pixel_values = _prepare_rows(
+        model, tokenizer, prompts, settings, images, fit_context
+    )
     suffix = suffix_ids(tokenizer, suffix)
     check_infill(model, spec, s, ids, suffix)
     return Request(
@@ -151,7 +162,7 @@ def encode(tokenizer, prompt: Prompt) -> List[int]:
     return ids
 
 
-def _prepare_rows(model, tokenizer, prompts, settings, images=None):
+def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=False):
     try:
         spec = getattr(model, "diffusion_spec", None)
     except CheckpointError:
@@ -176,6 +187,18 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None):
         ids = [encode(tokenizer, p) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
+    room = (limit or UNSTATED_CONTEXT) - longest
+    if fit_context and s["max_tokens"] > room:
+        if room < 1:
+            raise SettingsError(
+                f"the prompt ({longest} tokens) fills the model's context of "
+                f"{limit or UNSTATED_CONTEXT} positions and leaves no room for a completion; "
+                "shorten the prompt"
+            )
+        # Resolved again, so that what follows from max_tokens (a block over the whole
+        # generation, its steps) follows the lowered value.
+        capped = dict(settings, max_tokens=room)
+        s = resolve_settings(spec, capped, checkpoint_settings(model, spec))
     if limit is not None and longest + s["max_tokens"] > limit:
         raise SettingsError(
             f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds the model's context "

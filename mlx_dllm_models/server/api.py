@@ -7,10 +7,12 @@ Endpoints follow `mlx_lm.server` (`/v1/chat/completions`, `/v1/completions`, `/v
 
 What comes from mlx-lm's server, and what cannot:
 
-* Reused: its HTTP handler (`APIHandler`: body parsing and the malformed-body errors, CORS and
-  stream headers, the response packets `generate_response` / `completion_usage_response`,
-  `/health`), its request records (`CompletionRequest`), its chat helpers (`convert_chat` for a
-  tokenizer without a template, `process_message_content`).
+* Reused: its HTTP handler (`APIHandler`: CORS and stream headers, the response packets
+  `generate_response` / `completion_usage_response`, `/health`), its request records
+  (`CompletionRequest`), its chat helpers (`convert_chat` for a tokenizer without a template,
+  `process_message_content`). Its `do_POST` / `do_GET` are replaced: they answer errors with a
+  bare string, where OpenAI's clients read `{"error": {"message", "type", "param", "code"}}`
+  (`error_body`), and know no `/v1/models/{id}`.
 * Not reused: its `ResponseGenerator` and `BatchGenerator`, which decode token by token (an AR
   loop with a per-token KV cache, per-token logprobs and a per-token stop-sequence state machine).
   Here the unit is a committed block: the scheduler (scheduler.py) decodes blocks, a streamed chunk
@@ -20,6 +22,21 @@ What comes from mlx-lm's server, and what cannot:
   understands; sampling arguments mlx-lm accepts that diffusion decoding has no use for
   (penalties, min_p, logit_bias, tools, draft models) are refused, never ignored. logprobs are
   each token's at the step that committed it, in OpenAI's shapes (logprobs.py).
+
+What OpenAI's clients send, and what it means here:
+
+* No `seed` (in the body, or `--seed` when the server started): a fresh seed per request that
+  draws noise (`draws_noise`), as OpenAI and mlx_lm.server; `seed` reproduces a request.
+* Fields that change nothing for this server are accepted and ignored (IGNORED_FIELDS, and the
+  neutral values of UNSUPPORTED_FIELDS: `response_format: {"type": "text"}`, `tool_choice:
+  "none"`, a zero penalty, `n: 1`); others that would change the output are refused with a 400.
+* DiffusionGemma's canvas sampler follows a temperature schedule (t_max at a canvas's first step
+  down to t_min): `temperature` scales it (`canvas_temperature`), 1 is the checkpoint's schedule;
+  it draws from the whole distribution, so `top_p` below 1 is refused.
+* `max_tokens` past the model's context is lowered to what fits (`prepare(fit_context=True)`):
+  the answer then ends with finish_reason "length"; a prompt that fills the context alone is a 400.
+* Streams carry `: keep-alive` comments while they wait (a long prompt's prefill, a slow first
+  block); each request leaves one access-log line at INFO.
 """
 
 import argparse
@@ -27,7 +44,9 @@ import base64
 import io
 import json
 import logging
+import math
 import queue
+import secrets
 import select
 import socket
 import threading
@@ -35,12 +54,14 @@ import time
 import uuid
 from pathlib import Path
 from typing import List, Optional
+from urllib.parse import unquote, urlparse
 from urllib.request import urlopen
 
 import numpy as np
 from mlx_lm import server as lm_server
 
-from ..request import Detokenizer, Request, prepare
+from ..request import Detokenizer, Request, checkpoint_settings, prepare
+from ..settings import resolve_settings
 from ..vision import is_processor, text_tokenizer
 from .logprobs import Logprobs
 from .logprobs import read_fields as read_logprobs
@@ -63,9 +84,17 @@ REQUEST_FIELDS = {
     "chat_template_kwargs",
     "role_mapping",
     "n",
-    "user",
     "logprobs",  # these two: logprobs.read_fields
     "top_logprobs",
+}
+# Fields OpenAI clients send that change nothing here: accepted and ignored, as mlx_lm.server does.
+IGNORED_FIELDS = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "parallel_tool_calls",
 }
 # Fields mlx-lm's server (or OpenAI) accepts that diffusion decoding has no use for: refused when
 # given a value that would change anything, rather than ignored.
@@ -80,15 +109,32 @@ UNSUPPORTED_FIELDS = {
     "draft_model": "diffusion models need no draft model",
     "num_draft_tokens": "diffusion models need no draft model",
     "adapters": "adapters are chosen when the server starts (--adapter-path)",
+    "response_format": 'the output is not constrained to a format; send {"type": "text"}',
+    "tool_choice": "tool calls are not parsed by this server",
 }
+# Neutral values beyond `neutral`'s defaults (None, false, 0, empty).
+NEUTRAL_VALUES = {
+    "repetition_penalty": (0, 1),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),
+}
+# Seconds a stream may stay silent before a `: keep-alive` comment is sent.
+KEEPALIVE_SECONDS = 5.0
 
 
 class RequestError(ValueError):
-    """A bad request: answered with `status` and the message, and the server keeps serving."""
+    """A bad request: answered with `status` and the message (the body field at fault in `param`,
+    an OpenAI error code in `code`), and the server keeps serving."""
 
-    def __init__(self, message, status=400):
+    def __init__(self, message, status=400, param=None, code=None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
+
+
+def error_body(message: str, status: int = 400, param=None, code=None) -> dict:
+    """OpenAI's error object (its clients' exception `.message` carries `message`)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class StopWords:
@@ -99,13 +145,15 @@ class StopWords:
         self.words = [w for w in words if w]
         self.text = ""
         self.emitted = 0
+        self.cut: Optional[int] = None  # where the text ends, once a stop string was met
 
     def feed(self, new: str, final: bool):
         """(text to send now, whether a stop string was met)."""
         self.text += new
         hits = [i for i in (self.text.find(w, self._from(w)) for w in self.words) if i >= 0]
         if hits:
-            out, self.emitted = self.text[self.emitted : min(hits)], len(self.text)
+            self.cut = min(hits)
+            out, self.emitted = self.text[self.emitted : self.cut], len(self.text)
             return out, True
         safe = len(self.text)
         if not final:
@@ -129,9 +177,31 @@ def neutral(name, value) -> bool:
         return True
     if isinstance(value, bool):
         return False
-    if name == "repetition_penalty":
-        return value in (0, 1)
-    return value in (0, "", [], {})
+    return value in NEUTRAL_VALUES.get(name, (0, "", [], {}))
+
+
+def tokens_before(tokenizer, tokens: List[int], chars: int) -> int:
+    """How many of `tokens` the first `chars` characters of their text come from (a token that a
+    stop string begins inside counts): the tokens a cut answer returns."""
+    lo, hi = 0, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(tokens[:mid]).rstrip("\ufffd")) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def draws_noise(request: Request) -> bool:
+    """Whether a request's decoding draws from its seed's stream (else the seed changes nothing,
+    and requests that name none keep sharing a batch): sampling at temperature > 0, LLaDA's random
+    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
+    which start from noise."""
+    s = request.settings
+    dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
+    canvas = request.spec.decoder == "canvas"
+    return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
 
 
 def image_url(part: dict) -> Optional[str]:
@@ -184,6 +254,42 @@ def read_image(url: str):
     return str(path)
 
 
+def canvas_temperature(model, overrides: dict) -> dict:
+    """The settings of a request or of the server's flags, with DiffusionGemma's `temperature`
+    and `top_p` as OpenAI clients send them (other families take them as they are). Its canvas
+    sampler follows a temperature schedule, t_max at a canvas's first denoising step falling
+    to t_min at its last: `temperature` T scales that schedule (T * t_max down to T * t_min,
+    over the t_min / t_max the request, the server's flags, the checkpoint or the family
+    set), so 1 is the checkpoint's own schedule and lower is greedier. 0 cannot be honoured
+    (a canvas starts from noise and every step draws from the scaled distribution), nor a
+    `top_p` below 1 (the sampler draws from the whole distribution)."""
+    spec = model.diffusion_spec
+    if spec.decoder != "canvas":
+        return overrides
+    overrides = dict(overrides)
+    top_p = overrides.pop("top_p", None)
+    if top_p is not None and top_p != 1:
+        raise RequestError(
+            f"top_p={top_p!r} cannot be honoured by {spec.family}: its canvas sampler "
+            "draws from the whole distribution; send top_p 1 or leave it out, and lower "
+            "temperature (which scales its t_max -> t_min schedule) for greedier text",
+            param="top_p",
+        )
+    t = overrides.pop("temperature", None)
+    if t is None:
+        return overrides
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise RequestError(
+            f"temperature must be a number > 0 for {spec.family}, got {t!r}: it scales "
+            "the canvas sampler's t_max -> t_min schedule (1 is the checkpoint's), and a "
+            "canvas starts from noise, so 0 (greedy) cannot be honoured; send a seed for "
+            "reproducible text",
+            param="temperature",
+        )
+    schedule = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
+    return dict(overrides, t_min=schedule["t_min"] * t, t_max=schedule["t_max"] * t)
+
+
 class Service:
     """What mlx-lm's APIHandler calls its `response_generator` (its `cli_args` and health), and
     this server's model, prompt building, request settings and scheduler."""
@@ -204,6 +310,7 @@ class Service:
         self.defaults = dict(defaults or {})
         self.chat_template_args = dict(chat_template_args or {})
         self.created = int(time.time())
+        self.keepalive = KEEPALIVE_SECONDS
         self.preparing = threading.Lock()
         names = {None, "default_model", model_id, Path(model_id).name}
         if Path(model_id).exists():
@@ -227,16 +334,33 @@ class Service:
     def is_healthy(self) -> bool:
         return self.scheduler.healthy
 
+    def check_model(self, model):
+        """A request's `model` (None: the one served), or a 404 naming the one served."""
+        if model not in self.model_names:
+            raise RequestError(
+                f"model {model!r} is not served here; this server serves {self.model_id!r} "
+                "(GET /v1/models)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
     def request_settings(self, body: dict) -> dict:
         """The decoding settings of a request body over the server's defaults (the settings table
         validates them when the request is prepared); the OpenAI fields checked here."""
         overrides = dict(self.defaults)
         for name, value in body.items():
-            if name in REQUEST_FIELDS:
+            if name in REQUEST_FIELDS or name in IGNORED_FIELDS:
                 continue
             if name in UNSUPPORTED_FIELDS:
                 if not neutral(name, value):
-                    raise RequestError(f"{name} is not supported: {UNSUPPORTED_FIELDS[name]}")
+                    raise RequestError(
+                        f"{name} is not supported: {UNSUPPORTED_FIELDS[name]}", param=name
+                    )
+                continue
+            # A nucleus of 1 and a top-k of 0 filter nothing (what clients send by default):
+            # dropped unless they override the server's flag.
+            if (name, value) in (("top_p", 1), ("top_k", 0)) and name not in self.defaults:
                 continue
             overrides[name] = value
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -252,21 +376,30 @@ class Service:
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, list) or not all(isinstance(w, str) for w in stop):
                 raise RequestError("stop must be a string or a list of strings")
-        return overrides
+        return canvas_temperature(self.model, overrides)
 
     def prepare(self, prompt, overrides: dict, images=None) -> Request:
         """The request's settings resolved and its prompt encoded (request.prepare), here on the
         handler's thread: a bad setting or prompt is answered before the request is queued, and
         the scheduler's thread only decodes. One request at a time: a fast tokenizer is not safe
-        to call from several threads at once."""
+        to call from several threads at once. A max_tokens past the context is lowered to what
+        fits; a request that names no seed and draws noise gets a fresh one. Both are written
+        into `overrides`, from which another rank of a sharded server prepares the same
+        request."""
         with self.preparing:
-            return prepare(
+            request = prepare(
                 self.model,
                 self.tokenizer,
                 [prompt],
                 overrides,
                 images=None if images is None else [images],
+                fit_context=True,
             )
+        s = request.settings
+        overrides["max_tokens"] = s["max_tokens"]  # lowered to what fits, where it did not
+        if overrides.get("seed") is None and draws_noise(request):
+            overrides["seed"] = s["seed"] = secrets.randbelow(2**63)
+        return request
 
     def build_prompt(self, request, template_kwargs=None):
         """(prompt, images or None) of a completion request: a chat goes through the chat
@@ -326,38 +459,122 @@ class DiffusionAPIHandler(lm_server.APIHandler):
 
     def __init__(self, service: Service, *args, **kwargs):
         self.service = service
-        self.error_status = None
         super().__init__(service, *args, system_fingerprint=FINGERPRINT, **kwargs)
 
     def log_message(self, format, *args):
         logger.debug("%s - %s", self.address_string(), format % args)
 
-    def _set_completion_headers(self, status_code: int = 200):
-        # mlx-lm answers every validation error with 400; an unknown model is a 404 (OpenAI's).
-        if status_code == 400 and self.error_status is not None:
-            status_code = self.error_status
-        super()._set_completion_headers(status_code)
+    # -- one access-log line per request
 
-    def _error(self, message: str, status: int = 400):
-        self.error_status = None
-        body = json.dumps({"error": message}).encode()
+    def handle_one_request(self):
+        self.started, self.status, self.tokens = time.perf_counter(), None, None
+        self.sent_at = None  # when a stream last wrote (keep-alive comments follow its silence)
+        try:
+            super().handle_one_request()
+        finally:
+            if self.status is not None:
+                prompt, completion = self.tokens or ("-", "-")
+                logger.info(
+                    "%s %s %d prompt_tokens=%s completion_tokens=%s %.3fs",
+                    self.command or "-",
+                    getattr(self, "path", "-"),  # unset when the request line was malformed
+                    self.status,
+                    prompt,
+                    completion,
+                    time.perf_counter() - self.started,
+                )
+
+    def send_response(self, code, message=None):
+        self.status = code
+        super().send_response(code, message)
+
+    # -- requests
+
+    def _error(self, message: str, status: int = 400, param=None, code=None):
+        self._send_json(error_body(message, status, param, code), status)
+
+    def _refuse(self, e: Exception):
+        """The answer to a refused request (a RequestError's status, param and code; 400 else)."""
+        status = getattr(e, "status", 400)
+        self._error(str(e), status, getattr(e, "param", None), getattr(e, "code", None))
+
+    def _send_json(self, packet: dict, status: int = 200):
+        body = json.dumps(packet).encode()
         self._set_completion_headers(status)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
         self.wfile.flush()
 
+    def _read_body(self) -> dict:
+        length = self.headers.get("Content-Length")
+        size = int(length) if length is not None and length.strip().isdigit() else None
+        if size is None:
+            self.close_connection = True  # a body of unknown length is left unread
+            if length is None:
+                raise RequestError("Content-Length header is required", 411)
+            raise RequestError("Invalid Content-Length header")
+        raw = self.rfile.read(size)
+        try:
+            body = json.loads(raw.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"Invalid JSON in request body: {e}")
+        if not isinstance(body, dict):
+            raise RequestError("Request should be a JSON dictionary")
+        return body
+
+    def do_POST(self):
+        """mlx-lm's do_POST, with every error in OpenAI's shape."""
+        factories = {
+            "/v1/completions": self.handle_text_completions,
+            "/v1/chat/completions": self.handle_chat_completions,
+            "/chat/completions": self.handle_chat_completions,
+        }
+        factory = factories.get(urlparse(self.path).path)
+        if factory is None:
+            self.close_connection = True  # its body is left unread
+            return self._error(f"no such endpoint: POST {self.path}", 404)
+        try:
+            self.body = self._read_body()
+            self.stream = self.body.get("stream", False)
+            self.stream_options = self.body.get("stream_options")
+            self.requested_model = self.body.get("model", "default_model")
+            self.validate_model_parameters()
+            request = factory()
+        except ValueError as e:  # RequestError, SettingsError, CheckpointError
+            return self._refuse(e)
+        stop = self.body.get("stop") or []
+        self.handle_completion(request, [stop] if isinstance(stop, str) else stop)
+
+    def do_GET(self):
+        path = urlparse(self.path).path.rstrip("/")
+        if path == "/v1/models":
+            self._send_json({"object": "list", "data": [self._model_object()]})
+        elif path.startswith("/v1/models/"):
+            try:
+                self.service.check_model(unquote(path[len("/v1/models/") :]))
+            except RequestError as e:
+                return self._refuse(e)
+            self._send_json(self._model_object())
+        elif path == "/health":
+            self.handle_health_check()
+        else:
+            self._error(f"no such endpoint: GET {self.path}", 404)
+
+    def _model_object(self) -> dict:
+        service = self.service
+        return {
+            "id": service.model_id,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "mlx_dllm",
+        }
+
     def validate_model_parameters(self):
         """Replaces mlx-lm's checks: the settings table validates every setting (do_POST answers a
         ValueError with 400 and the message)."""
         self._validate("stream", bool)
-        model = self.body.get("model")
-        if model not in self.service.model_names:
-            self.error_status = 404
-            raise ValueError(
-                f"model {model!r} is not served here; this server serves "
-                f"{self.service.model_id!r} (GET /v1/models)"
-            )
+        self.service.check_model(self.body.get("model"))
         self.overrides = self.service.request_settings(self.body)
 
     def handle_chat_completions(self):
@@ -374,21 +591,6 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             raise RequestError("a completion request needs a prompt")
         return super().handle_text_completions()
 
-    def handle_models_request(self):
-        models = [
-            {
-                "id": self.service.model_id,
-                "object": "model",
-                "created": self.service.created,
-                "owned_by": "mlx_dllm",
-            }
-        ]
-        body = json.dumps({"object": "list", "data": models}).encode()
-        self._set_completion_headers(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     # -- generation
 
     def _client_gone(self) -> bool:
@@ -399,7 +601,8 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             return True
 
     def _next_event(self, job: Job):
-        """The job's next event, or None when the client went away (the row is then cancelled)."""
+        """The job's next event, or None when the client went away (the row is then cancelled).
+        A stream that waits longer than the service's `keepalive` seconds gets a comment."""
         while True:
             try:
                 return job.events.get(timeout=0.05)
@@ -407,11 +610,18 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 if self._client_gone():
                     job.cancelled = True
                     return None
+                if self.sent_at is not None:
+                    if time.monotonic() - self.sent_at >= self.service.keepalive:
+                        self._write(b": keep-alive\n\n")
+
+    def _write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+        self.sent_at = time.monotonic()
 
     def _send_event(self, packet) -> None:
         data = packet if isinstance(packet, str) else json.dumps(packet)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
+        self._write(f"data: {data}\n\n".encode())
 
     def _usage(self, job: Job, prompt_tokens: int, completion_tokens: int) -> dict:
         return {
@@ -425,7 +635,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             prompt, images = service.build_prompt(request, self.body.get("chat_template_kwargs"))
             prepared = service.prepare(prompt, self.overrides, images)
         except (ValueError, TypeError) as e:
-            return self._error(str(e), getattr(e, "status", 400))
+            return self._refuse(e)
         job = service.scheduler.submit(Job(prompt, self.overrides, images, request=prepared))
         event = self._next_event(job)
         if event is None:
@@ -441,13 +651,14 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             if self.stream:
                 self._set_stream_headers(200)
                 self.end_headers()
+                self.sent_at = time.monotonic()
             while finish is None:
                 event = self._next_event(job)
                 if event is None:
                     return
                 if event[0] == "error":
                     if self.stream:
-                        self._send_event({"error": event[1]})
+                        self._send_event(error_body(event[1], 500))
                         self._send_event("[DONE]")
                         return
                     return self._error(event[1], 500)
@@ -460,6 +671,8 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 if hit:
                     finish = "stop"
                     job.cancelled = True  # its row leaves the batch at the next block
+                    # The tokens returned: the block's tokens after the cut are not.
+                    completion_tokens = tokens_before(detok.tokenizer, detok.tokens, stopper.cut)
                 elif finished:
                     finish = "stop" if eos else "length"
                 if self.stream:  # one chunk per committed block
@@ -470,23 +683,22 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 else:
                     text += new
             usage = self._usage(job, prompt_tokens, completion_tokens)
+            self.tokens = (prompt_tokens, completion_tokens)
+            # cached_tokens: prompt tokens whose K/V the prompt cache gave (the scheduler's count).
+            counts = (prompt_tokens, completion_tokens, job.cached_tokens)
             if self.stream:
                 options = self.stream_options or {}
                 if options.get("include_usage"):
-                    packet = self.completion_usage_response(prompt_tokens, completion_tokens)
+                    packet = self.completion_usage_response(*counts)
+                    packet["object"] = self.object_type  # mlx-lm's says "chat.completion"
                     packet["usage"].update(usage)
                     self._send_event(packet)
                 self._send_event("[DONE]")
                 return
-            packet = self.generate_response(text, finish, prompt_tokens, completion_tokens)
+            packet = self.generate_response(text, finish, *counts)
             packet["usage"].update(usage)
             if logprobs is not None:
                 logprobs.attach(packet, completion_tokens)
-            body = json.dumps(packet).encode()
-            self._set_completion_headers(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
+            self._send_json(packet)
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled = True

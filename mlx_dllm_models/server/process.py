@@ -24,9 +24,9 @@ from typing import Callable, Optional
 from ..cli_common import add_loading_flags, add_setting_flags, chosen_settings, load_for_cli
 from ..distributed import launch_group
 from ..request import checkpoint_settings
-from ..settings import SettingsError, resolve_settings
+from ..settings import resolve_settings
 from ..vision import text_tokenizer
-from .api import DiffusionAPIHandler, Service
+from .api import DiffusionAPIHandler, Service, canvas_temperature
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
 
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     if args.chat_template is not None:
         text_tokenizer(service.tokenizer).chat_template = args.chat_template
     try:  # the server flags' defaults, checked once rather than on every request
-        resolve_settings(service.spec, defaults, checkpoint_settings(service.model, service.spec))
-    except SettingsError as e:
+        _check_flags(service.model, defaults)
+    except ValueError as e:  # SettingsError, RequestError
         shutdown(server, serving=False)
         raise SystemExit(f"error: {e}")
     logger.info("serving %s on http://%s:%d", service.model_id, args.host, server.server_address[1])
@@ -226,6 +226,13 @@ def main(argv=None) -> int:
     if service.scheduler.error is not None:
         raise SystemExit(service.scheduler.error)
     return 0
+
+
+def _check_flags(model, defaults: dict):
+    """The server flags' settings, checked as a request's (DiffusionGemma's --temp scales its
+    schedule, as a request's temperature does)."""
+    spec = model.diffusion_spec
+    resolve_settings(spec, canvas_temperature(model, defaults), checkpoint_settings(model, spec))
 
 
 def _interrupt(signum, frame):
@@ -260,10 +267,8 @@ def _follow_main(args, defaults: dict, group) -> int:
         except ValueError as e:  # CheckpointError, SettingsError
             raise SystemExit(f"error: {e}")
         try:  # the same check as rank 0's, which then stops every rank
-            resolve_settings(
-                scheduler.spec, defaults, checkpoint_settings(scheduler.model, scheduler.spec)
-            )
-        except SettingsError as e:
+            _check_flags(scheduler.model, defaults)
+        except ValueError as e:  # SettingsError, RequestError
             scheduler.stop()
             raise SystemExit(f"error: {e}")
         scheduler.thread.join()
