@@ -2,7 +2,10 @@
 
 The conversation is kept and the chat template applied to all of it at every turn; the reply's
 canvas fills in live on a terminal. `q` or `/exit` ends, `r` or `/reset` starts over, `h` or
-`/help` lists the commands (mlx_lm.chat's letters, and the slash forms).
+`/help` lists the commands (mlx_lm.chat's letters, and the slash forms). Ctrl-C during a reply
+stops it and returns to the prompt: the interrupted turn (the question and the partial reply) is
+dropped and the conversation before it kept, as after a turn that failed; Ctrl-C (or Ctrl-D) at
+the prompt exits.
 
 Reuse of the previous turns' K/V: block-causal families (SDAR, LLaDA2.x) and the causal-prefix one
 (Nemotron) keep the final K/V of a turn (the decoder's `kv_prefix`), and the next turn's prefill
@@ -35,6 +38,7 @@ HELP = "commands: q or /exit  quit | r or /reset  new conversation | h or /help 
 EXIT = ("q", "/exit", "/quit")
 RESET = ("r", "/reset")
 HELP_WORDS = ("h", "/help")
+INTERRUPTED = "[reply interrupted: that turn is dropped, the conversation before it kept]"
 
 
 class ChatSession:
@@ -168,6 +172,9 @@ def chat_main(argv):
             )
         except ValueError as e:
             print(f"error: {e}", flush=True)
+            continue
+        except KeyboardInterrupt:
+            print(f"\n{INTERRUPTED}", flush=True)
             continue
         if view is not None:
             view.draw(reply, final=True)

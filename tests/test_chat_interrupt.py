@@ -1,0 +1,104 @@
+"""`mlx_dllm chat` and Ctrl-C (issue #26, point 6): Ctrl-C during a reply stops it and returns to
+the prompt, the interrupted turn dropped and the conversation before it kept; Ctrl-C at the prompt
+exits. In process (a KeyboardInterrupt raised after the reply's first block) and on a
+pseudo-terminal (a real SIGINT from the terminal's ^C)."""
+
+import builtins
+import os
+import pty
+import select
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import read_pty
+from fixtures import sdar as sdar_fx
+from mlx_dllm_models import chat, load
+from mlx_dllm_models.chat import INTERRUPTED, ChatSession, chat_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = dict(max_tokens=12, block_length=4, steps=4)
+FLAGS = ["--max-tokens", "12", "--block-length", "4", "--steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return sdar_fx.build_sdar(tmp_path_factory.mktemp("chat_interrupt") / "sdar")
+
+
+def test_ctrl_c_drops_the_reply_keeps_the_conversation_and_exits_at_the_prompt(
+    sdar, monkeypatch, capsys
+):
+    typed = iter(["hello", "and more?", "ok"])
+    sessions, turns = [], []  # the sessions chat_main made; one entry per reply begun
+
+    def type_line(prompt=""):
+        line = next(typed, None)
+        if line is None:
+            raise KeyboardInterrupt  # Ctrl-C at the prompt
+        return line
+
+    real = chat.responses
+
+    def interrupted_second_turn(*args, **kwargs):
+        turns.append(None)
+        for i, response in enumerate(real(*args, **kwargs)):
+            if len(turns) == 2 and i == 1:
+                raise KeyboardInterrupt  # Ctrl-C after the reply's first block
+            yield response
+
+    class Recorded(ChatSession):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sessions.append(self)
+
+    monkeypatch.setattr(builtins, "input", type_line)
+    monkeypatch.setattr(chat, "responses", interrupted_second_turn)
+    monkeypatch.setattr(chat, "ChatSession", Recorded)
+    assert chat_main(["--model", str(sdar), "--no-live", *FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert out.count(INTERRUPTED) == 1 and out.count("NFE:") == 2, out
+    assert out.rstrip().endswith("bye")
+
+    # The conversation holds the first and third turns; the third reply is what a session that
+    # never saw the interrupted turn answers (and its K/V reuse stays exact).
+    session = sessions[0]
+    model, tokenizer = load(sdar)
+    fresh = ChatSession(model, tokenizer, SETTINGS, reuse_kv=False)
+    fresh.send("hello")
+    fresh.send("ok")
+    assert session.messages == fresh.messages and len(session.messages) == 4
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["hello", "ok"]
+    assert session.reused > 0, "the first turn's K/V were reused after the interruption"
+
+
+def test_ctrl_c_on_a_terminal(sdar):
+    """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
+    command at the prompt that follows, then ^C at the prompt."""
+    args = ["chat", "--model", str(sdar), "--max-tokens", "440", "--block-length", "4"]
+    pid, fd = pty.fork()
+    if pid == 0:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
+    out = b""
+
+    def until(predicate, timeout=120):
+        nonlocal out
+        while not predicate(out):
+            ready, _, _ = select.select([fd], [], [], timeout)
+            assert ready, out.decode("utf-8", "replace")
+            out += os.read(fd, 65536)
+
+    until(lambda o: o.count(b">> ") == 1)
+    os.write(fd, b"tell me a long story\n")
+    until(lambda o: "░".encode() in o.partition(b"tell me a long story")[2])
+    os.write(fd, b"\x03")  # the terminal sends SIGINT to the chat
+    until(lambda o: o.count(b">> ") == 2)
+    os.write(fd, b"/reset\n")
+    until(lambda o: o.count(b">> ") == 3)
+    os.write(fd, b"\x03")
+    text = out.decode("utf-8", "replace") + read_pty(fd, pid)  # until the chat exits
+    assert INTERRUPTED in text and "NFE:" not in text, text
+    assert "[conversation reset]" in text and text.rstrip().endswith("bye"), text
