@@ -4,7 +4,9 @@ scheduler.py batches the requests (continuous batching at block granularity), ap
 OpenAI's HTTP API over mlx-lm's handler, process.py is the command: flags, ranks, shutdown.
 """
 
-from .api import DiffusionAPIHandler, RequestError, Service, StopWords, read_image
+from .api import DiffusionAPIHandler, Service, StopWords
+from .fields import RequestError
+from .images import read_image
 from .process import follow, main, make_server, shutdown
 from .scheduler import Job, Scheduler
 

@@ -40,11 +40,8 @@ What OpenAI's clients send, and what it means here:
 """
 
 import argparse
-import base64
-import io
 import json
 import logging
-import math
 import queue
 import secrets
 import select
@@ -55,14 +52,22 @@ import uuid
 from pathlib import Path
 from typing import List, Optional
 from urllib.parse import unquote, urlparse
-from urllib.request import urlopen
 
-import numpy as np
 from mlx_lm import server as lm_server
 
-from ..request import Detokenizer, Request, checkpoint_settings, prepare
-from ..settings import resolve_settings
+from ..request import Detokenizer, Request, prepare
 from ..vision import is_processor, text_tokenizer
+from .fields import (
+    IGNORED_FIELDS,
+    REQUEST_FIELDS,
+    UNSUPPORTED_FIELDS,
+    RequestError,
+    canvas_temperature,
+    draws_noise,
+    error_body,
+    neutral,
+)
+from .images import image_url, read_image
 from .logprobs import Logprobs
 from .logprobs import read_fields as read_logprobs
 from .scheduler import Job, Scheduler
@@ -71,70 +76,8 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT = lm_server.get_system_fingerprint()
 
-# Body fields of the OpenAI API that the handler reads itself; every other field is a setting.
-REQUEST_FIELDS = {
-    "model",
-    "messages",
-    "prompt",
-    "stream",
-    "stream_options",
-    "stop",
-    "max_tokens",
-    "max_completion_tokens",
-    "chat_template_kwargs",
-    "role_mapping",
-    "n",
-    "logprobs",  # these two: logprobs.read_fields
-    "top_logprobs",
-}
-# Fields OpenAI clients send that change nothing here: accepted and ignored, as mlx_lm.server does.
-IGNORED_FIELDS = {
-    "user",
-    "store",
-    "metadata",
-    "service_tier",
-    "reasoning_effort",
-    "parallel_tool_calls",
-}
-# Fields mlx-lm's server (or OpenAI) accepts that diffusion decoding has no use for: refused when
-# given a value that would change anything, rather than ignored.
-UNSUPPORTED_FIELDS = {
-    "logit_bias": "the diffusion samplers take no logit bias",
-    "min_p": "the diffusion samplers take temperature, top_p and top_k",
-    "repetition_penalty": "the diffusion samplers take no repetition penalty",
-    "presence_penalty": "the diffusion samplers take no presence penalty",
-    "frequency_penalty": "the diffusion samplers take no frequency penalty",
-    "xtc_probability": "the diffusion samplers take no XTC sampling",
-    "tools": "tool calls are not parsed by this server",
-    "draft_model": "diffusion models need no draft model",
-    "num_draft_tokens": "diffusion models need no draft model",
-    "adapters": "adapters are chosen when the server starts (--adapter-path)",
-    "response_format": 'the output is not constrained to a format; send {"type": "text"}',
-    "tool_choice": "tool calls are not parsed by this server",
-}
-# Neutral values beyond `neutral`'s defaults (None, false, 0, empty).
-NEUTRAL_VALUES = {
-    "repetition_penalty": (0, 1),
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none", "auto"),
-}
 # Seconds a stream may stay silent before a `: keep-alive` comment is sent.
 KEEPALIVE_SECONDS = 5.0
-
-
-class RequestError(ValueError):
-    """A bad request: answered with `status` and the message (the body field at fault in `param`,
-    an OpenAI error code in `code`), and the server keeps serving."""
-
-    def __init__(self, message, status=400, param=None, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-def error_body(message: str, status: int = 400, param=None, code=None) -> dict:
-    """OpenAI's error object (its clients' exception `.message` carries `message`)."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class StopWords:
@@ -170,16 +113,6 @@ class StopWords:
         return max(0, self.emitted - len(word) + 1)
 
 
-def neutral(name, value) -> bool:
-    """A value of an unsupported field that asks for nothing (what OpenAI clients send by
-    default)."""
-    if value is None or value is False:
-        return True
-    if isinstance(value, bool):
-        return False
-    return value in NEUTRAL_VALUES.get(name, (0, "", [], {}))
-
-
 def tokens_before(tokenizer, tokens: List[int], chars: int) -> int:
     """How many of `tokens` the first `chars` characters of their text come from (a token that a
     stop string begins inside counts): the tokens a cut answer returns."""
@@ -191,103 +124,6 @@ def tokens_before(tokenizer, tokens: List[int], chars: int) -> int:
         else:
             lo = mid + 1
     return lo
-
-
-def draws_noise(request: Request) -> bool:
-    """Whether a request's decoding draws from its seed's stream (else the seed changes nothing,
-    and requests that name none keep sharing a batch): sampling at temperature > 0, LLaDA's random
-    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
-    which start from noise."""
-    s = request.settings
-    dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
-    canvas = request.spec.decoder == "canvas"
-    return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
-
-
-def image_url(part: dict) -> Optional[str]:
-    """The URL of an image content part (OpenAI's `image_url`, and the `input_image` / `image`
-    spellings mlx-lm's server takes), or None for other parts."""
-    if part.get("type") not in ("image_url", "input_image", "image"):
-        return None
-    url = part.get("image_url", part.get("image"))
-    return url.get("url") if isinstance(url, dict) else url
-
-
-def decode_image_bytes(data: bytes) -> np.ndarray:
-    """An RGB uint8 image from encoded bytes (PNG, JPEG, ...)."""
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-
-
-def decode_data_url(url: str) -> np.ndarray:
-    """An RGB uint8 image from a data URL (data:image/png;base64,...)."""
-    return decode_image_bytes(base64.b64decode(url.partition(",")[2]))
-
-
-def read_image(url: str):
-    """An image of an `image_url` part: a data URL (decoded as mlx-lm's server does), an http(s)
-    URL (fetched; refused with a clear message when the server cannot reach it), or a local file
-    path / file:// URL, as mlx-vlm's server allows."""
-    if url.startswith("data:"):
-        try:
-            return decode_data_url(url)
-        except Exception as e:
-            raise RequestError(f"the image data URL could not be read as an image ({e})")
-    if url.startswith(("http://", "https://")):
-        try:
-            with urlopen(url, timeout=10) as response:
-                data = response.read()
-        except OSError as e:  # URLError, timeouts, refused connections
-            raise RequestError(
-                f"could not fetch the image at {url} ({getattr(e, 'reason', e)}); this server may "
-                "be offline: send the image inline as a data URL (data:image/png;base64,...) or "
-                "as a local file path"
-            )
-        return decode_image_bytes(data)
-    path = Path(url[len("file://") :] if url.startswith("file://") else url)
-    if not path.is_file():
-        raise RequestError(
-            f"image_url {url!r} is neither a data URL, an http(s) URL nor a local file: send the "
-            "image as a data URL (data:image/png;base64,...)"
-        )
-    return str(path)
-
-
-def canvas_temperature(model, overrides: dict) -> dict:
-    """The settings of a request or of the server's flags, with DiffusionGemma's `temperature`
-    and `top_p` as OpenAI clients send them (other families take them as they are). Its canvas
-    sampler follows a temperature schedule, t_max at a canvas's first denoising step falling
-    to t_min at its last: `temperature` T scales that schedule (T * t_max down to T * t_min,
-    over the t_min / t_max the request, the server's flags, the checkpoint or the family
-    set), so 1 is the checkpoint's own schedule and lower is greedier. 0 cannot be honoured
-    (a canvas starts from noise and every step draws from the scaled distribution), nor a
-    `top_p` below 1 (the sampler draws from the whole distribution)."""
-    spec = model.diffusion_spec
-    if spec.decoder != "canvas":
-        return overrides
-    overrides = dict(overrides)
-    top_p = overrides.pop("top_p", None)
-    if top_p is not None and top_p != 1:
-        raise RequestError(
-            f"top_p={top_p!r} cannot be honoured by {spec.family}: its canvas sampler "
-            "draws from the whole distribution; send top_p 1 or leave it out, and lower "
-            "temperature (which scales its t_max -> t_min schedule) for greedier text",
-            param="top_p",
-        )
-    t = overrides.pop("temperature", None)
-    if t is None:
-        return overrides
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise RequestError(
-            f"temperature must be a number > 0 for {spec.family}, got {t!r}: it scales "
-            "the canvas sampler's t_max -> t_min schedule (1 is the checkpoint's), and a "
-            "canvas starts from noise, so 0 (greedy) cannot be honoured; send a seed for "
-            "reproducible text",
-            param="temperature",
-        )
-    schedule = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
-    return dict(overrides, t_min=schedule["t_min"] * t, t_max=schedule["t_max"] * t)
 
 
 class Service:

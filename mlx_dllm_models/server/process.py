@@ -26,7 +26,8 @@ from ..distributed import launch_group
 from ..request import checkpoint_settings
 from ..settings import resolve_settings
 from ..vision import text_tokenizer
-from .api import DiffusionAPIHandler, Service, canvas_temperature
+from .api import DiffusionAPIHandler, Service
+from .fields import canvas_temperature
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
 

@@ -1,0 +1,130 @@
+"""What an OpenAI request body may hold, and how the server reads it: the fields the handler reads
+itself, those it accepts and ignores (as mlx_lm.server does) and those it refuses unless neutral;
+OpenAI's error objects; whether a request draws noise (and so gets a fresh seed when it names
+none); DiffusionGemma's temperature and top_p as clients send them.
+"""
+
+import math
+
+from ..request import Request, checkpoint_settings
+from ..settings import resolve_settings
+
+# Body fields of the OpenAI API that the handler reads itself; every other field is a setting.
+REQUEST_FIELDS = {
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "stop",
+    "max_tokens",
+    "max_completion_tokens",
+    "chat_template_kwargs",
+    "role_mapping",
+    "n",
+    "logprobs",  # these two: logprobs.read_fields
+    "top_logprobs",
+}
+# Fields OpenAI clients send that change nothing here: accepted and ignored, as mlx_lm.server does.
+IGNORED_FIELDS = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "parallel_tool_calls",
+}
+# Fields mlx-lm's server (or OpenAI) accepts that diffusion decoding has no use for: refused when
+# given a value that would change anything, rather than ignored.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": "the diffusion samplers take no logit bias",
+    "min_p": "the diffusion samplers take temperature, top_p and top_k",
+    "repetition_penalty": "the diffusion samplers take no repetition penalty",
+    "presence_penalty": "the diffusion samplers take no presence penalty",
+    "frequency_penalty": "the diffusion samplers take no frequency penalty",
+    "xtc_probability": "the diffusion samplers take no XTC sampling",
+    "tools": "tool calls are not parsed by this server",
+    "draft_model": "diffusion models need no draft model",
+    "num_draft_tokens": "diffusion models need no draft model",
+    "adapters": "adapters are chosen when the server starts (--adapter-path)",
+    "response_format": 'the output is not constrained to a format; send {"type": "text"}',
+    "tool_choice": "tool calls are not parsed by this server",
+}
+# Neutral values beyond `neutral`'s defaults (None, false, 0, empty).
+NEUTRAL_VALUES = {
+    "repetition_penalty": (0, 1),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),
+}
+
+
+class RequestError(ValueError):
+    """A bad request: answered with `status` and the message (the body field at fault in `param`,
+    an OpenAI error code in `code`), and the server keeps serving."""
+
+    def __init__(self, message, status=400, param=None, code=None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_body(message: str, status: int = 400, param=None, code=None) -> dict:
+    """OpenAI's error object (its clients' exception `.message` carries `message`)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def neutral(name, value) -> bool:
+    """A value of an unsupported field that asks for nothing (what OpenAI clients send by
+    default)."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False
+    return value in NEUTRAL_VALUES.get(name, (0, "", [], {}))
+
+
+def draws_noise(request: Request) -> bool:
+    """Whether a request's decoding draws from its seed's stream (else the seed changes nothing,
+    and requests that name none keep sharing a batch): sampling at temperature > 0, LLaDA's random
+    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
+    which start from noise."""
+    s = request.settings
+    dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
+    canvas = request.spec.decoder == "canvas"
+    return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
+
+
+def canvas_temperature(model, overrides: dict) -> dict:
+    """The settings of a request or of the server's flags, with DiffusionGemma's `temperature`
+    and `top_p` as OpenAI clients send them (other families take them as they are). Its canvas
+    sampler follows a temperature schedule, t_max at a canvas's first denoising step falling
+    to t_min at its last: `temperature` T scales that schedule (T * t_max down to T * t_min,
+    over the t_min / t_max the request, the server's flags, the checkpoint or the family
+    set), so 1 is the checkpoint's own schedule and lower is greedier. 0 cannot be honoured
+    (a canvas starts from noise and every step draws from the scaled distribution), nor a
+    `top_p` below 1 (the sampler draws from the whole distribution)."""
+    spec = model.diffusion_spec
+    if spec.decoder != "canvas":
+        return overrides
+    overrides = dict(overrides)
+    top_p = overrides.pop("top_p", None)
+    if top_p is not None and top_p != 1:
+        raise RequestError(
+            f"top_p={top_p!r} cannot be honoured by {spec.family}: its canvas sampler "
+            "draws from the whole distribution; send top_p 1 or leave it out, and lower "
+            "temperature (which scales its t_max -> t_min schedule) for greedier text",
+            param="top_p",
+        )
+    t = overrides.pop("temperature", None)
+    if t is None:
+        return overrides
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise RequestError(
+            f"temperature must be a number > 0 for {spec.family}, got {t!r}: it scales "
+            "the canvas sampler's t_max -> t_min schedule (1 is the checkpoint's), and a "
+            "canvas starts from noise, so 0 (greedy) cannot be honoured; send a seed for "
+            "reproducible text",
+            param="temperature",
+        )
+    schedule = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
+    return dict(overrides, t_min=schedule["t_min"] * t, t_max=schedule["t_max"] * t)
