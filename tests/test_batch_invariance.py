@@ -119,3 +119,53 @@ def test_simultaneous_canvas_requests_share_a_run(fixture_dir):
         assert server.service.scheduler.max_rows == 2, "the two requests queued one by one"
     finally:
         shutdown(server)
+
+
+def test_canvas_rows_with_their_own_seeds_share_a_run(fixture_dir):
+    """DiffusionGemma's rows draw from streams of their own seeds: requests with different seeds
+    (a client's, or one drawn for a request that named none) share a run, each with the tokens
+    it gets alone with its seed."""
+    path = build_once(Path(fixture_dir) / "invariance_diffusion_gemma", dg_fx.build)
+    model, tok = load(path)
+    chat = text_tokenizer(tok)
+    prompts = [
+        chat.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in QUESTIONS
+    ]
+    seeds = [3, 11, 12345]
+
+    def served(rows):
+        scheduler = Scheduler(model, tok, max_batch=8)
+        jobs = [scheduler.submit(Job(p, dict(max_tokens=16, seed=s))) for p, s in rows]
+        while not all(j.done for j in jobs):
+            scheduler.step()
+        return [j.tokens for j in jobs], scheduler.max_rows
+
+    alone = [served([row])[0][0] for row in zip(prompts, seeds)]
+    together, rows = served(list(zip(prompts, seeds)))
+    assert together == alone
+    assert rows == 3, "rows with different seeds did not share a run"
+    assert served([(prompts[0], 4)])[0][0] != alone[0], "the seed changes nothing: a weak test"
+
+
+def test_requests_that_named_no_seed_share_a_run(fixture_dir):
+    """A sampling request that names no seed gets a fresh one (server/fields.draws_noise); two
+    such requests still share forwards (the run draws from its first row's seed), while requests
+    naming different seeds are decoded apart, each reproducible."""
+    model, tok = load(build_once(Path(fixture_dir) / "invariance_llada", llada_fx.build_llada))
+    settings = dict(max_tokens=16, block_length=8, steps=8, temperature=0.9)
+
+    def served(seeds, fresh):
+        scheduler = Scheduler(model, tok, max_batch=8)
+        jobs = [
+            scheduler.submit(Job(q, dict(settings, seed=s), fresh_seed=fresh))
+            for q, s in zip(QUESTIONS, seeds)
+        ]
+        while not all(j.done for j in jobs):
+            scheduler.step()
+        return scheduler.max_rows
+
+    assert served([101, 202], fresh=True) == 2
+    assert served([101, 202], fresh=False) == 1

@@ -50,18 +50,20 @@ class CanvasStepEvent(StepEvent):
 
 class CanvasNoise:
     """The canvas's random draws: uniform ids (initial canvas, re-noising) and one uniform number
-    per position (the categorical draw). Each row keeps its own stream from `seed` and draws only
-    while it is denoising, so a row of a batch sees the draws it would see alone. Tests substitute
-    an object with the same two methods to share draws with another implementation."""
+    per position (the categorical draw). Each row keeps its own stream from `seed` (or its own
+    entry of `row_seeds`: the server's rows with seeds of their own) and draws only while it is
+    denoising, so a row of a batch sees the draws it would see alone. Tests substitute an object
+    with the same two methods to share draws with another implementation."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, row_seeds: Optional[Sequence[int]] = None):
         self.seed = seed
+        self.row_seeds = row_seeds
         self.keys = {}
 
     def _key(self, row):
         key = self.keys.get(row)
         if key is None:
-            key = mx.random.key(self.seed)
+            key = mx.random.key(self.seed if self.row_seeds is None else self.row_seeds[row])
         key, sub = mx.random.split(key)
         self.keys[row] = key
         return sub
@@ -89,9 +91,17 @@ class CanvasDecoder:
     # canvas (see _denoise), not through the masked engine's decoding.samplers.COMMIT_RULES: the
     # entropy bound over every position, and the confidence threshold over the unaccepted ones.
     samplers = ("entropy", "threshold")
+    # Each row draws from its own stream: rows with different seeds share a run exactly.
+    row_seeds = True
 
     def __init__(
-        self, model, settings: dict, eos_token_ids: Sequence[int], backend=None, images=None
+        self,
+        model,
+        settings: dict,
+        eos_token_ids: Sequence[int],
+        backend=None,
+        images=None,
+        row_seeds: Optional[Sequence[int]] = None,
     ):
         self.model = model
         self.spec = model.diffusion_spec
@@ -101,7 +111,7 @@ class CanvasDecoder:
         if self.spec.vocab_size is None:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
         self.eos = set(int(e) for e in eos_token_ids)
-        self.noise = CanvasNoise(settings["seed"])
+        self.noise = CanvasNoise(settings["seed"], row_seeds)
         # One entry per prompt: the processor's pixel values for that prompt, or None.
         self.images = images
         self.nfe = 0

@@ -72,6 +72,9 @@ class Batching:
     # The kind of K/V (cache.PriorKV.kind) a one-row run leaves for a later prompt that continues
     # its tokens, and can resume from (`run(prompts, prior=...)`); None: nothing reusable.
     kv_kind: Optional[str] = None
+    # Each row draws from a stream of its own seed (make_decoder's row_seeds): rows whose seeds
+    # differ may share a run.
+    row_seeds: bool = False
 
 
 def join_policy(spec, settings) -> Batching:
@@ -85,7 +88,8 @@ def join_policy(spec, settings) -> Batching:
     joins = bool(exact is not None and exact(settings))
     kind = getattr(backend, "kv_kind", None)
     kind = kind(settings) if kind is not None else None
-    return Batching(joins, joins and not backend.join_reencodes, drops, kind)
+    own_streams = getattr(decoder, "row_seeds", False)
+    return Batching(joins, joins and not backend.join_reencodes, drops, kind, own_streams)
 
 
 def select_decoder(spec, settings):
@@ -98,13 +102,18 @@ def select_decoder(spec, settings):
     return DECODERS[name]
 
 
-def make_decoder(model, settings, eos_token_ids, images=None, eot_token_id=None, suffix=()):
+def make_decoder(
+    model, settings, eos_token_ids, images=None, eot_token_id=None, suffix=(), row_seeds=None
+):
     """The decoding loop for a model and resolved settings, with its backend; `images` (the
     processor's pixel values) go to the decoder of a family that reads them; `eot_token_id` (LLaDA's
-    confidence_eos_eot_inf) and `suffix` (infilling) to the masked decoder."""
+    confidence_eos_eot_inf) and `suffix` (infilling) to the masked decoder; `row_seeds` (a seed
+    per row) to a decoder whose rows draw from streams of their own (Batching.row_seeds)."""
     spec = model.diffusion_spec
     decoder = select_decoder(spec, settings)
     extra = {} if images is None else {"images": images}
+    if row_seeds is not None:
+        extra["row_seeds"] = row_seeds
     if eot_token_id is not None:
         extra["eot_token_id"] = eot_token_id
     if suffix:

@@ -469,10 +469,13 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         service = self.service
         try:
             prompt, images = service.build_prompt(request, self.body.get("chat_template_kwargs"))
+            named = self.overrides.get("seed") is not None
             prepared = service.prepare(prompt, self.overrides, images)
         except (ValueError, TypeError) as e:
             return self._refuse(e)
-        job = service.scheduler.submit(Job(prompt, self.overrides, images, request=prepared))
+        fresh = not named and self.overrides.get("seed") is not None
+        job = Job(prompt, self.overrides, images, request=prepared, fresh_seed=fresh)
+        job = service.scheduler.submit(job)
         event = self._next_event(job)
         if event is None:
             return

@@ -62,10 +62,19 @@ class Job:
     (the value every rank of a sharded server acts on), and drops the row at the next block
     boundary."""
 
-    def __init__(self, prompt, overrides: dict, images=None, request: Optional[Request] = None):
+    def __init__(
+        self,
+        prompt,
+        overrides: dict,
+        images=None,
+        request: Optional[Request] = None,
+        fresh_seed: bool = False,
+    ):
         self.prompt = prompt
         self.overrides = overrides
         self.images = images
+        # The seed was drawn for this request (it named none): it need not match a batch-mate's.
+        self.fresh_seed = fresh_seed
         # The prepared request (settings resolved, prompt encoded): the HTTP handler prepares it
         # on its own thread; a job without one (another rank's copy, a direct submit) is
         # prepared at admission.
@@ -328,7 +337,7 @@ class Scheduler:
             if shared is None:
                 return None
             requests, cancelled, stop = shared
-            jobs = [Job(*request) for request in requests]
+            jobs = [Job(p, o, i, fresh_seed=f) for p, o, i, f in requests]
             for job in jobs:
                 job.events = _NoEvents()
             return jobs, set(cancelled), stop
@@ -346,7 +355,7 @@ class Scheduler:
             share(None, self.group)
             return None
         if self.group is not None:
-            requests = [(job.prompt, job.overrides, job.images) for job in jobs]
+            requests = [(job.prompt, job.overrides, job.images, job.fresh_seed) for job in jobs]
             share((requests, sorted(cancelled), stop), self.group)
         return jobs, cancelled, stop
 
@@ -366,12 +375,17 @@ class Scheduler:
                 continue
             # Rows that may join a running batch share a group whatever their max_tokens (each
             # keeps its own budget); the others must agree on it too. The logprobs setting
-            # changes no token: a run records the most alternatives any of its rows asks for.
+            # changes no token: a run records the most alternatives any of its rows asks for. The
+            # seed need not agree where each row draws from its own (row_seeds), nor for a seed
+            # drawn for a request that named none (the run takes its first row's).
             s = job.settings
+            own_seed = batching.row_seeds or job.fresh_seed
             shared = {
                 k: v
                 for k, v in s.items()
-                if k != "logprobs" and (k != "max_tokens" or not batching.joins)
+                if k != "logprobs"
+                and (k != "max_tokens" or not batching.joins)
+                and (k != "seed" or not own_seed)
             }
             key = json.dumps([batching.joins, sorted(shared.items())], default=repr)
             group = self.groups.get(key)
@@ -397,7 +411,13 @@ class Scheduler:
             group.run, group.jobs = None, []
             return
         budgets = [j.settings["max_tokens"] - len(j.tokens) for j in jobs]
-        settings = dict(group.settings, max_tokens=max(budgets), logprobs=_most_logprobs(jobs))
+        # The run's seed is its first row's: a group's rows may have seeds of their own (see _admit).
+        settings = dict(
+            group.settings,
+            max_tokens=max(budgets),
+            logprobs=_most_logprobs(jobs),
+            seed=jobs[0].settings["seed"],
+        )
         images = None
         if any(j.pixel_values is not None for j in jobs):
             images = [j.pixel_values for j in jobs]
@@ -407,6 +427,7 @@ class Scheduler:
             group.eos_token_ids,
             images=images,
             eot_token_id=group.eot_token_id,
+            row_seeds=[j.settings["seed"] for j in jobs] if group.batching.row_seeds else None,
         )
         prompts = [j.ids + j.tokens for j in jobs]
         group.cancelled = set()
