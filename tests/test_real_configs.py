@@ -256,7 +256,7 @@ def _built(name):
     return args, model, model.diffusion_spec
 
 
-def _placeholder_shape(name, expected, rename):
+def hf_shape(name, expected, rename):
     """The shape the model expects for HF weight `name` (lazy zeros of it are never evaluated)."""
     for key in (name, rename(name)):
         if key in expected:
@@ -338,8 +338,7 @@ def test_builds_lazily_and_sanitize_maps_real_weight_names(name):
     index = _load(name, "model.safetensors.index.json")
     rename = getattr(_module(_load(name, "config.json")), "_rename_olmo", lambda k: k)
     weights = {
-        n: mx.zeros(_placeholder_shape(n, expected, rename), dtype=mx.bfloat16)
-        for n in index["weight_map"]
+        n: mx.zeros(hf_shape(n, expected, rename), dtype=mx.bfloat16) for n in index["weight_map"]
     }
     out = model.sanitize(dict(weights))
     missing = sorted(set(expected) - set(out))
