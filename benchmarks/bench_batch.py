@@ -10,6 +10,14 @@ layers), loaded through the package's loader. For each family and sampler, N dis
 generated tokens per second, and the speed of the batch relative to one by one (above 1: the batch
 is faster). Medians of --runs runs after a warm-up, the two ways alternating run by run. The
 machine may be shared: compare the two columns of one row.
+
+    python benchmarks/bench_batch.py --varied 64 --longest 400 [--model PATH] [--max-tokens 16]
+
+Prompts of very different lengths (issue #27 section 4): N prompts of 1 to --longest tokens
+(uniform, seeded), at temperature 0, one by one, as one run padded to the longest prompt (what
+batch_generate_diffusion did before), and through batch_generate_diffusion (runs of similar
+length); seconds of each (medians of --runs runs), forwards, and the batch's speed relative to one
+by one. --model: a checkpoint (default: the embedded default model).
 """
 
 import argparse
@@ -78,6 +86,57 @@ def timed(fn):
     return time.perf_counter() - tic, nfe
 
 
+def varied(args):
+    """The --varied table: one by one, one padded run, batch_generate_diffusion."""
+    from mlx_dllm_models.default import model_or_default
+    from mlx_dllm_models.generate import stream_events
+
+    model, tok = load(model_or_default(args.model))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, args.longest + 1, size=args.varied)
+    prompts = [[int(t) for t in rng.integers(10, 250, size=n)] for n in lengths]
+    kw = dict(max_tokens=args.max_tokens, temperature=0)
+
+    def singles():
+        return sum(batch_generate_diffusion(model, tok, [p], **kw).nfe for p in prompts)
+
+    def padded():
+        s, ids, decoder = stream_events(model, tok, prompts, **kw)
+        for _ in decoder.run(ids):
+            pass
+        return decoder.nfe
+
+    def batch():
+        return batch_generate_diffusion(model, tok, prompts, **kw).nfe
+
+    ways = {"one by one": singles, "one padded run": padded, "batch_generate_diffusion": batch}
+    wall = {name: [] for name in ways}
+    cpu = {name: [] for name in ways}
+    forwards = {}
+    for _ in range(args.runs):  # the ways alternate run by run
+        for name, fn in ways.items():
+            tic = time.process_time()
+            t, forwards[name] = timed(fn)
+            cpu[name].append(time.process_time() - tic)
+            wall[name].append(t)
+    w = {name: statistics.median(v) for name, v in wall.items()}
+    c = {name: statistics.median(v) for name, v in cpu.items()}
+    # Process CPU time as well: on a shared machine the wall clock also measures the neighbours.
+    print(f"mlx {mx.__version__}, {mx.default_device()}; medians of {args.runs} runs")
+    print(
+        "| prompts | max_tokens | one by one: s, CPU s (forwards) | one padded run "
+        "| batch_generate_diffusion | batch vs one by one (wall, CPU) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    cells = " | ".join(f"{w[n]:.1f}, {c[n]:.1f} ({forwards[n]})" for n in ways)
+    batch_name = "batch_generate_diffusion"
+    print(
+        f"| {args.varied} of 1-{args.longest} tokens | {args.max_tokens} | {cells} "
+        f"| {w['one by one'] / w[batch_name]:.2f}x, {c['one by one'] / c[batch_name]:.2f}x |",
+        flush=True,
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompt", type=int, default=64)
@@ -91,7 +150,12 @@ def main():
         help="run every step's forward over the whole batch (the engine before issue #14 §4), "
         "for an A/B of the row subsets",
     )
+    ap.add_argument("--varied", type=int, help="prompts of very different lengths (see above)")
+    ap.add_argument("--longest", type=int, default=400)
+    ap.add_argument("--model", help="--varied: a checkpoint (default: the embedded default)")
     args = ap.parse_args()
+    if args.varied:
+        return varied(args)
     if args.no_row_steps:
         from mlx_dllm_models.engine import FullRecompute
         from mlx_dllm_models.engine.block_cache import PrefixCache

@@ -8,10 +8,7 @@ canvas filling in live on a terminal, and ends with a statistics line.
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 from . import __version__, chat, lora
 from .cli_common import (
@@ -115,6 +112,10 @@ def generate_main(argv):
         from .default import DEFAULT_PROMPT
 
         prompt = DEFAULT_PROMPT
+        if args.verbose:
+            # The answer alone ("132") does not say what was asked. On stderr: standard output
+            # stays the generated text.
+            print(f"No --prompt given; asking: {prompt}", file=sys.stderr)
     elif prompt == "-":
         prompt = sys.stdin.read()
 
@@ -192,27 +193,27 @@ def convert_main(argv):
     why = _quantization_problem(args)
     if why:
         raise SystemExit(f"error: {why}")
-    target = Path(args.mlx_path)
-    if target.exists():
-        raise SystemExit(f"error: {target} already exists; remove it or choose another --mlx-path")
-    # Written into a temporary folder beside the target and renamed into place once complete: an
-    # interrupted or failed conversion leaves nothing behind (a partial folder would make the
-    # re-run refuse, and load would report broken weights).
-    from .conversion import finish_conversion
+    from .conversion import atomic_output, check_source, finish_conversion
+    from .loader import resolve_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    try:
-        out = partial / target.name
+    # The source first: a local folder (mlx-lm took any other path for a malformed repo id), or a
+    # repo id fetched into the Hugging Face cache; its weight files all there and whole.
+    source = resolve_checkpoint(args.hf_path, getattr(args, "revision", None))
+    if not source.exists():
+        raise CheckpointError(
+            f"no checkpoint at {args.hf_path}: give a local folder holding config.json and the "
+            "weights, or a Hugging Face repo id ('org/name')"
+        )
+    check_source(source)
+    # Written beside --mlx-path and renamed into place once complete; an existing --mlx-path is
+    # refused before any work.
+    with atomic_output(args.mlx_path, "--mlx-path") as out:
         try:
             convert.convert(**{**vars(args), "mlx_path": str(out)})
         except ValueError as e:  # mlx-lm's and the loader's messages about the input
             raise SystemExit(f"error: {e}") from None
         # No remote code (auto_map, *.py) in the output, and a model card naming our commands.
         finish_conversion(out, args.hf_path)
-        os.replace(out, target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return 0
 
 

@@ -8,10 +8,19 @@ answering y runs that Python. The MLX models of this package never use it, so th
 checkpoint drops both. mlx-lm also writes a model card (README.md) with an empty body; it gets the
 commands that run the checkpoint.
 
-`finish_conversion(mlx_path, hf_path)` does both on a finished output folder (or on the temporary
-folder of an atomic conversion, before it is renamed into place). `guard_mlx_lm_utils`, which the
-start-up hook applies to `mlx_lm.utils`, makes plain `python -m mlx_lm convert` do the same for
-this package's model types, and plain `mlx_lm.load` not ask about remote code at all.
+mlx-lm copies config.json's `torch_dtype` (and transformers 5's `dtype`) as the source states it,
+whatever `--dtype` the weights were written in; mlx-lm's next conversion reads it as the default
+dtype, so a float16 conversion that still said float32 doubled in size when converted again. The
+output's config states the dtype its weights hold.
+
+`finish_conversion(mlx_path, hf_path)` does all three on a finished output folder (or on the
+temporary folder of an atomic conversion, before it is renamed into place). `guard_mlx_lm_utils`,
+which the start-up hook applies to `mlx_lm.utils`, makes plain `python -m mlx_lm convert` do the same
+for this package's model types, and plain `mlx_lm.load` not ask about remote code at all.
+
+For the commands that write a checkpoint folder (`mlx_dllm convert`, `mlx_dllm fuse`):
+`atomic_output` (a temporary folder beside the target, renamed into place on success; an existing
+target refused) and `check_source` (a local source folder whose weights are all there and whole).
 """
 
 import ast
@@ -19,10 +28,16 @@ import contextlib
 import functools
 import importlib
 import json
+import math
+import os
+import shutil
 import sys
+import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 
+from .errors import CheckpointError
 from .registry import MODEL_TYPES
 
 # The JSON files of a converted checkpoint that may carry an `auto_map` to remote code.
@@ -162,10 +177,136 @@ def write_model_card(mlx_path, hf_path=None) -> Path:
     return file
 
 
+# safetensors' names of the floating dtypes -> config.json's (torch's) names.
+_FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+# The config.json keys (at the top level, or in a text_config) that state the weights' dtype.
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def weights_dtype(mlx_path):
+    """The floating dtype most of the weights in `mlx_path`/*.safetensors hold (by elements; a
+    quantized checkpoint's scales and unquantized layers), as config.json names it; None when
+    there is none."""
+    from safetensors import safe_open
+
+    elements = Counter()
+    for file in sorted(Path(mlx_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                dtype = _FLOAT_DTYPES.get(tensor.get_dtype())
+                if dtype is not None:
+                    elements[dtype] += math.prod(tensor.get_shape())
+    return elements.most_common(1)[0][0] if elements else None
+
+
+def state_weights_dtype(mlx_path) -> None:
+    """Make config.json's `torch_dtype` / `dtype` (where it has them, text_config's too) say the
+    dtype the written weights hold."""
+    dtype = weights_dtype(mlx_path)
+    file = Path(mlx_path) / "config.json"
+    if dtype is None or not file.exists():
+        return
+    config = json.loads(file.read_text())
+    sections = [config, config.get("text_config")]
+    changed = False
+    for section in sections:
+        if not isinstance(section, dict):
+            continue
+        for key in _DTYPE_KEYS:
+            if key in section and section[key] != dtype:
+                section[key] = dtype
+                changed = True
+    if changed:
+        file.write_text(json.dumps(config, indent=4, ensure_ascii=False) + "\n")
+
+
 def finish_conversion(mlx_path, hf_path=None) -> Path:
-    """Both steps on a converted checkpoint folder; returns the card's path."""
+    """The three steps on a converted checkpoint folder; returns the card's path."""
     drop_remote_code(mlx_path)
+    state_weights_dtype(mlx_path)
     return write_model_card(mlx_path, hf_path)
+
+
+@contextlib.contextmanager
+def atomic_output(target, flag: str):
+    """Yield the path to write a checkpoint folder at; it becomes `target` only once the block
+    completes. It is written into a temporary folder beside `target` and renamed into place: an
+    interrupted or failed write leaves nothing behind (a partial folder would make a re-run refuse,
+    and load would report broken weights), and nothing at `target` is ever touched: an existing
+    file or folder there is refused before any work. Every failure is a one-line error
+    (SystemExit) naming `flag`, the command's option for `target`: an existing target, a place
+    that cannot be written (a read-only folder, a file on the way), a write that fails (a full
+    disk, a read-only file system)."""
+    target = Path(target)
+    if target.exists() or target.is_symlink():
+        kind = "" if target.is_dir() else " (it is a file)"
+        raise SystemExit(
+            f"error: {target} already exists; remove it or choose another {flag}{kind}"
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as e:
+        raise SystemExit(
+            f"error: cannot write {target} ({_os_reason(e)}); choose a folder you can write to "
+            f"for {flag}"
+        ) from None
+    try:
+        out = partial / target.name
+        try:
+            yield out
+            os.replace(out, target)
+        except OSError as e:
+            raise SystemExit(
+                f"error: writing {target} failed ({_os_reason(e)}); nothing was left there"
+            ) from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _os_reason(e: OSError) -> str:
+    """An OSError as one line: its reason and the path it concerns."""
+    reason = e.strerror or str(e)
+    return f"{reason}: {e.filename}" if e.filename else reason
+
+
+def check_source(path) -> None:
+    """A local checkpoint folder a conversion reads: a folder, with every shard its index lists
+    and every *.safetensors file whole; a CheckpointError naming the file otherwise (mlx-lm reads
+    them with mx.load, whose error names a tensor, not the file, or with a missing shard reports
+    missing weights)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint folder: give the folder that holds config.json "
+            "and the weights"
+        )
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (JSON with a weight_map); re-download it"
+            ) from None
+        missing = sorted(str(name) for name in shards if not (path / str(name)).is_file())
+        if missing:
+            raise CheckpointError(
+                f"{path} is missing weight shard(s) {', '.join(missing)} that {index.name} lists; "
+                "download the missing files"
+            )
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"{file} is not a complete safetensors file (truncated or damaged: {e}); "
+                "re-download it"
+            ) from None
 
 
 @contextlib.contextmanager

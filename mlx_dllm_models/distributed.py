@@ -17,13 +17,18 @@ Conventions for front ends (`mlx_dllm generate`, a server):
   rank 0's request to every rank so that all of them run the same decoder calls in the same order
   (mlx_lm.server's `_share_object`).
 * A rank that dies makes the others' next collective fail; `lost_rank_exits` turns that into a
-  one-line error and a non-zero exit instead of a traceback.
+  one-line error and a non-zero exit instead of a traceback. `mlx.launch` ends the remaining
+  ranks with SIGTERM once one exits with an error, often before their next collective fails:
+  `launch_group` makes SIGTERM end a rank with the same line (and exit status 1) instead of
+  silently (exit -15).
 """
 
 import contextlib
 import os
 import pickle
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,9 +42,53 @@ _BACKENDS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]")
 
 
 def launch_group() -> Optional[mx.distributed.Group]:
-    """The group `mlx.launch` (or MPI) started this process in, or None for a single process."""
+    """The group `mlx.launch` (or MPI) started this process in, or None for a single process.
+    With a group, SIGTERM ends this rank with lost_rank_exits' one-line error (stop_on_sigterm)."""
     group = mx.distributed.init()
-    return group if group.size() > 1 else None
+    if group.size() <= 1:
+        return None
+    stop_on_sigterm(group)
+    return group
+
+
+def lost_contact(group: mx.distributed.Group, why: str) -> str:
+    """The one-line error of a rank whose run another rank's end cut short."""
+    return (
+        f"error: rank {group.rank()} of {group.size()} lost contact with another rank ({why}); "
+        "every rank must run until the end: see the other ranks' output for why one stopped"
+    )
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exiting() -> None:
+    """This rank is ending with its error: a launcher's SIGTERM must not cut the message (or the
+    exit status) short, and shutting down may not hang (SIGALRM ends the process after 30 s)."""
+    if _main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if hasattr(signal, "alarm"):
+            signal.alarm(30)
+
+
+def stop_on_sigterm(group: mx.distributed.Group) -> None:
+    """SIGTERM ends this rank with lost_contact's line and exit status 1. `mlx.launch` sends it to
+    the remaining ranks once one has exited with an error, usually while they compute, before
+    their next collective fails: they used to vanish without a word (exit -15). The handler runs
+    between Python bytecodes of the main thread (a collective already under way fails on the
+    dead rank first). Only where SIGTERM still has its default action, from the main thread; the
+    server puts its own in place while it serves."""
+    if not _main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def stopped(signum, frame):
+        _exiting()
+        raise SystemExit(
+            lost_contact(group, "SIGTERM: the launcher stops the ranks once one exits")
+        )
+
+    signal.signal(signal.SIGTERM, stopped)
 
 
 def sharded_load(path, group: mx.distributed.Group, tokenizer_config: dict, **kwargs):
@@ -113,8 +162,5 @@ def lost_rank_exits(group: Optional[mx.distributed.Group] = None):
     except RuntimeError as e:
         if not lost_rank(e):
             raise
-        group = group or mx.distributed.init()
-        raise SystemExit(
-            f"error: rank {group.rank()} of {group.size()} lost contact with another rank ({e}); "
-            "every rank must run until the end: see the other ranks' output for why one stopped"
-        ) from None
+        _exiting()
+        raise SystemExit(lost_contact(group or mx.distributed.init(), str(e))) from None

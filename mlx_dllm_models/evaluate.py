@@ -14,6 +14,7 @@ Needs the optional `[eval]` extra (lm-eval), as mlx-lm's evaluate does.
 """
 
 import argparse
+import difflib
 import json
 import os
 from importlib.metadata import version
@@ -25,7 +26,7 @@ from lm_eval.tasks import TaskManager
 
 from .default import model_or_default
 from .generate import batch_generate_diffusion
-from .likelihood import greedy_matches, log_likelihood
+from .likelihood import check_counts, greedy_matches, log_likelihood
 from .settings import SettingsError
 from .vision import text_tokenizer
 
@@ -164,10 +165,54 @@ def build_parser():
     return p
 
 
+def check_flags(args):
+    """The flags that fail late or silently in lm-eval, checked before anything loads: an empty
+    task name, an --include-path that is not a folder (lm-eval scans only folders, and ignored a
+    missing one), the likelihood's sample counts."""
+    if not args.tasks or any(not t.strip() for t in args.tasks):
+        raise SettingsError(
+            f"--tasks names no task ({' '.join(map(repr, args.tasks))}): give lm-eval task names "
+            "(`lm-eval ls tasks` lists them) or task YAML files"
+        )
+    if args.include_path is not None:
+        path = Path(args.include_path)
+        if not path.exists():
+            raise SettingsError(
+                f"--include-path {path}: no such folder; give the folder of your task YAML files"
+            )
+        if not path.is_dir():
+            raise SettingsError(
+                f"--include-path {path} is a file: give the folder that holds it (a task's YAML "
+                "file can also go straight to --tasks)"
+            )
+    check_counts(args.mc_samples, min(args.batch_size, args.mc_samples), args.cfg_scale)
+
+
+def check_tasks(task_manager, tasks):
+    """Every task a name lm-eval knows (a task, group or tag, --include-path's included) or a task
+    YAML file; lm-eval raises a bare KeyError otherwise, after the model has loaded."""
+    known = set(task_manager.all_tasks)
+    unknown = [t for t in tasks if t not in known and not Path(t).is_file()]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hints.append(f"{name!r}{hint}")
+    raise SettingsError(
+        f"unknown task {'; '.join(hints)}: not an lm-eval task, group or tag, nor a task YAML "
+        "file (`lm-eval ls tasks` lists them; your own tasks: --include-path DIR)"
+    )
+
+
 def main(argv):
     from .loader import load
 
     args = build_parser().parse_args(argv)
+    check_flags(args)
+    task_manager = TaskManager(include_path=args.include_path)
+    check_tasks(task_manager, args.tasks)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_path = model_or_default(args.model)
     kwargs = {"tokenizer_config": {"trust_remote_code": args.trust_remote_code}}
@@ -186,7 +231,6 @@ def main(argv):
         seed=args.seed,
         settings={"temperature": args.temp, "seed": args.seed},
     )
-    task_manager = TaskManager(include_path=args.include_path)
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=args.tasks,

@@ -7,7 +7,7 @@ template) or a list of token ids; generation stops at an EOS, which is not retur
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -163,13 +163,43 @@ def stats_line(r: DiffusionResponse) -> str:
     )
 
 
+# batch_generate_diffusion runs rows of similar length together: a row joins a run while its
+# length (prompt + generation) is at most this much above the run's shortest, as a fraction or in
+# positions, whichever is more. Each forward is padded to the run's longest row, and a padded
+# position costs what a real one does; the rows of a run share each forward's fixed cost.
+RUN_SLACK = 1 / 8
+RUN_SLACK_POSITIONS = 16
+
+
+def length_runs(lengths: Sequence[int]) -> List[List[int]]:
+    """Row indices grouped into runs of similar length (RUN_SLACK), shortest first, each run in
+    the caller's order: within a run no row is padded by more than the slack."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    runs: List[List[int]] = []
+    for i in order:
+        if runs:
+            shortest = lengths[runs[-1][0]]
+            if lengths[i] - shortest <= max(shortest * RUN_SLACK, RUN_SLACK_POSITIONS):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return [sorted(run) for run in runs]
+
+
 def batch_generate_diffusion(
     model, tokenizer, prompts: Sequence[Prompt], images=None, **settings
 ) -> BatchResponse:
-    """Generate for several prompts at once (left-padded; each row stops at its own EOS and is
-    dropped from the batch when it does). `images`: None, or one entry per prompt (None, an
-    image, or a list of images; see stream_events): each row reads its own images, and at
-    temperature 0 gets the tokens it would get alone."""
+    """Generate for several prompts at once; the results come in the prompts' order. Rows of
+    similar length (prompt + generation, within RUN_SLACK) decode together, left-padded, each
+    row dropped from its run at its own EOS; runs of different lengths decode one after another,
+    so that no row is padded far beyond its own length (one run padded to a 400-token prompt made
+    a batch of 1-400-token prompts 3x slower than the same prompts one by one). `images`: None,
+    or one entry per prompt (None, an image, or a list of images; see stream_events): each row
+    reads its own images.
+
+    At temperature 0 each row gets the tokens it would get alone. Above it, a row's draws depend
+    on the rows it decodes with; the same call (prompts, settings, `seed`) returns the same
+    tokens."""
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (list, tuple)):
         raise SettingsError(
             f"prompts must be a list of prompts (each text or a list of token ids), got "
@@ -177,28 +207,42 @@ def batch_generate_diffusion(
         )
     if not prompts:
         raise SettingsError("prompts is empty: give at least one prompt")
-    s, ids, decoder = stream_events(model, tokenizer, prompts, images=images, **settings)
+    suffix = settings.pop("suffix", None)
+    request = prepare(model, tokenizer, prompts, settings, images=images, suffix=suffix)
+    s, ids = request.settings, request.ids
     out = [[] for _ in ids]
     logprobs = None if s.get("logprobs") is None else [[] for _ in ids]
     reasons = ["length"] * len(ids)
+    nfe = 0
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    for event in decoder.run(ids):
-        if isinstance(event, BlockEvent):
-            for i, (row, toks, hit) in enumerate(zip(event.rows, event.tokens, event.eos)):
-                out[row].extend(toks)
-                if logprobs is not None:
-                    logprobs[row].extend(event.logprobs[i])
-                if hit:
-                    reasons[row] = "stop"
+    generated = s["max_tokens"] + len(request.suffix)
+    for run in length_runs([len(row) + generated for row in ids]):
+        pixels = request.pixel_values
+        part = replace(
+            request,
+            ids=[ids[i] for i in run],
+            pixel_values=None if pixels is None else [pixels[i] for i in run],
+        )
+        decoder = part.decoder(model)
+        for event in decoder.run(part.ids):
+            if isinstance(event, BlockEvent):
+                for i, (row, toks, hit) in enumerate(zip(event.rows, event.tokens, event.eos)):
+                    row = run[row]
+                    out[row].extend(toks)
+                    if logprobs is not None:
+                        logprobs[row].extend(event.logprobs[i])
+                    if hit:
+                        reasons[row] = "stop"
+        nfe += decoder.nfe
     elapsed = time.perf_counter() - tic
     total = sum(len(t) for t in out)
     return BatchResponse(
         texts=[tokenizer.decode(t) for t in out],
         tokens=out,
         finish_reasons=reasons,
-        nfe=decoder.nfe,
-        tokens_per_forward=total / max(decoder.nfe, 1),
+        nfe=nfe,
+        tokens_per_forward=total / max(nfe, 1),
         generation_tps=total / elapsed if elapsed > 0 else 0.0,
         peak_memory=mx.get_peak_memory() / 1e9,
         logprobs=logprobs,

@@ -94,10 +94,24 @@ def llada_draws(key: mx.array, batch_size: int, length: int) -> Tuple[int, np.nd
     return k, ranks
 
 
-def _check_counts(mc_samples, batch_size, cfg_scale):
+# The most Monte-Carlo samples an estimate takes. Each sample is one row of a forward over the
+# prompt and the continuation, so the work grows with it without bound (10**9 would run for days
+# without a word); the estimate's noise falls only as 1/sqrt(samples): at 2**16 it is 1/22 of that
+# at LLaDA's default 128.
+MAX_MC_SAMPLES = 2**16
+
+
+def check_counts(mc_samples, batch_size, cfg_scale):
+    """log_likelihood's mc_samples, batch_size and cfg_scale, checked (a SettingsError)."""
     for name, v in (("mc_samples", mc_samples), ("batch_size", batch_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise SettingsError(f"{name} must be a positive integer, got {v!r}")
+    if mc_samples > MAX_MC_SAMPLES:
+        raise SettingsError(
+            f"mc_samples ({mc_samples}) is above the cap of {MAX_MC_SAMPLES} (2**16): each sample "
+            "is a row of a forward over the prompt and continuation, so the work has no bound, "
+            "while the estimate's noise falls only as 1/sqrt(mc_samples) (LLaDA's default is 128)"
+        )
     if mc_samples % batch_size:
         raise SettingsError(
             f"mc_samples ({mc_samples}) must be a multiple of batch_size ({batch_size}): the "
@@ -137,9 +151,11 @@ def log_likelihood(
 ) -> float:
     """Monte-Carlo ELBO estimate of log p(continuation | prompt) (nats), as LLaDA's
     get_log_likelihood.py (LLaDA, LLaDA-MoE) or Dream's eval.py "mc"/"ftb" (Dream) computes it; see
-    the module docstring. Text continuations are tokenized without special tokens."""
+    the module docstring. Text continuations are tokenized without special tokens. mc_samples is
+    at most MAX_MC_SAMPLES (2**16); Ctrl-C (KeyboardInterrupt) stops the estimate between
+    batches."""
     spec = _check_family(model, "log_likelihood")
-    _check_counts(mc_samples, batch_size, cfg_scale)
+    check_counts(mc_samples, batch_size, cfg_scale)
     ids, cont = _pair(tokenizer, prompt, continuation)
     mask_id = spec.mask_token_id
     if spec.family == "dream":

@@ -11,6 +11,8 @@ and its EOS padding are masked at a random rate t and weighted by 1/t).
 """
 
 import argparse
+import contextlib
+import json
 import sys
 import types
 from pathlib import Path
@@ -21,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .default import model_or_default
+from .errors import CheckpointError
 from .training import family_loss, sample_noise
 
 # mlx_lm.lora's defaults that do not fit here: the embedded default model instead of a Qwen
@@ -132,9 +135,13 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
     mx.random.seed(args.seed)
     model.freeze()
     if args.num_layers > len(model.layers):
-        raise ValueError(
-            f"--num-layers {args.num_layers}: the model has only {len(model.layers)} layers"
+        # mlx-lm's default (16) exceeds small models' depth (the embedded default has 4): adapt
+        # every layer, and record that count, which load_adapters reads back.
+        print(
+            f"--num-layers {args.num_layers}: the model has {len(model.layers)} layers; adapting "
+            "all of them"
         )
+        args.num_layers = len(model.layers)
     if args.fine_tune_type == "full":
         for layer in model.layers[-max(args.num_layers, 0) :]:
             layer.unfreeze()
@@ -178,6 +185,12 @@ def train_model(args, model: nn.Module, train_set, valid_set, training_callback=
     )
 
 
+DATA_FORMS = (
+    "one JSON object a line in mlx-lm's chat "
+    '({"messages": [...]}), completions ({"prompt", "completion"}) or text ({"text"}) form'
+)
+
+
 def load_datasets(args, tokenizer):
     from mlx_lm.tuner.datasets import load_dataset
 
@@ -187,18 +200,134 @@ def load_datasets(args, tokenizer):
     if not getattr(args, "hf_dataset", None) and not Path(data).exists() and not on_hub:
         raise ValueError(
             f"--data {data}: no such folder. Give a folder holding train.jsonl and valid.jsonl "
-            "(and test.jsonl for --test), one JSON object a line in mlx-lm's chat "
-            '({"messages": [...]}), completions ({"prompt", "completion"}) or text ({"text"}) '
-            "form, or a Hugging Face dataset id ('org/name')"
+            f"(and test.jsonl for --test), {DATA_FORMS}, or a Hugging Face dataset id ('org/name')"
         )
+    local = not getattr(args, "hf_dataset", None) and Path(data).exists()
     try:
-        return load_dataset(args, tokenizer)
+        return local_datasets(args, tokenizer) if local else load_dataset(args, tokenizer)
     except ValueError as e:
         # Text data has no prompt to keep out of the loss: every position may be masked.
         if args.mask_prompt and "not supported for text dataset" in str(e):
             args.mask_prompt = False
-            return load_dataset(args, tokenizer)
+            return load_datasets(args, tokenizer)
         raise
+
+
+# A row's form, as mlx_lm.tuner.datasets.create_dataset tells them apart (in this order): its
+# name, the arguments that may rename its fields (--prompt-feature ...), their default names.
+_FORMS = (
+    ("completions", ("prompt_feature", "completion_feature"), ("prompt", "completion")),
+    ("chat", ("chat_feature",), ("messages",)),
+    ("text", ("text_feature",), ("text",)),
+)
+
+
+def _row_form(args, row):
+    """(form name, its fields) of a data row, or None."""
+    for form, features, defaults in _FORMS:
+        fields = tuple(getattr(args, f, None) or d for f, d in zip(features, defaults))
+        if all(f in row for f in fields):
+            return form, fields
+    return None
+
+
+def _form_text(form) -> str:
+    """'text ({"text"})': a form's name and its fields."""
+    name, fields = form
+    return f"{name} ({{{', '.join(json.dumps(f) for f in fields)}}})"
+
+
+def _row_problem(form, fields, row):
+    """What is wrong with the values of a row of `form`, or None."""
+    if form == "chat":
+        messages = row[fields[0]]
+        ok = isinstance(messages, list) and messages
+        if not ok or not all(isinstance(m, dict) and "role" in m for m in messages):
+            return f'"{fields[0]}" must be a non-empty list of {{"role", "content"}} messages'
+        return None
+    for field in fields:
+        if not isinstance(row[field], str):
+            return f'"{field}" must be a string, got {type(row[field]).__name__}'
+    return None
+
+
+def read_jsonl(file: Path, args) -> list:
+    """The rows of one data file, checked as mlx-lm's datasets will read them: each line a JSON
+    object of one form, the first row's (mlx-lm picks the form from it and reads every row so,
+    mid-training). Blank lines are skipped. A ValueError names the file and the line."""
+    rows, first = [], None
+    with open(file, encoding="utf-8", errors="strict") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file} is not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{file} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{where}: not valid JSON ({e.msg}, column {e.colno}); each line is {DATA_FORMS}"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{where}: a JSON object is expected, got {type(row).__name__}; each line is "
+                f"{DATA_FORMS}"
+            )
+        form = _row_form(args, row)
+        if form is None:
+            keys = ", ".join(sorted(row)) or "none"
+            raise ValueError(
+                f"{where}: no prompt / completion, messages or text field (its keys: {keys}); "
+                f"each line is {DATA_FORMS}"
+            )
+        if first is None:
+            first = (number, form)
+        elif form != first[1]:
+            raise ValueError(
+                f"{where}: a {_form_text(form)} row among {_form_text(first[1])} rows (line "
+                f"{first[0]} is one): every row of a file must take the same form"
+            )
+        why = _row_problem(*form, row)
+        if why:
+            raise ValueError(f"{where}: {why}")
+        rows.append(row)
+    return rows
+
+
+def local_datasets(args, tokenizer):
+    """(train, valid, test) from a local --data folder, as mlx_lm.tuner.datasets reads them,
+    each file checked first (read_jsonl); only the files the run uses are read (train and valid
+    for --train, test for --test). A file that is there but empty is an error; a missing
+    valid.jsonl means training without validation, as in mlx-lm."""
+    from mlx_lm.tuner.datasets import create_dataset
+
+    folder = Path(args.data)
+    if not folder.is_dir():
+        raise ValueError(
+            f"--data {folder} is a file: give the folder holding train.jsonl and valid.jsonl "
+            "(and test.jsonl for --test)"
+        )
+    used = {"train": args.train, "valid": args.train, "test": args.test}
+    out = []
+    for name, needed in used.items():
+        file = folder / f"{name}.jsonl"
+        if not needed or not file.exists():
+            if needed and name != "valid":
+                flag = "--train" if name == "train" else "--test"
+                raise ValueError(f"{flag} needs {file}, which is not there ({DATA_FORMS})")
+            if needed:
+                print(f"{file} is not there: training without validation")
+            out.append([])
+            continue
+        rows = read_jsonl(file, args)
+        if not rows:
+            also = " or remove it to train without validation" if name == "valid" else ""
+            raise ValueError(f"{file} is empty: give it rows ({DATA_FORMS}){also}")
+        out.append(create_dataset(rows, tokenizer, args))
+    return tuple(out)
 
 
 def run(args, training_callback=None):
@@ -214,6 +343,7 @@ def run(args, training_callback=None):
             f"--mask-eps {args.mask_eps}: the floor of the mask rate must be in (0, 1) (the loss "
             "divides by the rate); LLaDA's is 1e-3, 0.3 steadies small batches"
         )
+    check_adapter_paths(args)
     # mlx-lm's trainer draws the batch order from numpy's global generator: --seed fixes it too, as
     # mlx_lm.lora.run does (without it two runs with the same seed see different batches).
     np.random.seed(args.seed)
@@ -241,6 +371,26 @@ def run(args, training_callback=None):
         )
         print(f"Test loss (masked-diffusion ELBO bound per answer token) {test_loss:.3f}")
     return model, tokenizer
+
+
+def check_adapter_paths(args):
+    """The adapter flags' paths, before the model loads: --adapter-path must be a folder (or not
+    there yet, when training), --resume-adapter-file an existing file."""
+    adapters = Path(args.adapter_path) if args.adapter_path else None
+    if adapters is not None and adapters.exists() and not adapters.is_dir():
+        raise ValueError(
+            f"--adapter-path {adapters} is a file: give a folder, where the adapters "
+            "(adapters.safetensors, adapter_config.json) are written"
+        )
+    if args.test and not args.train and adapters is not None and not adapters.is_dir():
+        raise ValueError(f"--adapter-path {adapters}: no such folder of adapters to test")
+    resume = args.resume_adapter_file
+    if resume is not None and not Path(resume).is_file():
+        kind = "a folder" if Path(resume).is_dir() else "no such file"
+        raise ValueError(
+            f"--resume-adapter-file {resume}: {kind}; give the adapters.safetensors of an "
+            "earlier run"
+        )
 
 
 def parse_args(argv):
@@ -288,17 +438,73 @@ def lora_main(argv):
     return 0
 
 
+@contextlib.contextmanager
+def _fuse_argv(argv):
+    """mlx-lm's fuse reads its flags from sys.argv: set for the call, then put back."""
+    saved = sys.argv
+    sys.argv = ["mlx_dllm fuse"] + list(argv)
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def check_fuse_paths(args):
+    """Before any work: adapters that are there, a model folder (or repo id) that is there, and a
+    --save-path that is neither of them (fusing into the model's folder overwrote its weights,
+    config and tokenizer, then failed)."""
+    from .loader import resolve_checkpoint
+
+    adapters = Path(args.adapter_path)
+    missing = [
+        n for n in ("adapters.safetensors", "adapter_config.json") if not (adapters / n).is_file()
+    ]
+    if not adapters.is_dir() or missing:
+        if adapters.is_dir():
+            where = "holds no " + " and no ".join(missing)
+        else:
+            where = "is a file" if adapters.exists() else "is not there"
+        raise SystemExit(
+            f"error: --adapter-path {adapters} {where}: give the folder `mlx_dllm lora` wrote "
+            "adapters.safetensors and adapter_config.json in"
+        )
+    model = resolve_checkpoint(args.model)
+    if not model.is_dir():
+        raise CheckpointError(
+            f"--model {args.model}: no checkpoint folder there (nor a Hugging Face repo id)"
+        )
+    save = Path(args.save_path).resolve()
+    for flag, folder, name in (
+        ("--model", model, "model's"),
+        ("--adapter-path", adapters, "adapter"),
+    ):
+        if save == folder.resolve():
+            raise SystemExit(
+                f"error: --save-path {args.save_path} is the {name} folder ({flag}): fusing into it "
+                "would overwrite it; choose a new folder"
+            )
+
+
 def fuse_main(argv):
     """mlx_lm.fuse (adapters folded into the weights, saved as a checkpoint), then the same
-    remote-code removal and model card as `mlx_dllm convert`."""
+    remote-code removal and model card as `mlx_dllm convert`. The fused checkpoint is written
+    beside --save-path and renamed into place once complete (conversion.atomic_output): an
+    existing --save-path, the model's folder or the adapters' among them, is refused."""
     import importlib
 
-    from .conversion import finish_conversion
+    from .conversion import atomic_output, finish_conversion
 
     # `mlx_lm.fuse` the attribute may be shadowed; the module holds the CLI's main().
     fuse = importlib.import_module("mlx_lm.fuse")
-    sys.argv = ["mlx_dllm fuse"] + list(argv)
-    args = fuse.parse_arguments()
-    fuse.main()
-    finish_conversion(args.save_path, None)
+    with _fuse_argv(argv):
+        args = fuse.parse_arguments()
+    check_fuse_paths(args)
+    with atomic_output(args.save_path, "--save-path") as out:
+        # argparse keeps an option's last value: mlx-lm's fuse writes into the temporary folder.
+        with _fuse_argv([*argv, "--save-path", str(out)]):
+            try:
+                fuse.main()
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
+        finish_conversion(out, None)
     return 0

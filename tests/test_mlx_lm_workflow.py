@@ -405,7 +405,6 @@ def test_evaluate_scores_local_lm_eval_tasks_on_the_default(tmp_path, monkeypatc
     "flags, message",
     [
         (["--data", "no/such/folder"], "--data no/such/folder: no such folder"),
-        (["--num-layers", "99"], "--num-layers 99: the model has only 4 layers"),
         (["--mask-eps", "0"], "--mask-eps 0.0: the floor of the mask rate must be in (0, 1)"),
         (["--mask-eps", "1.5"], "--mask-eps 1.5: the floor of the mask rate must be in (0, 1)"),
     ],
