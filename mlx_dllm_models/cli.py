@@ -157,18 +157,31 @@ def generate_main(argv):
             view.draw(render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
 
     text, last = "", None
+    entries = []
     for last in responses(decoder, ids, tokenizer, on_step=on_step):
         text += last.text
+        entries += last.logprobs or []
         if view is None:
             print(last.text, end="", flush=True)
     if view is not None:
         view.draw(text, final=True)
     else:
         print()
+    if s.get("logprobs") is not None:
+        print_logprobs(text_tok, entries)
     if args.verbose:
         print("=" * 10)
         print(stats_line(last))
     return 0
+
+
+def print_logprobs(tokenizer, entries):
+    """`--logprobs k`: each generated token's log-probability at the step that committed it, and
+    the k best alternatives there (README, Log-probabilities), one token a line."""
+    print("=" * 10)
+    for entry in entries:
+        top = "  ".join(f"{tokenizer.decode([t])!r} {lp:.4f}" for t, lp in entry.top)
+        print(f"{tokenizer.decode([entry.token])!r}\t{entry.logprob:.4f}\t{top}")
 
 
 def serve_main(argv):

@@ -467,3 +467,21 @@ def _post(url, path, body):
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         raise AssertionError(e.read().decode()) from None
+
+
+def test_generate_cli_prints_the_logprobs_it_is_asked_for(capsys):
+    """`mlx_dllm generate --logprobs k` prints each generated token's entry (never a setting that
+    is silently ignored): its log-probability, then its k alternatives, the token itself first at
+    temperature 0."""
+    from mlx_dllm_models.cli import main as cli_main
+
+    args = ["generate", "--max-tokens", "8", "--verbose", "false", "--temp", "0"]
+    assert cli_main(args + ["--logprobs", "2"]) == 0
+    out = capsys.readouterr().out
+    text, _, table = out.partition("=" * 10 + "\n")
+    rows = [line.split("\t") for line in table.strip().splitlines()]
+    assert rows and all(len(r) == 3 for r in rows), out
+    for token, logprob, top in rows:
+        assert float(logprob) <= 0 and top.startswith(token + " " + logprob)
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out == text, "the text changed with --logprobs"
