@@ -121,6 +121,11 @@ def _parser():
 
 def chat_main(argv):
     args = _parser().parse_args(argv)
+    if args.logprobs is not None:  # a settings-table flag that the REPL would not show
+        raise SystemExit(
+            "error: --logprobs is not shown by mlx_dllm chat; use mlx_dllm generate --logprobs K, "
+            "or mlx_dllm serve (OpenAI's logprobs fields)"
+        )
     model, tokenizer = load_for_cli(args)
     try:
         session = ChatSession(

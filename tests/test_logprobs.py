@@ -485,3 +485,10 @@ def test_generate_cli_prints_the_logprobs_it_is_asked_for(capsys):
         assert float(logprob) <= 0 and top.startswith(token + " " + logprob)
     assert cli_main(args) == 0
     assert capsys.readouterr().out == text, "the text changed with --logprobs"
+
+
+def test_chat_refuses_logprobs_rather_than_ignoring_them():
+    from mlx_dllm_models.chat import chat_main
+
+    with pytest.raises(SystemExit, match="--logprobs is not shown by mlx_dllm chat"):
+        chat_main(["--logprobs", "2"])
