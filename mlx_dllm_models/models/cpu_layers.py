@@ -9,9 +9,11 @@ weight layers into variants that widen their weight to float32 inside the forwar
 float32: the activations, and with them attention and the K/V caches, are float32 from the
 embedding on. The model then computes what the float32 upcast of its weights computes (the logits
 agree to float32 rounding; a half-precision checkpoint's bit for bit) without holding that upcast:
-a widened weight lives from shortly before its matmul until the matmul is done, so a forward holds
-those of the layers MLX's scheduler has run ahead to (about a hundred ops: a layer or a few), and
-an LM head or embedding table over CHUNK_ELEMENTS is widened a slice of rows at a time.
+a widened weight lives from shortly before its matmul until the matmul is done. MLX's CPU
+scheduler allocates the outputs of the ops it runs ahead to (about a hundred), so a forward holds
+at most about one layer's widened weights plus the widened LM head (the largest matmul), never the
+model's. A head or table over CHUNK_ELEMENTS is widened in slices of rows, which lets MLX's
+memory-limit throttle wait between them.
 
 The variants are subclasses of mlx's and mlx-lm's layer classes with the same parameters (the
 instances' classes are swapped in place): saving, LoRA, fusing and quantization see the layers they
@@ -27,8 +29,9 @@ than there are experts, else every expert once.
 
 Freed buffers of a widened weight are reused by the next layer of the same shape only when MLX's
 allocator keeps them (its CPU buffer cache is 32 MB by default): `use_float32_matmuls` raises that
-cache to 1.5 times what one layer widens (never lowers it). Without it every widening pays the
-page faults of fresh memory, which made an upcast cost twice its matmul.
+cache to 1.5 times what a forward holds widened (`widened_bytes`; never lowers it), memory the
+forward takes at every step anyway. Without it every widening pays the page faults of fresh
+memory, which made an upcast cost twice its matmul.
 """
 
 import mlx.core as mx
@@ -257,6 +260,7 @@ VARIANTS = {
     QuantizedSwitchLinear: CPUQuantizedSwitchLinear,
 }
 PARENTS = {variant: base for base, variant in VARIANTS.items()}
+PARENTS_OF_EXPERTS = (SwitchLinear, QuantizedSwitchLinear)
 TABLES = (CPUEmbedding, CPUQuantizedEmbedding)
 
 
@@ -266,9 +270,8 @@ def _narrow(module) -> bool:
 
 
 def _widened_bytes(module) -> int:
-    if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
-        return 4 * module["weight"].shape[0] * _rows_of(module) * _columns_of(module)
-    return 4 * min(_rows_of(module) * _columns_of(module), CHUNK_ELEMENTS)
+    experts = module["weight"].shape[0] if isinstance(module, PARENTS_OF_EXPERTS) else 1
+    return 4 * experts * _rows_of(module) * _columns_of(module)
 
 
 def use_float32_matmuls(model) -> int:
@@ -293,8 +296,9 @@ def use_float32_matmuls(model) -> int:
 
 
 def widened_bytes(model) -> int:
-    """What one forward widens at a time, about: the largest of the model's layers (all its
-    swapped weights, every expert of an MoE) plus the largest other widened slice (the head's)."""
+    """What one forward holds widened at a time, about: MLX's CPU scheduler allocates the outputs
+    of the ops it runs ahead to (about a hundred), which covers a layer (all its swapped weights,
+    every expert of an MoE) and the whole LM head (its slices are independent ops)."""
 
     def swapped(module):
         return [m for _, m in module.named_modules() if type(m) in PARENTS]
