@@ -1,13 +1,17 @@
 """This package against mlx-vlm (the peer that runs LLaDA2 and Nemotron-Labs-Diffusion today), on
 the same random weights, in the same process, at batch 1.
 
-    python benchmarks/bench_vs_mlx_vlm.py [--prompt 128] [--max-tokens 128] [--runs 3]
+    python benchmarks/bench_vs_mlx_vlm.py [--prompt 128] [--max-tokens 128] [--pairs 10]
 
 The checkpoints are larger-than-fixture random models written by the test fixtures' own builders
 (exact HF layout), loaded by each package through its own loader. Both sides decode at temperature
-0 with the same settings; the table reports forwards (NFE), tokens per forward, tok/s and the
-speed ratio, medians of --runs runs after a warm-up, and whether the tokens agree. The machine is
-shared and noisy: compare the two rows of one family within one run.
+0 with the same sampler and settings (each row says which). After a warm-up of each, the two
+engines alternate run by run for --pairs pairs (which one goes first alternates too), so that the
+machine's load hits both alike; the table reports forwards (NFE), tokens, tok/s, the ratio of the
+total times (mlx-vlm's over ours: above 1, ours is faster), the spread of the per-pair ratios
+(median, min-max) and a bootstrap 95% interval of the ratio of totals (pairs resampled), and
+whether the tokens agree. The batched rows (ours only: mlx-vlm decodes one row) alternate the
+same 4 prompts one by one against one batch, the same way.
 """
 
 import argparse
@@ -134,14 +138,85 @@ def run_vlm(model, prompt, kw, eos):
     return toks, calls[0], wall
 
 
-def median_runs(fn, runs):
-    fn()
-    results = [fn() for _ in range(runs)]
-    return (
-        results[0][0],
-        statistics.median(r[1] or 0 for r in results),
-        statistics.median(r[2] for r in results),
+def interleaved(ours, theirs, pairs, seed=0):
+    """Both callables (each -> (tokens, nfe, seconds)) after a warm-up each, alternating run by
+    run over `pairs` pairs; returns (ours' last, theirs' last, summary dict)."""
+    ours(), theirs()
+    a_s, b_s = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a, b = ours(), theirs()
+        else:
+            b, a = theirs(), ours()
+        a_s.append(a[2])
+        b_s.append(b[2])
+    ratios = sorted(b / a for a, b in zip(a_s, b_s))
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, pairs, size=(2000, pairs))
+    boot = np.sort(np.array(b_s)[picks].sum(1) / np.array(a_s)[picks].sum(1))
+    summary = dict(
+        a_s=sum(a_s) / pairs,
+        b_s=sum(b_s) / pairs,
+        ratio=sum(b_s) / sum(a_s),
+        median=statistics.median(ratios),
+        low=ratios[0],
+        high=ratios[-1],
+        ci=(boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]),
     )
+    return a, b, summary
+
+
+HEADER = (
+    "| family, settings | engines | NFE | tokens | tok/s | time ratio (totals) "
+    "| per-pair median [min, max] | bootstrap 95% | tokens equal |"
+)
+
+
+def row(label, engines, a, b, r, same):
+    nfe = f"{a[1]:.0f} / {b[1]:.0f}"
+    toks = f"{len(a[0])} / {len(b[0])}"
+    rate = f"{len(a[0]) / r['a_s']:.1f} / {len(b[0]) / r['b_s']:.1f}"
+    return (
+        f"| {label} | {engines} | {nfe} | {toks} | {rate} | {r['ratio']:.3f} "
+        f"| {r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}] "
+        f"| {r['ci'][0]:.3f}-{r['ci'][1]:.3f} | {same} |"
+    )
+
+
+def settings_for(family, spec, max_tokens):
+    """(label, ours' settings, mlx-vlm's generate kwargs) of each comparison: the same sampler."""
+    if family == "llada2":
+        ours = dict(max_tokens=max_tokens, block_length=32, steps=32)
+        vlm = dict(block_length=32, steps=32, gen_length=max_tokens, eos_early_stop=True)
+        return [
+            (
+                "LLaDA2, block 32, threshold 0.95",
+                dict(ours, sampler="threshold", threshold=0.95),
+                dict(vlm, threshold=0.95),
+            )
+        ]
+    # Nemotron at its trained block size (mlx-vlm ignores the checkpoint's: pass it).
+    block = spec.trained_block_length
+    ours = dict(max_tokens=max_tokens, block_length=block, steps=block)
+    vlm = dict(
+        block_length=block,
+        steps=block,
+        gen_length=max_tokens,
+        eos_early_stop=True,
+        sampler="native",
+    )
+    return [
+        (
+            f"Nemotron, block {block}, quota: one token a step",
+            dict(ours, sampler="quota"),
+            dict(vlm, threshold=None),
+        ),
+        (
+            f"Nemotron, block {block}, threshold 0.9 (our default)",
+            dict(ours, sampler="threshold", threshold=0.9),
+            dict(vlm, threshold=0.9),
+        ),
+    ]
 
 
 def main():
@@ -150,95 +225,59 @@ def main():
     )
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--families", nargs="+", default=["llada2", "nemotron"])
+    ap.add_argument("--no-batch", action="store_true", help="skip the batch-of-4 rows")
     args = ap.parse_args()
+    import mlx_vlm
+
     rng = np.random.default_rng(0)
     print(
-        f"prompt {args.prompt} tokens, max_tokens {args.max_tokens}, temperature 0, "
-        f"batch 1; medians of {args.runs} runs after a warm-up"
+        f"prompt {args.prompt} tokens, max_tokens {args.max_tokens}, temperature 0, batch 1; "
+        f"{args.pairs} alternating pairs after a warm-up; mlx {mx.__version__}, "
+        f"mlx-vlm {mlx_vlm.__version__}"
     )
-    print(
-        f"{'family / engine':40s} {'NFE':>5s} {'tokens':>6s} {'tok/fwd':>7s} {'tok/s':>8s} {'ratio':>6s} same"
-    )
+    print(HEADER)
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    builders = {"llada2": build_llada2, "nemotron": build_nemotron}
     with tempfile.TemporaryDirectory() as tmp:
-        for family, builder in (("llada2", build_llada2), ("nemotron", build_nemotron)):
-            path, cfg = builder(Path(tmp) / family)
+        for family in args.families:
+            path, cfg = builders[family](Path(tmp) / family)
             model, tok = load(path)
             vlm = vlm_model(family, path)
             spec = model.diffusion_spec
-            vocab = cfg["vocab_size"]
             # byte tokens only: ids below 10 include pad, which mlx-vlm masks out of a prompt
             prompt = [int(t) for t in rng.integers(10, 250, size=args.prompt)]
             eos = set(spec.eos_token_ids)
-            if family == "llada2":
-                ours_kw = dict(
-                    max_tokens=args.max_tokens,
-                    block_length=32,
-                    steps=32,
-                    sampler="threshold",
-                    threshold=0.95,
+            comparisons = settings_for(family, spec, args.max_tokens)
+            for i, (label, ours_kw, vlm_kw) in enumerate(comparisons):
+                a, b, r = interleaved(
+                    lambda: run_ours(model, tok, prompt, ours_kw),
+                    lambda: run_vlm(vlm, prompt, vlm_kw, eos),
+                    args.pairs,
                 )
-                vlm_kw = dict(
-                    block_length=32,
-                    steps=32,
-                    gen_length=args.max_tokens,
-                    threshold=0.95,
-                    eos_early_stop=True,
-                )
-            else:
-                # the fixture's trained block size (mlx-vlm ignores the checkpoint's: pass it)
-                block = spec.trained_block_length
-                ours_kw = dict(max_tokens=args.max_tokens, block_length=block, steps=block)
-                vlm_kw = dict(
-                    block_length=block,
-                    steps=block,
-                    gen_length=args.max_tokens,
-                    threshold=None,
-                    sampler="native",
-                    eos_early_stop=True,
-                )
-            a_tok, a_nfe, a_s = median_runs(
-                lambda: run_ours(model, tok, prompt, ours_kw), args.runs
-            )
-            b_tok, b_nfe, b_s = median_runs(lambda: run_vlm(vlm, prompt, vlm_kw, eos), args.runs)
-            n = max(len(a_tok), 1)
-            label = f"{family} (block {ours_kw['block_length']}, {ours_kw.get('sampler', 'quota')})"
-            print(label)
-            print(
-                f"{'  mlx-dllm-models':40s} {a_nfe:5.0f} {len(a_tok):6d} {len(a_tok) / max(a_nfe, 1):7.2f} "
-                f"{len(a_tok) / a_s:8.1f} {b_s / a_s:6.2f} {a_tok == b_tok[: len(a_tok)]}"
-            )
-            print(
-                f"{'  mlx-vlm 0.7.10':40s} {b_nfe:5.0f} {len(b_tok):6d} "
-                f"{len(b_tok) / max(b_nfe or 1, 1):7.2f} {len(b_tok) / b_s:8.1f} {1.0:6.2f}"
-            )
-            del vocab, n
-            # Batch > 1, which mlx-vlm refuses: 4 prompts at once vs the same 4 one after another.
-            prompts = [prompt] + [
-                [int(t) for t in rng.integers(10, 250, size=args.prompt)] for _ in range(3)
-            ]
-            one = lambda: [run_ours(model, tok, p, ours_kw) for p in prompts]  # noqa: E731
+                same = "yes" if a[0] == b[0][: len(a[0])] else "no"
+                print(row(label, "ours / mlx-vlm", a, b, r, same), flush=True)
+                if args.no_batch or i > 0:  # the batch rows: with each family's first sampler
+                    continue
+                # Batch > 1, which mlx-vlm refuses: the same 4 prompts one by one vs at once.
+                prompts = [prompt] + [
+                    [int(t) for t in rng.integers(10, 250, size=args.prompt)] for _ in range(3)
+                ]
 
-            def many():
-                tic = time.perf_counter()
-                out = batch_generate_diffusion(model, tok, prompts, **ours_kw)
-                return out.tokens, out.nfe, time.perf_counter() - tic
+                def many():
+                    tic = time.perf_counter()
+                    out = batch_generate_diffusion(model, tok, prompts, **ours_kw)
+                    return out.tokens, out.nfe, time.perf_counter() - tic
 
-            one()
-            singles = [one() for _ in range(args.runs)]
-            t_one = statistics.median(sum(r[2] for r in run) for run in singles)
-            n_one = sum(len(r[0]) for r in singles[0])
-            b_toks, b_nfe, t_many = median_runs(many, args.runs)
-            n_many = sum(len(t) for t in b_toks)
-            same = b_toks == [r[0] for r in singles[0]]
-            print(
-                f"{'  batch of 4, one by one':40s} {sum(r[1] for r in singles[0]):5d} {n_one:6d} {'':7s} "
-                f"{n_one / t_one:8.1f} {1.0:6.2f}"
-            )
-            print(
-                f"{'  batch of 4, batched':40s} {b_nfe:5.0f} {n_many:6d} {'':7s} "
-                f"{n_many / t_many:8.1f} {t_one / t_many:6.2f} {same}"
-            )
+                def one():
+                    runs = [run_ours(model, tok, p, ours_kw) for p in prompts]
+                    return [r[0] for r in runs], sum(r[1] for r in runs), sum(r[2] for r in runs)
+
+                m, o, r = interleaved(many, one, args.pairs)
+                flat = (sum(m[0], []), m[1], m[2]), (sum(o[0], []), o[1], o[2])
+                same = "yes" if m[0] == o[0] else "no"
+                print(row(label, "ours: batch of 4 / one by one", *flat, r, same), flush=True)
 
 
 if __name__ == "__main__":
