@@ -16,4 +16,7 @@ MODEL_TYPES = {
     "llada2_moe": "llada2_moe",
     "nemotron_labs_diffusion": "nemotron_labs_diffusion",
     "diffusion_gemma": "diffusion_gemma",
+    # Salesforce's CoDA writes "CoDA" (mlx-lm imports the model_type as given); same module.
+    "CoDA": "coda",
+    "coda": "coda",
 }

@@ -59,6 +59,8 @@ MAX_LOGPROBS = 20
 _DIFFUSION = ("diffusion",)  # Nemotron: the samplers act in diffusion mode, not self-speculation
 _WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
 _CANVAS = ("diffusion_gemma",)
+# Families whose sampler "dream" is Dream's diffusion_generate (CoDA's generation_utils.py is a copy).
+_DREAM = ("dream", "coda")
 
 SETTINGS: Tuple[Setting, ...] = (
     Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, positive_int),
@@ -173,7 +175,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "Dream: origin | maskgit_plus | topk_margin | entropy",
         str,
         choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
-        families=("dream",),
+        families=_DREAM,
         samplers=("dream",),
     ),
     Setting(
@@ -182,7 +184,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
         cli_optional_float,
         optional(number(0, what=" (0 or null ranks greedily)")),
-        families=("dream",),
+        families=_DREAM,
         samplers=("dream",),
     ),
     Setting(
@@ -193,7 +195,7 @@ SETTINGS: Tuple[Setting, ...] = (
         number(
             0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"
         ),
-        families=("dream",),
+        families=_DREAM,
         samplers=("dream",),
     ),
     # LLaDA generate.py (ML-GSAI/LLaDA), LLaDA 8B and LLaDA-MoE.

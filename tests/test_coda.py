@@ -1,0 +1,295 @@
+"""CoDA (Salesforce/CoDA-v0-Instruct): the forward against transformers' Qwen3 read bidirectionally,
+decoding against a transcription of CoDA's generation_utils.py (tests/reference/coda_torch.py), the
+published config and recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches, sharding and serve."""
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from fixtures import build_once
+from fixtures.coda import IM_END, MASK, build
+from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from mlx_dllm_models import stream_generate_diffusion as stream
+from mlx_dllm_models.decoding import dream as dream_rules
+from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.models import coda
+from mlx_dllm_models.request import checkpoint_settings
+from mlx_dllm_models.settings import family_settings, resolve_settings
+from mlx_dllm_models.spec import BIDIRECTIONAL
+from reference.coda_torch import coda_generate, reference_forward, reference_logits
+
+DATA = Path(__file__).parent / "data" / "Salesforce__CoDA-v0-Instruct"
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "coda", build)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load(ckpt)
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("length", [1, 9, 24])
+def test_logits_match_bidirectional_qwen3(ckpt, length):
+    model, _ = load_fixture(ckpt)
+    ids = np.random.default_rng(length).integers(0, 256, (2, length))
+    ids[:, length // 2 :] = MASK
+    ours = model(mx.array(ids))
+    assert_close(ours, reference_logits(ckpt, ids))
+    if length > 1:
+        assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen3's causal reading fails
+    part = model(mx.array(ids), head_span=(0, max(1, length // 2)))
+    assert_close(part, np.array(ours)[:, : max(1, length // 2)])
+
+
+def test_spec_and_defaults_are_the_published_recipe(loaded):
+    model, _ = loaded
+    spec = model.diffusion_spec
+    assert (spec.family, spec.attention, spec.logit_shift) == ("coda", BIDIRECTIONAL, 1)
+    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
+    assert set(family_settings("coda")) == {"alg", "alg_temp", "eps"}
+    # The published generation_config.json (alg "original", alg_temp 0.2, diffusion_steps 10)
+    # is what the reference never reads; the deployment recipe is the default.
+    assert model.generation_config["alg"] == "original"
+    s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
+    want = dict(sampler="dream", alg="entropy", alg_temp=0.1, eps=1e-3, temperature=0.0)
+    assert {k: s[k] for k in want} == want
+    assert (s["max_tokens"], s["steps"], s["block_length"], s["top_p"], s["top_k"]) == (
+        256,
+        128,
+        256,
+        None,
+        None,
+    )
+    # The shared samplers keep one step per position of their blocks.
+    q = resolve_settings(spec, {"sampler": "quota"}, {})
+    assert (q["block_length"], q["steps"]) == (32, 32)
+
+
+def test_head_is_never_tied_and_a_missing_head_is_named(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True  # CoDAConfig's default: the reference still has its own head
+    args = coda.ModelArgs.from_dict(cfg)
+    assert args.tie_word_embeddings is False
+    from safetensors.numpy import load_file
+
+    weights = {k: mx.array(v) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    del weights["lm_head.weight"]
+    with pytest.raises(ValueError, match="no lm_head.weight"):
+        coda.Model(args).sanitize(weights)
+
+
+# --------------------------------------------------------------------------------- decoding
+
+
+def ours(model, prompts, **kw):
+    spec = model.diffusion_spec
+    kw = {"temperature": 0.0, **kw}
+    settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
+    decoder = make_decoder(model, settings, eos_token_ids=())
+    out = [[] for _ in prompts]
+    for event in decoder.run(prompts):
+        if isinstance(event, BlockEvent):
+            for row, toks in zip(event.rows, event.tokens):
+                out[row].extend(toks)
+    return out, decoder.nfe
+
+
+def reference(ckpt, p, max_tokens, steps, **kw):
+    seq = coda_generate(reference_forward(ckpt), np.array([p]), max_tokens, steps, **kw)
+    assert not (seq == MASK).any()
+    return seq[0, len(p) :].tolist()
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy"])
+@pytest.mark.parametrize("case", [(6, 0, 10, 10), (3, 1, 12, 5), (9, 2, 8, 20)])
+def test_greedy_ranked_algorithms_match_the_reference(loaded, ckpt, alg, case):
+    n, seed, max_tokens, steps = case
+    model, _ = loaded
+    p = prompt(n, seed)
+    want = reference(ckpt, p, max_tokens, steps, alg=alg, alg_temp=0.0, mask_token_id=MASK)
+    got, _ = ours(model, [p], max_tokens=max_tokens, steps=steps, alg=alg, alg_temp=0.0)
+    assert got[0] == want
+
+
+class _Noise:
+    """alg_temp's position draws on both sides from one Gumbel table: the engine's `_gumbel`
+    returns G[i] at its i-th drawing step; the reference takes the top n of
+    log(probs) + G[i] (over prompt + canvas; the prompt's probabilities are 0), which is a draw
+    of n positions without replacement from `probs`, the distribution torch.multinomial draws."""
+
+    def __init__(self, steps, n_prompt, max_tokens, seed):
+        u = np.random.default_rng(seed).random((steps, max_tokens))
+        self.g = (-np.log(-np.log(u))).astype(np.float32)
+        self.n_prompt, self.i, self.j = n_prompt, 0, 0
+
+    def ours(self, key, shape):
+        assert shape == (1, self.g.shape[1])
+        self.i += 1
+        return mx.array(self.g[self.i - 1][None])
+
+    def reference(self, probs, n):
+        g = np.concatenate([np.zeros(self.n_prompt, np.float32), self.g[self.j]])
+        self.j += 1
+        return torch.topk(torch.log(probs) + torch.from_numpy(g)[None], n).indices
+
+
+@pytest.mark.parametrize("case", [(7, 3, 256, 128), (5, 4, 24, 12)])
+def test_the_recipe_matches_the_reference_with_the_same_draws(loaded, ckpt, monkeypatch, case):
+    """The defaults (alg entropy, alg_temp 0.1, 128 steps for 256 tokens, temperature 0) against
+    the reference with the same position draws."""
+    n, seed, max_tokens, steps = case
+    model, _ = loaded
+    p = prompt(n, seed)
+    noise = _Noise(steps, n, max_tokens, seed=seed + 50)
+    seq = coda_generate(
+        reference_forward(ckpt),
+        np.array([p]),
+        max_tokens,
+        steps,
+        alg="entropy",
+        alg_temp=0.1,
+        mask_token_id=MASK,
+        draw_positions=noise.reference,
+    )
+    monkeypatch.setattr(dream_rules, "_gumbel", noise.ours)
+    got, nfe = ours(model, [p], max_tokens=max_tokens, steps=steps)
+    assert got[0] == seq[0, n:].tolist()
+    assert noise.i == noise.j == nfe  # one draw per step that commits, on both sides
+    # The draws matter: greedy ranking gives other tokens.
+    greedy = reference(ckpt, p, max_tokens, steps, alg="entropy", mask_token_id=MASK)
+    assert greedy != got[0]
+
+
+def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
+    model, tok = loaded
+    prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
+    # One run (similar lengths), left-padded; greedy ranking: alg_temp's draws come from the
+    # run's key, whose (B, L) noise is not a single run's beyond the first row.
+    kw = dict(max_tokens=12, steps=6, alg_temp=0.0)
+    batch = batch_generate_diffusion(model, tok, prompts, **kw)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+
+
+def test_bad_settings_are_clear_errors(loaded):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="unknown alg 'original'"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, alg="original")
+    with pytest.raises(SettingsError, match="alg_temp only acts with sampler='dream'"):
+        batch_generate_diffusion(model, tok, [[40]], max_tokens=4, sampler="quota", alg_temp=0.1)
+
+
+# ------------------------------------------------------------------- mlx-lm, sharding, serve
+
+
+def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
+    model, tok = loaded
+    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "CoDA" and "auto_map" not in cfg
+    code = (
+        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
+        "from mlx_dllm_models import batch_generate_diffusion as g;"
+        "m, t = load(sys.argv[1]); print(type(m).__module__);"
+        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=8, steps=4, seed=1).tokens[0]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, tokens = proc.stdout.strip().splitlines()[-2:]
+    assert module == "mlx_dllm_models.models.coda"
+    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
+    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+
+
+class _Ranks:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return 0
+
+
+def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
+    model, _ = load_fixture(ckpt)
+    ids = mx.array([prompt(7, 3) + [MASK] * 5])
+    before = np.array(model(ids))
+    model.shard(mx.distributed.init())
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        load_fixture(ckpt)[0].shard(_Ranks(3))
+
+
+def test_one_chat_request_through_serve(loaded, ckpt):
+    from openai import OpenAI
+
+    from mlx_dllm_models.server import make_server, shutdown
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, tok = loaded
+    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="coda")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+        messages = [{"role": "user", "content": "hi"}]
+        answer = client.chat.completions.create(
+            model="coda", messages=messages, max_tokens=8, seed=3, temperature=0
+        )
+        text = text_tokenizer(tok).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
+        assert answer.choices[0].message.content == want
+    finally:
+        shutdown(server)
+
+
+# ---------------------------------------------------------------------- the published files
+
+
+def test_published_config_builds_the_full_model_lazily():
+    from mlx.utils import tree_flatten
+
+    cfg = json.loads((DATA / "config.json").read_text())
+    args = coda.ModelArgs.from_dict(cfg)
+    model = coda.Model(args)
+    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 1.9e9 < count < 2.2e9  # Qwen3-1.7B's body with its own head (2.03e9)
+    spec = model.diffusion_spec
+    assert (spec.mask_token_id, spec.eos_token_ids, spec.max_position_embeddings) == (
+        151669,
+        (151645,),
+        40960,
+    )
+    assert (args.head_dim, args.num_key_value_heads, args.rope_theta) == (128, 8, 1000000)
+    tokens = json.loads((DATA / "added_tokens.json").read_text())
+    assert tokens["<|mask|>"] == spec.mask_token_id and tokens["<|im_end|>"] == 151645
+    special = json.loads((DATA / "special_tokens_map.json").read_text())
+    assert special["mask_token"]["content"] == "<|mask|>"
