@@ -7,6 +7,10 @@ stops it and returns to the prompt: the interrupted turn (the question and the p
 dropped and the conversation before it kept, as after a turn that failed; Ctrl-C (or Ctrl-D) at
 the prompt exits.
 
+Lines are read through readline where Python has it (line_editing): the cursor keys, history and
+Ctrl-A / Ctrl-E edit the line, and a pasted line arrives whole. Without it a terminal's canonical
+mode reads the line, which holds at most 4095 characters (Linux): the rest of a longer line is lost.
+
 Reuse of the previous turns' K/V: block-causal families (SDAR, LLaDA2.x) and the causal-prefix one
 (Nemotron) keep the final K/V of a turn (the decoder's `kv_prefix`), and the next turn's prefill
 starts after the prefix its prompt shares with them (whole blocks for block-causal families), so a
@@ -119,6 +123,17 @@ def _parser():
     return p
 
 
+def line_editing() -> bool:
+    """Let `input()` read lines through readline (GNU readline or libedit), where this Python has
+    it: importing the module is what switches input() over. Imported here, not at the top: a
+    program that only uses ChatSession keeps its terminal as it was. False without it."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def chat_main(argv):
     args = _parser().parse_args(argv)
     if args.logprobs is not None:  # a settings-table flag that the REPL would not show
@@ -139,6 +154,7 @@ def chat_main(argv):
         raise SystemExit(f"error: {e}") from None
     spec = model.diffusion_spec
     view = LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
+    line_editing()
     print(f"[chat with {args.model or 'the embedded model'}] {HELP}", flush=True)
 
     def on_step(event, decoder):
