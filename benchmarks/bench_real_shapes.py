@@ -14,8 +14,9 @@ One checkpoint at a time, each phase in its own subprocess so that each peak is 
    model built lazily at the real config (the shape `sanitize` maps it onto; checked: `sanitize` of
    lazy placeholders gives exactly the model's parameters, names and shapes), written one tensor at
    a time in bfloat16 into safetensors shards of about 2 GB with model.safetensors.index.json.
-   Values: uniform noise of variance 1 / fan_in, norms at 1, biases 0, the output head scaled so
-   that a logit has a standard deviation of HEAD_LOGIT_STD (predictions far from uniform). A
+   Values: uniform noise of variance 1 / fan_in, norms at 1, biases 0, embeddings of variance 1
+   (the mask token's row at 0.05 of that, as the fixtures), an untied output head scaled so that
+   a logit has a standard deviation of HEAD_LOGIT_STD (predictions far from uniform). A
    tokenizer in the fixtures' form (one token per byte, no merges) holding the checkpoint's special
    tokens at their real ids, filled to the real vocabulary size; the real chat template where
    tests/data has it. No real tokenizer.json exists here.
@@ -44,7 +45,8 @@ One checkpoint at a time, each phase in its own subprocess so that each peak is 
 Run with OpenBLAS preloaded (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3),
 as the other benchmarks here: float32 matmuls are about 10x faster with it on this CPU.
 Each phase appends a JSON line to <work>/results.jsonl; `run` deletes the checkpoint and its
-conversion afterwards unless --keep. Run only one at a time on a shared machine.
+conversion afterwards (--keep 4bit keeps the conversion for a later run that measures generation
+only; --keep all keeps both). Run only one at a time on a shared machine.
 """
 
 import argparse
@@ -67,7 +69,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 GB = 1e9
 SHARD_BYTES = 2 * 10**9
-HEAD_LOGIT_STD = 8.0
+# A logit's standard deviation: the gap between a position's two best logits is then about
+# HEAD_LOGIT_STD / sqrt(2 ln vocab) ~ 5 nats, so most predictions pass a 0.9-0.95 threshold, a
+# block takes a few forwards (mlx-vlm's loops need steps = block_length to match ours), and ties
+# near a threshold are rare.
+HEAD_LOGIT_STD = 24.0
 CHUNK = 1 << 25  # elements drawn at once (128 MB of float32)
 
 # Qwen3-1.7B's dimensions (SDAR-1.7B-Chat is trained from it) over SDAR-8B-Chat's config.json: no
@@ -216,7 +222,7 @@ def hf_shapes(module, model, names):
     return shapes
 
 
-def _draw(name, shape, hidden, dtype):
+def _draw(name, shape, hidden, dtype, mask_id=None):
     """One tensor's random bfloat16 value (drawn in chunks of rows, so the float32 draw of a
     large table is never whole)."""
     import mlx.core as mx
@@ -241,6 +247,11 @@ def _draw(name, shape, hidden, dtype):
         mx.eval(p)
         parts.append(p)
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    if name.endswith(EMBEDDINGS) and mask_id is not None and mask_id < shape[0]:
+        # As the fixtures: a mask's embedding carries little, so the context decides what a
+        # masked position becomes (with a tied head, a full-size mask row would make every masked
+        # position predict the mask itself, which decoding never proposes).
+        out[mask_id] = out[mask_id] * 0.05
     mx.eval(out)
     return out
 
@@ -256,6 +267,7 @@ def write_checkpoint(key, path):
     module, model = lazy_model(cfg)
     names, source = hf_names(key, cfg)
     shapes = hf_shapes(module, model, names)
+    mask_id = model.diffusion_spec.mask_token_id
     del model
     hidden = cfg.get("hidden_size") or cfg.get("d_model")
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -279,7 +291,7 @@ def write_checkpoint(key, path):
         tensors = {}
         for name in shard:
             dtype = mx.float32 if name.endswith(wide) and wide else mx.bfloat16
-            tensors[name] = _draw(name, shapes[name], hidden, dtype)
+            tensors[name] = _draw(name, shapes[name], hidden, dtype, mask_id)
             total += tensors[name].nbytes
             weight_map[name] = fname
         mx.save_safetensors(str(path / fname), tensors, metadata={"format": "pt"})
@@ -734,37 +746,24 @@ def versus_vlm(model, tok, out, pairs, on_cpu_path):
     prompt = random_prompt(model, rng, VLM_PROMPT)
     eos = set(spec.eos_token_ids)
     block = spec.trained_block_length or 32
-    if model.args.model_type == "llada2_moe":
-        ours_kw = dict(
-            max_tokens=block,
-            block_length=block,
-            steps=block,
-            sampler="threshold",
-            threshold=0.95,
-            temperature=0,
-        )
-        vlm_kw = dict(
-            block_length=block, steps=block, gen_length=block, threshold=0.95, eos_early_stop=True
-        )
-        label = f"block {block}, threshold 0.95"
-    else:
-        ours_kw = dict(
-            max_tokens=block,
-            block_length=block,
-            steps=block,
-            sampler="threshold",
-            threshold=0.9,
-            temperature=0,
-        )
-        vlm_kw = dict(
-            block_length=block,
-            steps=block,
-            gen_length=block,
-            threshold=0.9,
-            eos_early_stop=True,
-            sampler="native",
-        )
-        label = f"block {block}, threshold 0.9"
+    # steps = block: each engine's threshold rule with a floor of one token a step (with fewer
+    # steps mlx-vlm's LLaDA2 loop still commits one token a step and stops after `steps`).
+    steps = block
+    threshold = 0.95 if model.args.model_type == "llada2_moe" else 0.9
+    ours_kw = dict(
+        max_tokens=block,
+        block_length=block,
+        steps=steps,
+        sampler="threshold",
+        threshold=threshold,
+        temperature=0,
+    )
+    vlm_kw = dict(
+        block_length=block, steps=steps, gen_length=block, threshold=threshold, eos_early_stop=True
+    )
+    if model.args.model_type != "llada2_moe":
+        vlm_kw["sampler"] = "native"
+    label = f"block {block}, {steps} steps, threshold {threshold}"
 
     def ours():
         tic = time.perf_counter()
@@ -773,13 +772,24 @@ def versus_vlm(model, tok, out, pairs, on_cpu_path):
             toks += last.tokens
         return toks, last.nfe, time.perf_counter() - tic
 
+    inner = vlm.language_model.model
+    cls, calls = type(inner), [0]
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return cls.__call__(self, *a, **k)
+
+    # mlx-vlm reports no forward count: count calls of its transformer body.
+    inner.__class__ = type(cls.__name__, (cls,), {"__call__": counted})
+
     def theirs():
+        calls[0] = 0
         tic = time.perf_counter()
         o = vlm.language_model.generate(mx.array([prompt]), **vlm_kw)
         mx.eval(o)
         toks = [int(t) for t in np.array(o).reshape(-1)]
         cut = next((i for i, t in enumerate(toks) if t in eos), None)
-        return toks if cut is None else toks[:cut], None, time.perf_counter() - tic
+        return toks if cut is None else toks[:cut], calls[0], time.perf_counter() - tic
 
     runs = {"ours": [], "vlm": []}
     for i in range(pairs):
@@ -799,6 +809,7 @@ def versus_vlm(model, tok, out, pairs, on_cpu_path):
         ours_tokens=len(ta),
         vlm_tokens=len(tb),
         ours_nfe=runs["ours"][-1][1],
+        vlm_forwards=runs["vlm"][-1][1],
         tok_s_ratio=(len(ta) / a) / (len(tb) / b) if tb else None,
         tokens_equal=ta == tb[: len(ta)] and len(ta) == len(tb),
         first_difference=next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None),
@@ -824,7 +835,9 @@ def _child(args, log):
     return json.loads(line)
 
 
-def run(key, work, prompts, steps, vlm_pairs, keep, skip_write=False):
+def run(key, work, prompts, steps, vlm_pairs, keep="none"):
+    """keep: "none" (delete both folders at the end), "4bit" (keep the conversion: a later run
+    with the same work folder reuses it and measures generation only), "all"."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     ckpt, out = work / f"{key}-hf", work / f"{key}-4bit"
@@ -832,36 +845,112 @@ def run(key, work, prompts, steps, vlm_pairs, keep, skip_write=False):
     load = os.getloadavg()
     with open(log, "a") as f:
         f.write(json.dumps(dict(phase="start", key=key, loadavg=load, at=time.time())) + "\n")
+    reuse = (out / "config.json").exists() and keep != "none"
     try:
-        if not skip_write:
+        if not reuse:
             _child(["_write", key, ckpt], log)
-        if out.exists():
-            shutil.rmtree(out)
-        _child(["_convert", ckpt, out], log)
-        if not keep:
-            shutil.rmtree(ckpt)
-        _child(["_load", out], log)
-        _child(
-            [
-                "_generate",
-                out,
-                key,
-                "--steps",
-                steps,
-                "--vlm-pairs",
-                vlm_pairs,
-                "--prompts",
-                *prompts,
-            ],
-            log,
-        )
+            if out.exists():
+                shutil.rmtree(out)
+            _child(["_convert", ckpt, out], log)
+            if keep != "all":
+                shutil.rmtree(ckpt)
+            _child(["_load", out], log)
+        args = ["_generate", out, key, "--steps", steps, "--vlm-pairs", vlm_pairs]
+        _child(args + ["--prompts", *prompts], log)
     finally:
         with open(log, "a") as f:
             f.write(json.dumps(dict(phase="end", key=key, loadavg=os.getloadavg())) + "\n")
-        if not keep:
-            for p in (ckpt, out):
-                if p.exists():
-                    shutil.rmtree(p)
+        for p, kept in ((ckpt, keep == "all"), (out, keep != "none")):
+            if p.exists() and not kept:
+                shutil.rmtree(p)
+
+
+def _records(files):
+    """key -> {phase: record} from results files (the last record of each phase wins)."""
+    out, key = {}, None
+    for f in files:
+        for line in Path(f).read_text().splitlines():
+            d = json.loads(line)
+            if d["phase"] == "start":
+                key = d["key"]
+            rec = out.setdefault(key, {})
+            if d["phase"] == "generate" and "generate" in rec:
+                # Rows of several runs: one per prompt length, the later run's where both have it.
+                rows = {r["prompt"]: r for r in rec["generate"]["rows"] + d["rows"]}
+                d = dict(d, rows=sorted(rows.values(), key=lambda r: r["prompt"]))
+                d.setdefault("vlm", rec["generate"].get("vlm"))
+            if d["phase"] in ("start", "end"):
+                rec.setdefault("loadavg", []).append(d["loadavg"][0])
+            rec[d["phase"]] = d
+    return out
+
+
+def table(files):
+    """The markdown tables of BENCHMARKS.md from results files."""
+    g = GB
+    recs = _records(files)
+    print(
+        "| checkpoint | HF bf16 GB (shards) | 4-bit GB | convert s | convert peak RSS GB "
+        "(largest shard) | load: peak RSS - base - tokenizer GB / weights GB "
+        "| load average (1 min, at starts and ends) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for key, r in recs.items():
+        w, c, lo = r.get("write"), r.get("convert"), r.get("load")
+        if not (w and c and lo):
+            continue
+        extra = lo["rss_peak"] - lo["rss_before"] - lo["tokenizer_rss"]
+        print(
+            f"| {key} | {w['bytes'] / g:.2f} ({w['shards']}) | {c['output_bytes'] / g:.2f} "
+            f"| {c['seconds']:.0f} | {c['rss_peak'] / g:.2f} ({c['largest_input_shard'] / g:.2f}) "
+            f"| {extra / g:.2f} / {lo['weight_bytes'] / g:.2f} = {lo['ratio']:.3f} "
+            f"| {', '.join(f'{x:.1f}' for x in r['loadavg'])} |"
+        )
+    print()
+    print(
+        "| checkpoint | prompt | settings | prefill s (s / token) | step s | bare forward s "
+        "| ratio | tokens / forward | MLX peak GB | theory GB (K/V) | peak / theory "
+        "| + widening | largest logits rows / canvas |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key, r in recs.items():
+        gen = r.get("generate")
+        if not gen:
+            continue
+        for row in gen["rows"]:
+            st = row["settings"]
+            label = st.get("sampler")
+            if label in ("threshold", "llada2"):
+                label += f" {st['threshold']}"
+            if st.get("alg"):
+                label += f" ({st['alg']})"
+            label += f", block {st['block_length']}, {st['steps']} steps, cache {st.get('cache')}"
+            prefill = "none (full recompute)"
+            if row["prefill_forwards"]:
+                prefill = f"{row['prefill_s']:.0f} ({row['prefill_s'] / row['prompt']:.3f})"
+            print(
+                f"| {key} | {row['prompt']} | {label} | {prefill} | {row['step_s']:.2f} "
+                f"| {row['bare_s']:.2f} | {row['step_over_bare']:.3f} "
+                f"| {row['tokens_per_forward']:.2f} | {row['peak'] / g:.2f} "
+                f"| {row['theory'] / g:.2f} ({row['kv_theory'] / g:.2f}) "
+                f"| {row['peak_over_theory']:.2f} | {row['peak_over_theory_and_widening']:.2f} "
+                f"| {row['max_logit_rows']} / {row['canvas']} |"
+            )
+    print()
+    print(
+        "| checkpoint | settings | prompt | forwards ours / mlx-vlm | s ours / mlx-vlm "
+        "| tok/s ratio | tokens equal |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|")
+    for key, r in recs.items():
+        v = (r.get("generate") or {}).get("vlm")
+        if not v:
+            continue
+        print(
+            f"| {key} | {v['settings']} | {v['prompt']} | {v['ours_nfe']} / "
+            f"{v.get('vlm_forwards', '?')} | {v['ours_s']:.1f} / {v['vlm_s']:.1f} "
+            f"| {v['tok_s_ratio']:.2f} | {'yes' if v['tokens_equal'] else 'no'} |"
+        )
 
 
 def main():
@@ -875,12 +964,13 @@ def main():
     r.add_argument("--prompts", nargs="+", type=int, default=[512])
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--vlm-pairs", type=int, default=2)
-    r.add_argument("--keep", action="store_true")
-    r.add_argument("--skip-write", action="store_true")
+    r.add_argument("--keep", choices=("none", "4bit", "all"), default="none")
     w = sub.add_parser("write")
     w.add_argument("key", choices=CHECKPOINTS)
     w.add_argument("path")
     sub.add_parser("list")
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
     p = sub.add_parser("_write")
     p.add_argument("key")
     p.add_argument("path")
@@ -901,16 +991,11 @@ def main():
         for key, entry in CHECKPOINTS.items():
             print(key, entry["data"], "derived" if "derive" in entry else "")
         return
+    if args.cmd == "table":
+        table(args.files)
+        return
     if args.cmd == "run":
-        run(
-            args.key,
-            args.work,
-            args.prompts,
-            args.steps,
-            args.vlm_pairs,
-            args.keep,
-            args.skip_write,
-        )
+        run(args.key, args.work, args.prompts, args.steps, args.vlm_pairs, args.keep)
         return
     if args.cmd == "write":
         print(json.dumps(write_checkpoint(args.key, args.path)))
