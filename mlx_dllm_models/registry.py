@@ -16,6 +16,8 @@ MODEL_TYPES = {
     "llada2_moe": "llada2_moe",
     "nemotron_labs_diffusion": "nemotron_labs_diffusion",
     "diffusion_gemma": "diffusion_gemma",
+    # Radical Numerics' RND1 (Qwen3-30B-A3B read bidirectionally).
+    "rnd1": "rnd1",
     # Salesforce's CoDA writes "CoDA" (mlx-lm imports the model_type as given); same module.
     "CoDA": "coda",
     "coda": "coda",

@@ -15,6 +15,7 @@ import mlx.core as mx
 from .block import entropy_bounded_commit, sequential_commit
 from .dream import dream_commit
 from .llada import random_commit
+from .rnd1 import rnd1_commit
 from .rules import entropy_commit, factor_commit, quota_commit, threshold_commit
 from .schedule import transfer_schedule
 
@@ -86,4 +87,5 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
     "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
     "random": random_commit,  # LLaDA generate.py's remasking="random"
+    "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
 }

@@ -1,0 +1,124 @@
+"""RND1-30B-A3B (radicalnumerics/RND1-Base-0910, model_type "rnd1"): a Qwen3-30B-A3B MoE body read
+bidirectionally.
+
+Reproduces `rnd/modeling_rnd.py` of RadicalNumerics/RND1 (`RND1LM`, the class the checkpoint's
+auto_map names for AutoModelForMaskedLM): Qwen3-MoE's weights and layer math (q/k RMSNorm per
+head, RoPE, a softmax router over `num_experts` with the top `num_experts_per_tok` renormalised when
+`norm_topk_prob`, SwiGLU experts), attention with `is_causal=False` and no mask (its sampler never
+passes one), an untied `lm_head`.
+
+Its sampler reads position i's token from hidden state i-1 (`rnd/sampling.py`: "pos i predicts
+token i+1"), as Dream's: the spec declares `logit_shift=1` and the engine applies it.
+
+One difference in reading config.json: the repository's latest `RND1Config` overwrites whatever
+config.json says with its CONFIG_DEFAULTS (those of the released checkpoint); here config.json is
+read as it is, as mlx-lm reads every model, so that other sizes (the tests' fixtures) load.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.models import qwen3_moe
+
+from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    drop_tied_head,
+    masked_forward,
+    refuse_autoregressive_tools,
+    sanitize_experts,
+)
+
+# RND1Config's default mask id (rnd/configuration_rnd.py); the Qwen3 tokenizer has no token there.
+RND1_MASK_TOKEN_ID = 151669
+
+# The recipe of RND1's README (Python API) and demo_rnd_generation.py's defaults:
+# generate(max_new_tokens=256, num_diffusion_steps=256, temperature=0.01), no top-k / top-p,
+# greedy=False (RND1GenerationConfig's default: the proposals are sampled at that temperature).
+# The steps stay 256 whatever max_tokens is, as in the reference's generate (RND1GenerationConfig
+# always carries num_diffusion_steps); steps that commit nothing cost no forward here.
+REFERENCE_DEFAULTS = {
+    "sampler": "rnd1",
+    "temperature": 0.01,
+    "top_p": None,
+    "top_k": None,
+    "max_tokens": 256,
+}
+REFERENCE_STEPS = 256
+# The reference's generate builds a fresh RND1GenerationConfig from its arguments and never reads
+# the checkpoint's generation_config.json: none of its keys is read here either.
+IGNORED_GENERATION_CONFIG_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k")
+
+
+@dataclass
+class ModelArgs(qwen3_moe.ModelArgs):
+    mask_token_id: Optional[int] = None
+    eos_token_id: Union[int, List[int], None] = None
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    # rnd/configuration_rnd.py: the default of the reference's generate (which never reads it).
+    num_diffusion_steps: int = REFERENCE_STEPS
+
+    def __post_init__(self):
+        # RND1Config's defaults write `rope_scaling: false` (meaning none); qwen3_moe's RoPE
+        # takes no scaling.
+        if self.rope_scaling is False:
+            self.rope_scaling = None
+        check_special_ids(self, mask_default=RND1_MASK_TOKEN_ID)
+
+
+class Model(qwen3_moe.Model):
+    """RND1LM: qwen3_moe.Model whose forward takes the attention mask from the caller (None:
+    every position sees every other)."""
+
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+
+    def sanitize(self, weights):
+        drop_tied_head(weights, "rnd1", self.args.tie_word_embeddings)
+        weights = sanitize_experts(super().sanitize, weights, "rnd1", self.args.num_experts)
+        layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
+        keys = "num_hidden_layers, hidden_size, head counts, head_dim, num_experts, "
+        keys += "moe_intermediate_size, vocab_size"
+        return check_weights(self, weights, "rnd1", layout, keys)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """mlx-lm's qwen3_moe.Model.shard (attention heads split over `group`, the experts over
+        their intermediate dimension, the router replicated), after a readable check that the
+        group divides them."""
+        group = sharding.group_of(group)
+        sizes = sharding.config_sizes(
+            self.args, *sharding.HEADS, "moe_intermediate_size", "intermediate_size"
+        )
+        sharding.check_divisible("rnd1", group, sizes, model=self)
+        super().shard(group)
+
+    @cached_spec
+    def diffusion_spec(self) -> DiffusionSpec:
+        return build_spec(
+            self.args,
+            "rnd1",
+            BIDIRECTIONAL,
+            logit_shift=1,
+            confidence="sampled",
+            quota_base="masks",
+            # "rnd1" is rnd/sampling.py's diffusion_sample (decoding/rnd1.py); the shared
+            # samplers run block-wise.
+            samplers=("rnd1",) + SHARED_SAMPLERS,
+            defaults=dict(REFERENCE_DEFAULTS),
+            ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
+            # forward_scores: logits / temperature, then top-k, then top-p.
+            sampling_order=("temperature", "top_k", "top_p"),
+            # The whole canvas is one block, over the reference's 256 steps (the shared
+            # samplers keep their steps = block_length).
+            sampler_defaults={"rnd1": {"block_length": None, "steps": REFERENCE_STEPS}},
+            vocab_size=self.args.vocab_size,
+        )

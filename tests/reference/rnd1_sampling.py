@@ -1,0 +1,187 @@
+"""Independent torch reference for RND1 (radicalnumerics/RND1-Base-0910).
+
+* `reference_logits`: transformers' Qwen3MoeForCausalLM (eager attention) on the checkpoint's own
+  weights (transformers' loader fuses the per-expert tensors), under the checkpoint's config
+  relabelled qwen3_moe, read bidirectionally: RND1's `rnd/modeling_rnd.py` (RadicalNumerics/RND1 @
+  87d5f46) is Qwen3-MoE's attention with `is_causal=False` and its sparse MoE block (softmax router,
+  top-k, renormalised when norm_topk_prob) under no mask; an all-zero additive mask is that.
+* `diffusion_sample`: a plain transcription of `rnd/sampling.py`'s `diffusion_sample` (same commit),
+  with `forward(tokens) -> logits` in place of the model and a seeded torch.Generator for the
+  categorical draw. `generate` is `RND1GenerationMixin.generate`'s layout for a prompt:
+  seq_len = prompt + max_new_tokens, of which the last position is reserved (pad) because an EOS id
+  is set.
+"""
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+
+@functools.lru_cache(maxsize=4)
+def load_reference(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Path(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    drop = ("auto_map", "mask_token_id", "num_diffusion_steps", "moe_backend", "rope_scaling")
+    cfg = {k: v for k, v in cfg.items() if k not in drop}
+    # RND1Config's defaults write sliding_window / rope_scaling as false (none); RND1's attention
+    # reads neither.
+    cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], sliding_window=None)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        for f in ckpt.glob("*.safetensors*"):
+            (Path(tmp) / f.name).symlink_to(f.resolve())
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", dtype=torch.float32
+        )
+    return model.eval()
+
+
+def _logits(model, x, causal=False):
+    B, L = x.shape
+    additive = torch.zeros(B, 1, L, L)
+    if causal:
+        keep = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        additive = additive.masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = model(
+            input_ids=x,
+            attention_mask=additive,
+            position_ids=torch.arange(L).expand(B, L),
+            use_cache=False,
+        )
+    return out.logits.float()
+
+
+def reference_logits(ckpt, input_ids, causal=False):
+    x = torch.as_tensor(np.asarray(input_ids)).long()
+    return _logits(load_reference(str(ckpt)), x, causal).numpy()
+
+
+def reference_forward(ckpt):
+    model = load_reference(str(ckpt))
+    return lambda x: _logits(model, x)
+
+
+# --- rnd/sampling.py ----------------------------------------------------------------------------
+
+
+def apply_top_k_filtering(logits, k):
+    values, indices = torch.topk(logits, min(k, logits.size(-1)), dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, indices, values)
+
+
+def apply_top_p_filtering(logits, p):
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > p
+    remove[..., 0] = False
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove = remove.scatter(-1, sorted_indices, remove)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def diffusion_sample(
+    forward,
+    seq_len,
+    num_steps,
+    *,
+    mask_token_id,
+    prefix_ids,
+    top_k=None,
+    top_p=None,
+    temperature=1.0,
+    greedy=True,
+    eos_token_id=None,
+    pad_token_id=None,
+    add_eos_at_end=False,
+    seed=0,
+):
+    """`diffusion_sample(model, ...)` for one prefix, no suffix / infill_length / bos / eb_gamma:
+    (seq_len,) int64, and the number of forwards."""
+    g = torch.Generator().manual_seed(seed)
+    pad_token_id = 0 if pad_token_id is None else pad_token_id
+    prefix = torch.as_tensor(np.asarray(prefix_ids)).long().flatten()
+    pre_len = prefix.shape[0]
+    used = pre_len + (1 if eos_token_id is not None else 0)
+    if used >= seq_len:
+        raise ValueError("no space for generation")
+    infill_length = seq_len - used
+    x = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
+    if eos_token_id is not None and add_eos_at_end:
+        x[0, -1] = eos_token_id
+    x[0, :pre_len] = prefix
+    x[0, pre_len : pre_len + infill_length] = mask_token_id
+    init_maskable = torch.zeros_like(x, dtype=torch.bool)
+    init_maskable[0, pre_len : pre_len + infill_length] = True
+    if eos_token_id is not None:
+        init_maskable &= x.ne(eos_token_id)
+    init_maskable &= x.ne(pad_token_id)
+    maskable = init_maskable.clone()
+    xt = x.clone()
+    nfe = 0
+
+    def forward_scores(tokens):
+        nonlocal nfe
+        nfe += 1
+        logits = torch.as_tensor(np.asarray(forward(tokens))).float()
+        logits = logits / max(temperature, 1e-8)
+        if top_k is not None and top_k > 0:
+            logits = apply_top_k_filtering(logits, top_k)
+        if top_p is not None and 0 < top_p < 1.0:
+            logits = apply_top_p_filtering(logits, top_p)
+        logp = torch.log_softmax(logits, dim=-1)
+        if greedy:
+            pred_next = logp.argmax(-1)
+        else:
+            pred_next = torch.multinomial(logp[0].exp(), 1, generator=g).squeeze(-1)[None]
+        conf_next = torch.gather(logp, -1, pred_next.unsqueeze(-1)).squeeze(-1)
+        p = logp.exp()
+        ent_next = -(p * logp).sum(-1)
+        # pos i predicts token i+1
+        pred_i = tokens.clone()
+        conf_i = torch.full_like(conf_next, torch.finfo(conf_next.dtype).min)
+        ent_i = torch.zeros_like(ent_next)
+        pred_i[:, 1:] = pred_next[:, :-1]
+        conf_i[:, 1:] = conf_next[:, :-1]
+        ent_i[:, 1:] = ent_next[:, :-1]
+        return pred_i, conf_i, ent_i
+
+    pred_i, conf_i, ent_i = forward_scores(xt)
+    total_masked = init_maskable.sum(1, keepdim=True)
+    finf = torch.finfo(conf_i.dtype)
+    for step in range(num_steps - 1, 0, -1):
+        rate = step / num_steps
+        cutoff_len = (total_masked * rate).long().clamp(min=0)
+        sel_scores = ent_i.masked_fill(~maskable, -finf.max)
+        k_max = cutoff_len.max().item()
+        keep_mask = torch.zeros_like(sel_scores, dtype=torch.bool)
+        if k_max > 0:
+            _, idx = torch.topk(sel_scores, k_max, dim=-1, largest=True)
+            for b in range(sel_scores.shape[0]):
+                k_b = int(cutoff_len[b].item())
+                if k_b > 0:
+                    keep_mask[b, idx[b, :k_b]] = True
+        to_unmask = maskable & ~keep_mask
+        if to_unmask.any():
+            xt[to_unmask] = pred_i[to_unmask]
+            maskable[to_unmask] = False
+        if maskable.any():
+            pred_i, conf_i, ent_i = forward_scores(xt)
+    if maskable.any():
+        xt[maskable] = pred_i[maskable]
+    return xt[0].numpy().astype(np.int64), nfe
+
+
+def generate(forward, prompt, max_new_tokens, num_steps, **kw):
+    """RND1GenerationMixin.generate(inputs=prompt, max_new_tokens=..., num_diffusion_steps=...)
+    with an EOS id set: the sequence prompt + max_new_tokens, the last of which stays pad."""
+    seq_len = len(prompt) + max_new_tokens
+    return diffusion_sample(forward, seq_len, num_steps, prefix_ids=prompt, **kw)

@@ -1,0 +1,324 @@
+"""RND1 (radicalnumerics/RND1-Base-0910): the forward against transformers' Qwen3-MoE read
+bidirectionally, sampler "rnd1" against a transcription of rnd/sampling.py
+(tests/reference/rnd1_sampling.py), the recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches,
+sharding and serve."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from fixtures import build_once
+from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
+from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from mlx_dllm_models import stream_generate_diffusion as stream
+from mlx_dllm_models.decoding import rnd1 as rnd1_rules
+from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.models import rnd1
+from mlx_dllm_models.request import checkpoint_settings
+from mlx_dllm_models.settings import family_settings, resolve_settings
+from mlx_dllm_models.spec import BIDIRECTIONAL
+from reference.rnd1_sampling import generate, reference_forward, reference_logits
+
+DATA = Path(__file__).parent / "data" / "radicalnumerics__RND1-Base-0910"
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "rnd1", build)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load(ckpt)
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("length", [1, 9, 24])
+def test_logits_match_bidirectional_qwen3_moe(ckpt, length):
+    model, _ = load_fixture(ckpt)
+    ids = np.random.default_rng(length).integers(0, 256, (2, length))
+    ids[:, length // 2 :] = MASK
+    ours = model(mx.array(ids))
+    assert_close(ours, reference_logits(ckpt, ids))
+    if length > 1:
+        assert far(ours, reference_logits(ckpt, ids, causal=True))  # the causal reading fails
+    half = max(1, length // 2)
+    assert_close(model(mx.array(ids), head_span=(0, half)), np.array(ours)[:, :half])
+
+
+def test_spec_and_defaults_are_the_readme_recipe(loaded):
+    model, _ = loaded
+    spec = model.diffusion_spec
+    assert (spec.family, spec.attention, spec.logit_shift) == ("rnd1", BIDIRECTIONAL, 1)
+    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
+    assert spec.samplers[0] == "rnd1" and family_settings("rnd1") == ()
+    s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
+    assert (s["sampler"], s["temperature"], s["top_p"], s["top_k"]) == ("rnd1", 0.01, None, None)
+    assert (s["max_tokens"], s["steps"], s["block_length"]) == (256, 256, 256)
+    assert resolve_settings(spec, {"max_tokens": 40}, {})["block_length"] == 40
+    q = resolve_settings(spec, {"sampler": "quota"}, {})
+    assert (q["block_length"], q["steps"]) == (32, 32)
+
+
+# --------------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 12, 64, 100, 256])
+def test_schedule_is_the_references_float32_arithmetic(steps):
+    masks = np.array([1, 5, 12, 31, 100, 255])
+    got = np.array(rnd1_rules.rnd1_schedule(mx.array(masks), steps, {}))
+    for m, row in zip(masks, got):
+        total = torch.tensor([[int(m)]])
+        left, want = int(m), []
+        for step in range(steps - 1, 0, -1):
+            kept = int((total * (step / steps)).long().clamp(min=0))
+            want.append(left - kept)
+            left = kept
+        want.append(left)
+        row = row.tolist() + [0] * (steps - len(row))
+        assert row == want and sum(row) == m
+
+
+def test_too_many_steps_is_a_clear_error(loaded):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="steps <= 1048576"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, steps=1 << 21)
+
+
+# --------------------------------------------------------------------------------- decoding
+
+
+def ours(model, prompts, **kw):
+    spec = model.diffusion_spec
+    settings = resolve_settings(spec, {"temperature": 0.0, **kw}, {})
+    decoder = make_decoder(model, settings, eos_token_ids=(), suffix=[ENDOFTEXT])
+    out = [[] for _ in prompts]
+    for event in decoder.run(prompts):
+        if isinstance(event, BlockEvent):
+            for row, toks in zip(event.rows, event.tokens):
+                out[row].extend(toks)
+    return out, decoder.nfe
+
+
+def reference(ckpt, p, max_tokens, steps, **kw):
+    """The reference's generate(max_new_tokens=max_tokens + 1): max_tokens masks, then the pad
+    its layout reserves (the engine's canvas with suffix=[pad])."""
+    kw = {"greedy": True, "temperature": 1.0, **kw}
+    seq, nfe = generate(
+        reference_forward(ckpt),
+        p,
+        max_tokens + 1,
+        steps,
+        mask_token_id=MASK,
+        eos_token_id=IM_END,
+        pad_token_id=ENDOFTEXT,
+        **kw,
+    )
+    assert seq[-1] == ENDOFTEXT and not (seq == MASK).any()
+    return seq[len(p) : -1].tolist(), nfe
+
+
+CASES = [(7, 0, 12, 12), (3, 1, 16, 5), (10, 2, 9, 20), (5, 3, 24, 256)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}-N{c[2]}-S{c[3]}")
+def test_greedy_tokens_match_the_reference(loaded, ckpt, case):
+    """Temperature 0 here is the reference's greedy=True read at temperature 1 (its temperature 0
+    divides by 1e-8: every entropy is 0 and torch.topk's order among ties decides)."""
+    n, seed, max_tokens, steps = case
+    model, _ = loaded
+    p = prompt(n, seed)
+    want, ref_nfe = reference(ckpt, p, max_tokens, steps)
+    got, nfe = ours(model, [p], max_tokens=max_tokens, steps=steps)
+    assert got[0] == want
+    # The reference runs a forward at every step while masks are left; steps that commit nothing
+    # are skipped here.
+    counts = np.array(rnd1_rules.rnd1_schedule(mx.array([max_tokens]), steps, {}))
+    assert nfe == int((counts > 0).sum()) <= min(steps, max_tokens) and nfe <= ref_nfe <= steps
+
+
+def test_the_parity_check_can_fail(loaded, ckpt):
+    model, _ = loaded
+    p = prompt(7, 0)
+    want, _ = reference(ckpt, p, 12, 12)
+    spec = model.diffusion_spec
+    model.diffusion_spec = dataclasses.replace(spec, logit_shift=0)
+    try:
+        assert ours(model, [p], max_tokens=12, steps=12)[0][0] != want
+    finally:
+        model.diffusion_spec = spec
+    # Committing the highest-entropy masks (the set the reference keeps) gives other tokens too.
+    from mlx_dllm_models.decoding.rules import quota_commit
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rnd1_rules, "quota_commit", lambda c, cand, k: quota_commit(-c, cand, k))
+        assert ours(model, [p], max_tokens=12, steps=12)[0][0] != want
+
+
+def test_temperature_zero_of_the_reference_ranks_nothing(ckpt):
+    """Why temperature 0 reads the unscaled entropy: at the reference's 1e-8 every entropy of the
+    fixture's canvas is exactly 0."""
+    x = torch.tensor([prompt(7, 0) + [MASK] * 12 + [ENDOFTEXT]])
+    logp = torch.log_softmax(reference_forward(ckpt)(x) / 1e-8, dim=-1)
+    assert float((-(logp.exp() * logp).sum(-1)).abs().max()) == 0.0
+
+
+class _Gumbel:
+    """The categorical draws on both sides from one Gumbel table per forward: the engine's Gumbel
+    noise is -log(-log(u)) of its uniform draw over the canvas, the reference takes
+    argmax(logp + G) (the Categorical's distribution) with the same G at the position that
+    predicts each canvas token."""
+
+    def __init__(self, steps, n_prompt, width, vocab, seed):
+        u = np.random.default_rng(seed).random((steps, width, vocab)).astype(np.float32)
+        self.u = np.clip(u, 1e-20, 1.0)
+        self.n, self.i, self.j = n_prompt, 0, 0
+
+    def uniform(self, low=0.0, high=1.0, shape=(), key=None, **kw):
+        assert tuple(shape)[1:] == self.u.shape[1:], shape
+        self.i += 1
+        return mx.array(self.u[self.i - 1][None])
+
+    def multinomial(self, probs, num, generator=None):
+        g = -np.log(-np.log(self.u[self.j]))
+        self.j += 1
+        full = np.zeros(probs.shape, np.float32)
+        full[self.n - 1 : self.n - 1 + g.shape[0]] = g
+        return (torch.log(probs) + torch.from_numpy(full)).argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("temperature", [1.5, 3.0])
+def test_sampled_tokens_match_the_reference_with_the_same_draws(
+    loaded, ckpt, monkeypatch, temperature
+):
+    model, _ = loaded
+    p, max_tokens, steps = prompt(6, 9), 10, 5
+    draws = _Gumbel(steps, len(p), max_tokens, model.args.vocab_size, seed=int(temperature * 10))
+    with monkeypatch.context() as m:
+        m.setattr(torch, "multinomial", draws.multinomial)
+        want, _ = reference(ckpt, p, max_tokens, steps, greedy=False, temperature=temperature)
+    monkeypatch.setattr(mx.random, "uniform", draws.uniform)
+    got, nfe = ours(model, [p], max_tokens=max_tokens, steps=steps, temperature=temperature)
+    assert got[0] == want and draws.i == draws.j == nfe == steps
+    assert got[0] != ours(model, [p], max_tokens=max_tokens, steps=steps)[0][0]
+
+
+def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
+    model, tok = loaded
+    prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
+    kw = dict(max_tokens=12, steps=6, temperature=0.0)  # one run of three rows, left-padded
+    batch = batch_generate_diffusion(model, tok, prompts, **kw)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    assert any(len(t) > 1 for t in batch.tokens)
+
+
+def test_rnd1_sampler_needs_no_dream_settings(loaded):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="alg is a setting of the dream / coda family"):
+        batch_generate_diffusion(model, tok, [[40]], max_tokens=4, alg="entropy")
+
+
+# ------------------------------------------------------------------- mlx-lm, sharding, serve
+
+
+def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
+    model, tok = loaded
+    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "rnd1" and "auto_map" not in cfg
+    code = (
+        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
+        "from mlx_dllm_models import batch_generate_diffusion as g;"
+        "m, t = load(sys.argv[1]); print(type(m).__module__);"
+        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=8, steps=4).tokens[0]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, tokens = proc.stdout.strip().splitlines()[-2:]
+    assert module == "mlx_dllm_models.models.rnd1"
+    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4)
+    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+
+
+class _Ranks:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return 0
+
+
+def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
+    model, _ = load_fixture(ckpt)
+    ids = mx.array([prompt(7, 3) + [MASK] * 5])
+    before = np.array(model(ids))
+    model.shard(mx.distributed.init())
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        load_fixture(ckpt)[0].shard(_Ranks(3))
+
+
+def test_one_completion_request_through_serve(loaded, ckpt):
+    from openai import OpenAI
+
+    from mlx_dllm_models.server import make_server, shutdown
+
+    model, tok = loaded
+    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="rnd1")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+        answer = client.completions.create(
+            model="rnd1", prompt="Question: hi\nAnswer:", max_tokens=8, temperature=0
+        )
+        text = "Question: hi\nAnswer:"
+        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, temperature=0))
+        assert answer.choices[0].text == want
+    finally:
+        shutdown(server)
+
+
+# ------------------------------------------------------------------- the reconstructed config
+
+
+def test_reconstructed_config_builds_the_full_model_lazily():
+    from mlx.utils import tree_flatten
+
+    cfg = json.loads((DATA / "config.json").read_text())
+    args = rnd1.ModelArgs.from_dict(cfg)
+    assert args.rope_scaling is None and args.norm_topk_prob is True
+    model = rnd1.Model(args)
+    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 30.0e9 < count < 31.0e9  # Qwen3-30B-A3B: 30.5e9
+    spec = model.diffusion_spec
+    assert (spec.mask_token_id, spec.eos_token_ids, spec.max_position_embeddings) == (
+        151669,
+        (151645,),
+        40960,
+    )
