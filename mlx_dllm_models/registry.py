@@ -14,6 +14,9 @@ MODEL_TYPES = {
     "sdar": "sdar",
     "sdar_moe": "sdar_moe",
     "llada2_moe": "llada2_moe",
+    # NVIDIA's Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_*) writes "Fast_dLLM_Qwen".
+    "Fast_dLLM_Qwen": "fast_dllm_qwen",
+    "fast_dllm_qwen": "fast_dllm_qwen",
     "nemotron_labs_diffusion": "nemotron_labs_diffusion",
     "diffusion_gemma": "diffusion_gemma",
     # Radical Numerics' RND1 (Qwen3-30B-A3B read bidirectionally).

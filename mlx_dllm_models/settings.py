@@ -99,7 +99,7 @@ SETTINGS: Tuple[Setting, ...] = (
         "confidence threshold of the threshold sampler, in (0, 1]",
         float,
         number(0, 1, low_open=True),
-        samplers=("threshold",),
+        samplers=("threshold", "sub_block"),
         modes=_DIFFUSION,
     ),
     Setting(
@@ -233,6 +233,16 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, low_open=True),
         families=("sdar",),
         samplers=("entropy_bounded",),
+    ),
+    # Fast-dLLM v2's generate: small_block_size, the sub-blocks a block is decoded in.
+    Setting(
+        "sub_block_length",
+        None,
+        "Fast-dLLM v2: positions per sub-block of the sub_block sampler (divides block_length)",
+        int,
+        positive_int,
+        families=("fast_dllm_v2",),
+        samplers=("sub_block",),
     ),
     # LLaDA2.1 / 2.2 decoding modes: the spec's presets (llada2_moe.LLADA2_EDITING_MODES, the one
     # place of their numbers) map a mode to settings; explicit settings win over the mode.
@@ -397,6 +407,13 @@ def family_settings(family: str) -> Tuple[str, ...]:
 
 # Pairs of settings that must agree: (first, second, holds(first, second), message).
 _RELATIONS = (
+    (
+        "sub_block_length",
+        "block_length",
+        lambda sub, block: block % sub == 0,
+        "sub_block_length ({sub_block_length}) must divide block_length ({block_length}): a block "
+        "is decoded as whole sub-blocks",
+    ),
     (
         "t_min",
         "t_max",

@@ -42,6 +42,10 @@ class DiffusionSpec:
     suppressed_token_ids: Tuple[int, ...] = ()
     # 1 for Dream: the prediction for position i comes from hidden state i-1.
     logit_shift: int = 0
+    # Block-causal families with logit_shift=1 whose block starts from the token the previous
+    # block's last position predicts once that block is whole (Fast-dLLM v2: argmax, never
+    # denoised); the backend places it when the block begins.
+    seeds_block_start: bool = False
     # "raw": confidence is softmax of the unprocessed logits at the chosen token (LLaDA lineage,
     # whose Gumbel sample uses temperature but whose confidence does not); "sampled": the
     # probability under the temperature / top-k / top-p processed distribution (Dream, LLaDA2, SDAR).

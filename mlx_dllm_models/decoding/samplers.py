@@ -18,6 +18,7 @@ from .llada import random_commit
 from .rnd1 import rnd1_commit
 from .rules import entropy_commit, factor_commit, quota_commit, threshold_commit
 from .schedule import transfer_schedule
+from .sub_block import sub_block_commit
 
 
 @dataclass
@@ -87,5 +88,6 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
     "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
     "random": random_commit,  # LLaDA generate.py's remasking="random"
+    "sub_block": sub_block_commit,  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
     "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
 }

@@ -17,6 +17,12 @@ whole window.
 
 Token-identical at temperature 0 to `FullRecompute` (the whole window under the block-causal mask
 every step), which is what the family references do.
+
+Families whose logits are shifted and whose blocks start from a token (Fast-dLLM v2: the spec's
+`logit_shift=1`, `seeds_block_start`) fold no commit: the next block's first token is the argmax
+of the finished block's last logit, so `begin_block` runs the finished block's forward (its final
+K/V, the reference's `update_past_key_values` forward) and places that token before the block's
+first denoising step, which then runs over the block alone.
 """
 
 from typing import List
@@ -24,11 +30,32 @@ from typing import List
 import mlx.core as mx
 
 from ..cache import PrefixKVCache, PriorKV
+from ..decoding.llada import suppress_logits
+from ..decoding.logprobs import log_probs
 from ..masks import block_causal_mask
 from .base import replaced
 
 # Prompt blocks per prefill forward: about this many tokens, rounded down to whole blocks.
 PREFILL_TOKENS = 512
+
+
+def seed_block_start(backend, x, logits, start):
+    """`spec.seeds_block_start`: column `start` (a block's first), where a row decodes it, takes the
+    argmax of `logits` (B, V), the previous position's over the finished prefix (never the mask).
+    With the logprobs setting, the backend's `seed_log_probs` are that position's (masked.py)."""
+    spec, decoded = backend.spec, backend.decoded
+    seed = mx.argmax(suppress_logits(logits, (spec.mask_token_id, *spec.suppressed_token_ids)), -1)
+    if backend.settings.get("logprobs") is not None:
+        backend.seed_log_probs = log_probs(logits)
+    put = decoded[:, start] & (x[:, start] == spec.mask_token_id)
+    x[:, start] = mx.where(put, seed.astype(x.dtype), x[:, start])
+    return x
+
+
+def seeds_at(spec, block: int, start: int) -> bool:
+    """Whether a block starting at column `start` takes a seed: block-aligned and not the first
+    column (a first block that starts inside the prompt's last block has none)."""
+    return spec.seeds_block_start and start % block == 0 and start > 0
 
 
 class PrefixCache:
@@ -64,6 +91,10 @@ class PrefixCache:
         self.prefill_forwards = 0
         self.commits_folded = 0  # finished blocks whose K/V came with the next block's forward
         self.commits_saved = 0  # commit forwards avoided: one per finished block
+        self.shift = spec.logit_shift
+        self.decoded = layout.decoded
+        self.last = None  # (B, V) the prefill's last logits: a block-aligned first block's seed
+        self.seed_log_probs = None
 
     def _forward(self, x, start, stop, head_span):
         self.nfe += 1
@@ -87,12 +118,16 @@ class PrefixCache:
             mx.eval(out, [(c.keys, c.values) for c in self.cache])
             self.prefill_forwards += 1
             self.cache.commit(stop)
+            self.last = out[:, -1]
 
     def resume(self, x, prior: PriorKV):
         """prefill, reusing `prior`'s K/V over the whole blocks the prompt shares with it: a
         block's K/V depend on its own tokens and the blocks before it only."""
         prior.check(self._kind())
-        keep = prior.shared(x[0].tolist(), self.block, limit=self.prefix)
+        # A seeded first block needs the prefill's last logit: its block is computed again.
+        seeded = seeds_at(self.spec, self.block, self.prefix)
+        limit = self.prefix - self.block if seeded else self.prefix
+        keep = prior.shared(x[0].tolist(), self.block, limit=limit)
         self.cache = prior.cache_for(self.width, keep)
         self.reused = keep
         self.prefill(x, first=keep)
@@ -111,14 +146,30 @@ class PrefixCache:
         return f"block-causal (block_length {settings['block_length']})"
 
     def begin_block(self, x, start, stop):
-        return x
+        if not seeds_at(self.spec, self.block, start):
+            return x
+        first = self.cache.committed
+        last = self.last
+        if first < start:
+            # The finished blocks' final K/V; their last logit seeds this block.
+            out = self._forward(x, first, start, head_span=(start - first - 1, start - first))
+            self.cache.commit(start)
+            self.commits_saved -= (start - first) // self.block
+            last = out[:, -1]
+        return seed_block_start(self, x, last, start)
 
     def block_logits(self, x, start, stop):
         block_start = (start // self.block) * self.block
         block_stop = min(block_start + self.block, self.width)
         # Every finished block not yet committed rides along with this forward.
         first = self.cache.committed
-        logits = self._forward(x, first, block_stop, head_span=(start - first, stop - first))
+        lo, hi = start - first - self.shift, stop - first - self.shift
+        logits = self._forward(x, first, block_stop, head_span=(max(lo, 0), hi))
+        if lo < 0:
+            # A shifted window that starts the forward: its first column is read at itself, as
+            # the reference's cat([logits[:, :1], logits[:, :-1]]); it holds the block's seed,
+            # which no step decides.
+            logits = mx.concatenate([logits[:, :1], logits], axis=1)
         if first < block_start:
             self.commits_folded += (block_start - first) // self.block
             self.cache.commit(block_start)
@@ -129,4 +180,12 @@ class PrefixCache:
 
     def select(self, layout, idx: List[int]):
         pads = list(layout.pads) if any(layout.pads) else None
-        return replaced(self, pads=pads, cache=self.cache.select(idx, pads))
+        rows = mx.array(idx)
+        return replaced(
+            self,
+            pads=pads,
+            cache=self.cache.select(idx, pads),
+            decoded=layout.decoded,
+            last=None if self.last is None else self.last[rows],
+            seed_log_probs=None if self.seed_log_probs is None else self.seed_log_probs[rows],
+        )

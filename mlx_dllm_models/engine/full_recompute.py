@@ -17,6 +17,7 @@ from ..cache import Positions
 from ..decoding.llada import guided_logits, unconditional_tokens
 from ..masks import block_causal_mask, padding_mask
 from ..spec import BLOCK_CAUSAL
+from .block_cache import seed_block_start, seeds_at
 from .layout import Layout
 
 
@@ -62,6 +63,8 @@ class FullRecompute:
             self.mask = padding_mask(layout.pads, width, ends=ends)
         self.cache = Positions.for_left_padding(layout.pads, len(model.layers))
         self.spec, self.settings = spec, settings
+        self.decoded = layout.decoded
+        self.seed_log_probs = None
         self.cfg_scale = settings.get("cfg_scale") or 0.0
         if self.cfg_scale:
             # Classifier-free guidance (LLaDA): the unconditional rows follow the conditional ones
@@ -75,7 +78,13 @@ class FullRecompute:
         pass
 
     def begin_block(self, x, start, stop):
-        return x
+        if not seeds_at(self.spec, self.settings["block_length"], start):
+            return x
+        # The block's seed (spec.seeds_block_start): under the block-causal mask the logit before
+        # the block sees the finished blocks only, whatever the masks after it hold.
+        self.nfe += 1
+        logits = self.model(x, cache=self.cache, mask=self.mask, head_span=(start - 1, start))
+        return seed_block_start(self, x, logits[:, -1], start)
 
     def block_logits(self, x, start, stop):
         self.nfe += 1
