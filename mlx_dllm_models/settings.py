@@ -224,6 +224,17 @@ SETTINGS: Tuple[Setting, ...] = (
         true_or_false,
         families=("llada",),
     ),
+    # RND1 sampling.py's entropy-bounded variant of its sampler.
+    Setting(
+        "eb_gamma",
+        None,
+        "RND1: entropy budget of the rnd1 sampler's entropy-bounded variant (sampling.py's "
+        "eb_gamma; none: the reference's quota schedule)",
+        cli_optional_float,
+        optional(number(0, what=" (nats)")),
+        families=("rnd1",),
+        samplers=("rnd1",),
+    ),
     # SDAR generate.py's entropy_bounded remasking.
     Setting(
         "eb_threshold",

@@ -66,9 +66,10 @@ def test_spec_and_defaults_are_the_readme_recipe(loaded):
     spec = model.diffusion_spec
     assert (spec.family, spec.attention, spec.logit_shift) == ("rnd1", BIDIRECTIONAL, 1)
     assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
-    assert spec.samplers[0] == "rnd1" and family_settings("rnd1") == ()
+    assert spec.samplers[0] == "rnd1"
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     assert (s["sampler"], s["temperature"], s["top_p"], s["top_k"]) == ("rnd1", 0.01, None, None)
+    assert s["eb_gamma"] is None  # RND1GenerationConfig's default: the quota schedule
     assert (s["max_tokens"], s["steps"], s["block_length"]) == (256, 256, 256)
     assert resolve_settings(spec, {"max_tokens": 40}, {})["block_length"] == 40
     q = resolve_settings(spec, {"sampler": "quota"}, {})
@@ -150,6 +151,26 @@ def test_greedy_tokens_match_the_reference(loaded, ckpt, case):
     # are skipped here.
     counts = np.array(rnd1_rules.rnd1_schedule(mx.array([max_tokens]), steps, {}))
     assert nfe == int((counts > 0).sum()) <= min(steps, max_tokens) and nfe <= ref_nfe <= steps
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.3, 2.0])
+def test_entropy_bounded_variant_matches_the_reference(loaded, ckpt, gamma):
+    model, _ = loaded
+    p = prompt(8, 4)
+    want, ref_nfe = reference(ckpt, p, 14, 10, eb_gamma=gamma)
+    got, nfe = ours(model, [p], max_tokens=14, steps=10, eb_gamma=gamma)
+    assert got[0] == want and nfe == ref_nfe
+    if gamma == 2.0:  # a larger budget commits more per step: fewer forwards
+        assert nfe < ours(model, [p], max_tokens=14, steps=10, eb_gamma=0.0)[1]
+
+
+def test_eb_gamma_settings(loaded):
+    model, tok = loaded
+    assert family_settings("rnd1") == ("eb_gamma",)
+    with pytest.raises(SettingsError, match="eb_gamma must be"):
+        batch_generate_diffusion(model, tok, [[40]], max_tokens=4, eb_gamma=-1.0)
+    with pytest.raises(SettingsError, match="eb_gamma only acts with sampler='rnd1'"):
+        batch_generate_diffusion(model, tok, [[40]], max_tokens=4, sampler="quota", eb_gamma=1.0)
 
 
 def test_the_parity_check_can_fail(loaded, ckpt):

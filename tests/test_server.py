@@ -26,6 +26,7 @@ from fixtures.sdar import build_sdar
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown
+from mlx_dllm_models.server.images import ImagePolicy
 from mlx_dllm_models.vision import text_tokenizer
 
 MODEL_ID = "llada-fixture"
@@ -423,10 +424,16 @@ def data_url(image):
 
 
 @pytest.fixture(scope="module")
-def gemma(fixture_dir):
+def image_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("images")
+
+
+@pytest.fixture(scope="module")
+def gemma(fixture_dir, image_dir):
     path = build_once(fixture_dir / "server_diffusion_gemma", dgfx.CHECKPOINTS["diffusion_gemma"])
     model, processor = load(path)
-    server, url = _serve(path, "gemma-fixture")
+    # Local image files are read from the folder --allowed-image-dir names only.
+    server, url = _serve(path, "gemma-fixture", image_policy=ImagePolicy(allowed_dir=image_dir))
     yield model, processor, url, path
     shutdown(server)
 
@@ -434,7 +441,7 @@ def gemma(fixture_dir):
 DG_SETTINGS = dict(max_tokens=dgfx.CANVAS_LENGTH, max_denoising_steps=4)
 
 
-def test_chat_with_images_openai_client_and_curl(gemma, tmp_path):
+def test_chat_with_images_openai_client_and_curl(gemma, image_dir):
     model, processor, url, _ = gemma
     images = [picture(1), picture(2)]
     refs = [
@@ -472,8 +479,8 @@ def test_chat_with_images_openai_client_and_curl(gemma, tmp_path):
         t.join(timeout=120)
     assert results == refs
 
-    # A local path, as mlx-vlm's server allows, through curl, streaming.
-    file = tmp_path / "picture.png"
+    # A local path under the allowed folder, through curl, streaming.
+    file = image_dir / "picture.png"
     images[0].save(file)
     content = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": str(file)}]
     body = dict(DG_SETTINGS, messages=[{"role": "user", "content": content}], stream=True, seed=0)

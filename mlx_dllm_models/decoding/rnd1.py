@@ -16,6 +16,11 @@ Deviations, each where the reference's outcome is not defined by its arithmetic:
 * Ties (equal entropies, common at small temperatures) commit the leftmost masks first.
 * With top-k or top-p the reference's entropy is NaN (0 * log 0 over the filtered tokens); here
   the filtered tokens contribute nothing.
+
+With the `eb_gamma` setting (the entropy-bounded variant the repository added in its PR #8) a step
+has no quota: the masks, most confident first (confidence: the proposal's probability), are
+committed while the sum of their entropies less the largest of them stays within eb_gamma (at
+least one); the last step commits what is left.
 """
 
 import mlx.core as mx
@@ -40,13 +45,18 @@ def kept_masked(masks: np.ndarray, steps: int) -> np.ndarray:
 
 def rnd1_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     """(B, K) int32 commit counts of the first K <= steps steps of RND1's schedule (later steps
-    commit nothing), each row summing to its mask count."""
+    commit nothing), each row summing to its mask count. With eb_gamma: nothing before the last
+    step, which commits what is left."""
     if steps > MAX_SCHEDULED_STEPS:
         raise SettingsError(
             f"steps={steps}: RND1's schedule is computed step by step; use steps <= "
             f"{MAX_SCHEDULED_STEPS} (steps beyond the number of masks commit nothing anyway)"
         )
     m = np.array(masks, dtype=np.int64)
+    if settings.get("eb_gamma") is not None:
+        out = np.zeros((m.shape[0], steps), np.int32)
+        out[:, -1] = m
+        return mx.array(out)
     kept = kept_masked(m, steps)
     before = np.concatenate([m[:, None], kept[:, :-1]], axis=1)
     counts = before - kept
@@ -55,13 +65,29 @@ def rnd1_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     return mx.array(counts[:, :width].astype(np.int32))
 
 
+def entropy_bounded(confidence, entropy, cand, gamma: float) -> mx.array:
+    """The candidates, most confident first, while sum(H) - max(H) over them stays <= gamma
+    (sampling.py's eb_gamma criterion; the first always passes)."""
+    order = mx.argsort(-mx.where(cand, confidence, -mx.inf), axis=-1)
+    h = mx.take_along_axis(mx.where(cand, entropy, 0.0), order, axis=-1)
+    excess = mx.cumsum(h, axis=-1) - mx.cummax(h, axis=-1)
+    ok = mx.take_along_axis(excess <= gamma, mx.argsort(order, axis=-1), axis=-1)
+    return ok & cand
+
+
 def rnd1_commit(stats, cand, ctx):
-    """Commit rule of sampler "rnd1": the step's quota (rnd1_schedule's) of lowest-entropy masks."""
-    return quota_commit(-stats.processed_entropy, cand, ctx.floor)
+    """Commit rule of sampler "rnd1": the step's quota (rnd1_schedule's) of lowest-entropy masks;
+    with eb_gamma, the entropy-bounded set (and at the last step, whose quota is every mask left,
+    the rest)."""
+    gamma = ctx.settings.get("eb_gamma")
+    if gamma is None:
+        return quota_commit(-stats.processed_entropy, cand, ctx.floor)
+    hit = entropy_bounded(stats.confidence, stats.processed_entropy, cand, gamma)
+    return hit | quota_commit(-stats.processed_entropy, cand, ctx.floor)
 
 
 rnd1_commit.schedule = rnd1_schedule
-# The rule commits exactly the schedule: a step whose count is 0 changes nothing and is skipped
-# (the reference runs its forward anyway).
-rnd1_commit.exact_floor = lambda settings: True
+# Without eb_gamma the rule commits exactly the schedule: a step whose count is 0 changes nothing
+# and is skipped (the reference runs its forward anyway).
+rnd1_commit.exact_floor = lambda settings: settings.get("eb_gamma") is None
 rnd1_commit.stats_extras = ("processed_entropy",)

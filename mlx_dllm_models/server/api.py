@@ -7,12 +7,13 @@ Endpoints follow `mlx_lm.server` (`/v1/chat/completions`, `/v1/completions`, `/v
 
 What comes from mlx-lm's server, and what cannot:
 
-* Reused: its HTTP handler (`APIHandler`: CORS and stream headers, the response packets
+* Reused: its HTTP handler (`APIHandler`: stream headers, the response packets
   `generate_response` / `completion_usage_response`, `/health`), its request records
   (`CompletionRequest`), its chat helpers (`convert_chat` for a tokenizer without a template,
   `process_message_content`). Its `do_POST` / `do_GET` are replaced: they answer errors with a
   bare string, where OpenAI's clients read `{"error": {"message", "type", "param", "code"}}`
-  (`error_body`), and know no `/v1/models/{id}`.
+  (`error_body`), and know no `/v1/models/{id}`. Its CORS headers (`*` for every page) are
+  replaced by guards.py's: no page of another origin unless `--cors-origin` names it.
 * Not reused: its `ResponseGenerator` and `BatchGenerator`, which decode token by token (an AR
   loop with a per-token KV cache, per-token logprobs and a per-token stop-sequence state machine).
   Here the unit is a committed block: the scheduler (scheduler.py) decodes blocks, a streamed chunk
@@ -55,7 +56,7 @@ from urllib.parse import unquote, urlparse
 
 from mlx_lm import server as lm_server
 
-from ..request import Detokenizer, Request, prepare
+from ..request import UNSTATED_CONTEXT, Detokenizer, Request, prepare
 from ..vision import is_processor, text_tokenizer
 from .fields import (
     IGNORED_FIELDS,
@@ -67,7 +68,18 @@ from .fields import (
     error_body,
     neutral,
 )
-from .images import image_url, read_image
+from .guards import (
+    DEFAULT_MAX_BODY_BYTES,
+    apply_template,
+    check_messages,
+    check_prompt_chars,
+    cors_headers,
+    most_token_chars,
+    origin_allowed,
+    read_body,
+    shorten,
+)
+from .images import ImagePolicy, image_url, read_image
 from .logprobs import Logprobs
 from .logprobs import read_fields as read_logprobs
 from .scheduler import Job, Scheduler
@@ -138,9 +150,20 @@ class Service:
         model_id: str,
         defaults: Optional[dict] = None,
         chat_template_args: Optional[dict] = None,
-        allowed_origins=("*",),
+        cors_origins=(),
+        image_policy: ImagePolicy = ImagePolicy(),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
+        # Origins whose pages may call the server from a browser (`*`: any); none by default.
+        self.cors_origins = list(cors_origins)
+        self.image_policy = image_policy
+        self.max_body_bytes = max_body_bytes
+        # A text prompt longer than this many characters cannot fit in the context.
+        self.context = model.diffusion_spec.max_position_embeddings or UNSTATED_CONTEXT
+        self.token_chars = most_token_chars(text_tokenizer(tokenizer))
+        self.handlers = 0  # requests being answered (shutdown waits for their last words)
+        self.handlers_lock = threading.Lock()
         self.spec = model.diffusion_spec
         self.model_id = model_id
         self.defaults = dict(defaults or {})
@@ -155,7 +178,7 @@ class Service:
         # The attributes mlx-lm's handler reads from its CLI arguments. Request defaults are
         # None: the settings chain (request, server flags, checkpoint, family) decides.
         self.cli_args = argparse.Namespace(
-            allowed_origins=list(allowed_origins),
+            allowed_origins=self.cors_origins,
             model=model_id,
             num_draft_tokens=None,
             max_tokens=None,
@@ -221,7 +244,9 @@ class Service:
         to call from several threads at once. A max_tokens past the context is lowered to what
         fits; a request that names no seed and draws noise gets a fresh one. Both are written
         into `overrides`, from which another rank of a sharded server prepares the same
-        request."""
+        request. A text prompt that cannot fit in the context is refused before it is tokenized."""
+        if isinstance(prompt, str):
+            check_prompt_chars(prompt, self.context, self.token_chars)
         with self.preparing:
             request = prepare(
                 self.model,
@@ -247,10 +272,7 @@ class Service:
                 raise RequestError("prompt must be one text or one list of token ids per request")
             return prompt, None
         messages = request.messages
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("messages must be a list of objects with a role and a content")
-        if not messages:
-            raise RequestError("messages is empty: send at least one message")
+        check_messages(messages)
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise RequestError("chat_template_kwargs must be an object")
         messages = json.loads(json.dumps(messages))  # the template may not see our edits
@@ -269,22 +291,21 @@ class Service:
                             "this model reads no images (its checkpoint has no vision tower); "
                             "send text content only"
                         )
-                    images.append(read_image(url))
+                    images.append(read_image(url, self.image_policy))
                     pieces.append(self.tokenizer.image_token)
                 elif isinstance(part, dict) and part.get("type") == "text":
                     pieces.append(str(part.get("text", "")))
                 else:
                     raise RequestError(
-                        f"unsupported content part {part!r}: send 'text' and 'image_url' parts"
+                        f"unsupported content part {shorten(repr(part))}: send 'text' and "
+                        "'image_url' parts"
                     )
             message["content"] = "".join(pieces)
         lm_server.process_message_content(messages)
         tok = text_tokenizer(self.tokenizer)
         if getattr(tok, "chat_template", None):
             args = dict(self.chat_template_args, **(template_kwargs or {}))
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **args
-            )
+            text = apply_template(tok, messages, args)
         else:
             text = lm_server.convert_chat(messages, request.role_mapping)
         return text, images or None
@@ -305,9 +326,25 @@ class DiffusionAPIHandler(lm_server.APIHandler):
     def handle_one_request(self):
         self.started, self.status, self.tokens = time.perf_counter(), None, None
         self.sent_at = None  # when a stream last wrote (keep-alive comments follow its silence)
+        service = self.service
+        with service.handlers_lock:
+            service.handlers += 1
         try:
             super().handle_one_request()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client went away: nobody to answer
+        except Exception as e:
+            # A bug must cost one answer and one log line, not the connection without a word
+            # (and the client's body in a traceback).
+            self.close_connection = True
+            where = f"{getattr(self, 'command', '-')} {getattr(self, 'path', '-')}"
+            logger.error("%s failed: %s: %s", where, type(e).__name__, shorten(e, 200))
+            logger.debug("the failure's traceback", exc_info=True)
+            if self.status is None:
+                self._error(f"internal error ({type(e).__name__}); see the server log", 500)
         finally:
+            with service.handlers_lock:
+                service.handlers -= 1
             if self.status is not None:
                 prompt, completion = self.tokens or ("-", "-")
                 logger.info(
@@ -323,6 +360,34 @@ class DiffusionAPIHandler(lm_server.APIHandler):
     def send_response(self, code, message=None):
         self.status = code
         super().send_response(code, message)
+
+    # -- who may call: browsers' pages only from the origins --cors-origin names
+
+    def _set_cors_headers(self):
+        for name, value in cors_headers(self.headers.get("Origin"), self.service.cors_origins):
+            self.send_header(name, value)
+
+    def _origin_refused(self) -> bool:
+        """Answer a request from a web page of another origin with a 403 (a browser sends the
+        page's Origin; curl and OpenAI's clients send none), unless --cors-origin allows it."""
+        origin = self.headers.get("Origin")
+        if origin_allowed(origin, self.service.cors_origins):
+            return False
+        self.close_connection = True  # a POST's body is left unread
+        self._error(
+            f"requests from web pages of other origins ({shorten(origin, 100)}) are refused; "
+            "start the server with --cors-origin ORIGIN to allow that origin",
+            403,
+        )
+        return True
+
+    def do_OPTIONS(self):
+        """A browser's preflight: 204 with the CORS headers for an allowed origin, else 403."""
+        if self._origin_refused():
+            return
+        self._set_completion_headers(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     # -- requests
 
@@ -342,23 +407,6 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         self.wfile.write(body)
         self.wfile.flush()
 
-    def _read_body(self) -> dict:
-        length = self.headers.get("Content-Length")
-        size = int(length) if length is not None and length.strip().isdigit() else None
-        if size is None:
-            self.close_connection = True  # a body of unknown length is left unread
-            if length is None:
-                raise RequestError("Content-Length header is required", 411)
-            raise RequestError("Invalid Content-Length header")
-        raw = self.rfile.read(size)
-        try:
-            body = json.loads(raw.decode())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"Invalid JSON in request body: {e}")
-        if not isinstance(body, dict):
-            raise RequestError("Request should be a JSON dictionary")
-        return body
-
     def do_POST(self):
         """mlx-lm's do_POST, with every error in OpenAI's shape."""
         factories = {
@@ -366,12 +414,14 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             "/v1/chat/completions": self.handle_chat_completions,
             "/chat/completions": self.handle_chat_completions,
         }
+        if self._origin_refused():
+            return
         factory = factories.get(urlparse(self.path).path)
         if factory is None:
             self.close_connection = True  # its body is left unread
             return self._error(f"no such endpoint: POST {self.path}", 404)
         try:
-            self.body = self._read_body()
+            self.body = read_body(self, self.service.max_body_bytes)
             self.stream = self.body.get("stream", False)
             self.stream_options = self.body.get("stream_options")
             self.requested_model = self.body.get("model", "default_model")
@@ -383,6 +433,8 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         self.handle_completion(request, [stop] if isinstance(stop, str) else stop)
 
     def do_GET(self):
+        if self._origin_refused():
+            return
         path = urlparse(self.path).path.rstrip("/")
         if path == "/v1/models":
             self._send_json({"object": "list", "data": [self._model_object()]})
@@ -480,7 +532,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         if event is None:
             return
         if event[0] == "error":
-            return self._error(event[1])
+            return self._error(*event[1:])
         prompt_tokens = event[1]
         stopper = StopWords(stop_words)
         detok = Detokenizer(text_tokenizer(service.tokenizer))
@@ -496,11 +548,12 @@ class DiffusionAPIHandler(lm_server.APIHandler):
                 if event is None:
                     return
                 if event[0] == "error":
+                    status = event[2] if len(event) > 2 else 500
                     if self.stream:
-                        self._send_event(error_body(event[1], 500))
+                        self._send_event(error_body(event[1], status))
                         self._send_event("[DONE]")
                         return
-                    return self._error(event[1], 500)
+                    return self._error(event[1], status)
                 _, toks, finished, eos, entries = event
                 completion_tokens += len(toks)
                 if logprobs is not None:

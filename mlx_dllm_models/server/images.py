@@ -1,14 +1,56 @@
-"""The images of a request's `image_url` content parts: data URLs, http(s) URLs and local files."""
+"""The images of a request's `image_url` content parts: data URLs always; local files and http(s)
+URLs only where the server's flags allow them (ImagePolicy).
+
+A request comes from whoever can reach the port, so by default the server opens no file and
+fetches no URL on its behalf: a local path could read any file the user can (and two different
+errors would tell a client which paths exist), and a URL makes the server a client inside the
+user's own network. `--allowed-image-dir DIR` lets paths under DIR be read (resolved, links
+followed, before the check); `--allow-remote-images` lets http(s) URLs be fetched when every
+address their host resolves to is public (not loopback, link-local, private, multicast or
+reserved), and the connection goes to the address that was checked, so that the name cannot
+resolve elsewhere between the check and the fetch. Every refused image gets the same message
+(REFUSED); the log says why.
+"""
 
 import base64
+import http.client
 import io
+import ipaddress
+import logging
+import socket
+import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-from urllib.request import urlopen
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from .fields import RequestError
+
+logger = logging.getLogger(__name__)
+
+REFUSED = (
+    "image_url was refused: send the image inline as a data URL (data:image/png;base64,...); "
+    "this server reads local files only under its --allowed-image-dir and fetches http(s) URLs "
+    "only with --allow-remote-images (public addresses)"
+)
+# The most bytes an image file or a fetched image may have (a data URL is bounded by the body).
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+FETCH_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """Where an `image_url` may point besides a data URL: files under `allowed_dir` (None: no
+    file), public http(s) URLs when `allow_remote`."""
+
+    allowed_dir: Optional[Path] = None
+    allow_remote: bool = False
+
+    def __post_init__(self):
+        if self.allowed_dir is not None:
+            object.__setattr__(self, "allowed_dir", Path(self.allowed_dir).resolve())
 
 
 def image_url(part: dict) -> Optional[str]:
@@ -32,30 +74,119 @@ def decode_data_url(url: str) -> np.ndarray:
     return decode_image_bytes(base64.b64decode(url.partition(",")[2]))
 
 
-def read_image(url: str):
-    """An image of an `image_url` part: a data URL (decoded as mlx-lm's server does), an http(s)
-    URL (fetched; refused with a clear message when the server cannot reach it), or a local file
-    path / file:// URL, as mlx-vlm's server allows."""
+def read_image(url, policy: ImagePolicy = ImagePolicy()):
+    """The image of an `image_url` part as an RGB array: a data URL, or what `policy` allows."""
+    if not isinstance(url, str):
+        raise RequestError("image_url must be a string or an object with a url string")
     if url.startswith("data:"):
-        try:
-            return decode_data_url(url)
-        except Exception as e:
-            raise RequestError(f"the image data URL could not be read as an image ({e})")
+        return _decoded(decode_data_url, url, "the image data URL")
     if url.startswith(("http://", "https://")):
-        try:
-            with urlopen(url, timeout=10) as response:
-                data = response.read()
-        except OSError as e:  # URLError, timeouts, refused connections
-            raise RequestError(
-                f"could not fetch the image at {url} ({getattr(e, 'reason', e)}); this server may "
-                "be offline: send the image inline as a data URL (data:image/png;base64,...) or "
-                "as a local file path"
-            )
-        return decode_image_bytes(data)
+        return _decoded(decode_image_bytes, _fetch(url, policy), "the fetched image")
+    return _decoded(decode_image_bytes, _read_file(url, policy), "the image file")
+
+
+def _decoded(decode, data, what: str):
+    try:
+        return decode(data)
+    except Exception as e:  # PIL's and base64's errors: not an image
+        raise RequestError(f"{what} could not be read as an image ({e})")
+
+
+def _refuse(why: str, url: str):
+    logger.info("image_url refused (%s): %.200s", why, url)
+    raise RequestError(REFUSED)
+
+
+def _read_file(url: str, policy: ImagePolicy) -> bytes:
+    if policy.allowed_dir is None:
+        _refuse("no --allowed-image-dir", url)
+    if "\x00" in url:
+        _refuse("a NUL character", url)
     path = Path(url[len("file://") :] if url.startswith("file://") else url)
-    if not path.is_file():
-        raise RequestError(
-            f"image_url {url!r} is neither a data URL, an http(s) URL nor a local file: send the "
-            "image as a data URL (data:image/png;base64,...)"
-        )
-    return str(path)
+    # Links and `..` resolved first: a path under the folder must stay under it.
+    resolved = path.resolve()
+    if not (resolved.is_relative_to(policy.allowed_dir) and resolved.is_file()):
+        _refuse("outside --allowed-image-dir or not a file", url)
+    try:
+        with open(resolved, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        _refuse(f"unreadable: {e}", url)
+    if len(data) > MAX_IMAGE_BYTES:
+        _refuse(f"larger than {MAX_IMAGE_BYTES} bytes", url)
+    return data
+
+
+def public_address(address: str) -> bool:
+    """Whether an IP address is on the public internet (not loopback, link-local, private,
+    multicast, reserved or unspecified; an IPv4-mapped IPv6 address as its IPv4)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def _fetch(url: str, policy: ImagePolicy) -> bytes:
+    if not policy.allow_remote:
+        _refuse("no --allow-remote-images", url)
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        _refuse("malformed URL", url)
+    if not host:
+        _refuse("no host", url)
+    https = parts.scheme == "https"
+    port = port or (443 if https else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        _refuse("host not resolved", url)
+    addresses = [info[4][0] for info in infos]
+    if not addresses or not all(public_address(a) for a in addresses):
+        _refuse(f"not a public address: {addresses}", url)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    connection = _PinnedHTTPS if https else _PinnedHTTP
+    conn = connection(host, port, addresses[0], timeout=FETCH_TIMEOUT)
+    try:
+        conn.request("GET", target, headers={"User-Agent": "mlx_dllm", "Accept": "image/*"})
+        response = conn.getresponse()
+        # Redirects are not followed: their target would need the same checks, and an image
+        # URL a client sends can name the final address itself.
+        if response.status != 200:
+            _refuse(f"HTTP {response.status}", url)
+        data = response.read(MAX_IMAGE_BYTES + 1)
+    except (OSError, http.client.HTTPException, ssl.SSLError) as e:
+        _refuse(f"fetch failed: {e}", url)
+    finally:
+        conn.close()
+    if len(data) > MAX_IMAGE_BYTES:
+        _refuse(f"larger than {MAX_IMAGE_BYTES} bytes", url)
+    return data
+
+
+class _PinnedHTTP(http.client.HTTPConnection):
+    """An HTTP connection to the address that was checked, with the URL's host in its Host
+    header."""
+
+    def __init__(self, host, port, address, timeout):
+        super().__init__(host, port, timeout=timeout)
+        self.address = address
+
+    def connect(self):
+        self.sock = socket.create_connection((self.address, self.port), self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """An HTTPS connection to the address that was checked; the certificate is verified against
+    the URL's host."""
+
+    def __init__(self, host, port, address, timeout):
+        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self.address = address
+
+    def connect(self):
+        sock = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)

@@ -2,9 +2,16 @@
 ranks of a sharded server, and shutdown.
 
 The flags follow `mlx_lm.server` (`--model`, `--host`, `--port`, `--adapter-path`,
-`--chat-template-args`, `--allowed-origins`, `--decode-concurrency`, `--temp`), with the loading
-flags of every command (cli_common.add_loading_flags) and one flag per decoding setting
-(settings.SETTINGS) whose value is the server's default.
+`--chat-template-args`, `--decode-concurrency`, `--temp`), with the loading flags of every command
+(cli_common.add_loading_flags) and one flag per decoding setting (settings.SETTINGS) whose value is
+the server's default.
+
+Safe by default, for a server started on a laptop: loopback only (a warning for any other host),
+no cross-origin access from web pages (`--cors-origin`), images only as data URLs
+(`--allowed-image-dir`, `--allow-remote-images`), bodies of at most 32 MiB (`--max-body-bytes`).
+Flags out of range are one-line errors. SIGTERM and Ctrl-C shut down in order: the listening socket
+closes, the requests in flight get a 503 at the next denoising step, the worker thread is joined
+(its MLX work done: a process that exits under a running MLX thread aborts), then exit status 0.
 
 Sharded (`mlx.launch -n N ... serve`): every rank loads its shard and runs the scheduler; rank 0
 alone serves HTTP (its scheduler hands the other ranks what it saw at each step, as mlx_lm.server
@@ -13,11 +20,14 @@ stops the others with distributed.py's one-line error.
 """
 
 import argparse
+import ipaddress
 import json
 import logging
+import os
 import signal
 import socket
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
@@ -28,6 +38,8 @@ from ..settings import resolve_settings
 from ..vision import text_tokenizer
 from .api import DiffusionAPIHandler, Service
 from .fields import canvas_temperature
+from .guards import DEFAULT_MAX_BODY_BYTES
+from .images import ImagePolicy
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
 
@@ -41,17 +53,22 @@ def make_server(
     model_id: str = "default_model",
     defaults: Optional[dict] = None,
     chat_template_args: Optional[dict] = None,
-    allowed_origins=("*",),
+    cors_origins=(),
     max_batch: int = 32,
     group=None,
     prompt_cache_size: int = 10,
     prompt_cache_bytes: Optional[int] = None,
+    image_policy: ImagePolicy = ImagePolicy(),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ):
     """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
     thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
     raised here). `server.serve_forever()` serves; `shutdown(server)` stops both. `group`: rank 0
     of a sharded server (the other ranks run `follow`). `prompt_cache_size` entries (0: off) of
-    at most `prompt_cache_bytes` in all keep finished requests' K/V (server/prompt_cache.py)."""
+    at most `prompt_cache_bytes` in all keep finished requests' K/V (server/prompt_cache.py).
+    `cors_origins`: the web pages' origins that may call it (`*`: any; none by default);
+    `image_policy`: where image URLs may point besides data URLs (images.py); `max_body_bytes`:
+    larger request bodies get a 413."""
     scheduler = Scheduler.on_thread(
         load_model,
         max_batch=max_batch,
@@ -61,7 +78,15 @@ def make_server(
     )
     model, tokenizer = scheduler.model, scheduler.tokenizer
     service = Service(
-        model, tokenizer, scheduler, model_id, defaults, chat_template_args, allowed_origins
+        model,
+        tokenizer,
+        scheduler,
+        model_id,
+        defaults,
+        chat_template_args,
+        cors_origins=cors_origins,
+        image_policy=image_policy,
+        max_body_bytes=max_body_bytes,
     )
     # As mlx-lm's _run_http_server: the address family of the host (IPv6 hosts too).
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -114,13 +139,23 @@ def follow(
     return Scheduler.on_thread(load_model, max_batch=max_batch, group=group, prompt_cache=cache)
 
 
-def shutdown(server, serving: bool = True):
-    """Stop a server made by make_server (`serving`: its serve_forever has run, which
-    `shutdown()` waits for)."""
+def shutdown(server, serving: bool = True, timeout: Optional[float] = None):
+    """Stop a server made by make_server, in order: stop accepting (`serving`: its serve_forever
+    has run, which `shutdown()` waits for) and close the listening socket; the scheduler stops at
+    its next denoising step, answering the requests in flight with a 503, and its thread is
+    joined (up to `timeout` seconds; None: until it ends); the handlers get up to
+    HANDLERS_SECONDS to write those answers."""
     if serving:
         server.shutdown()
     server.server_close()
-    server.service.scheduler.stop()
+    service = server.service
+    service.scheduler.stop(timeout=timeout)
+    deadline = time.monotonic() + HANDLERS_SECONDS
+    while service.handlers and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+HANDLERS_SECONDS = 5.0
 
 
 def parser():
@@ -133,13 +168,40 @@ def parser():
         allow_abbrev=False,
     )
     add_loading_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="host to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="host to listen on (default: 127.0.0.1, this machine only; the server has no "
+        "authentication)",
+    )
+    p.add_argument("--port", type=int, default=8080, help="port, 0-65535 (default: 8080)")
+    p.add_argument(
+        "--cors-origin",
         "--allowed-origins",
-        type=lambda x: x.split(","),
-        default=["*"],
-        help="allowed CORS origins (default: *)",
+        dest="cors_origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web page origin (e.g. http://localhost:3000; comma-separated or repeated; * for "
+        "any) whose pages may call the server from a browser (default: none)",
+    )
+    p.add_argument(
+        "--allowed-image-dir",
+        default=None,
+        metavar="DIR",
+        help="let image_url name local files under DIR (default: data URLs only)",
+    )
+    p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="let image_url be an http(s) URL the server fetches; hosts that resolve to "
+        "loopback, link-local or private addresses are refused (default: data URLs only)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body, e.g. 64MB; larger ones get a 413 (default: 32MiB)",
     )
     p.add_argument("--chat-template", default=None, help="a chat template replacing the model's")
     p.add_argument(
@@ -176,11 +238,66 @@ def parser():
     return p
 
 
+def check_args(args) -> None:
+    """The server flags' ranges, before anything loads: a one-line SystemExit for each."""
+    checks = [
+        (
+            0 <= args.port <= 65535,
+            f"--port must be from 0 to 65535 (0: any free port), got {args.port}",
+        ),
+        (
+            args.decode_concurrency >= 1,
+            "--decode-concurrency must be at least 1 (the most requests decoded in one batch), "
+            f"got {args.decode_concurrency}",
+        ),
+        (
+            args.prompt_cache_size >= 0,
+            f"--prompt-cache-size must be 0 (off) or more, got {args.prompt_cache_size}",
+        ),
+        (
+            args.prompt_cache_bytes is None or args.prompt_cache_bytes > 0,
+            f"--prompt-cache-bytes must be more than 0, got {args.prompt_cache_bytes}; turn the "
+            "cache off with --prompt-cache-size 0",
+        ),
+        (
+            args.max_body_bytes >= MIN_BODY_BYTES,
+            f"--max-body-bytes must be at least {MIN_BODY_BYTES} (a chat request's size), got "
+            f"{args.max_body_bytes}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    folder = args.allowed_image_dir
+    if folder is not None and not os.path.isdir(folder):
+        raise SystemExit(f"error: --allowed-image-dir {folder!r} is not a folder")
+    args.cors_origins = [o.strip() for a in args.cors_origins for o in a.split(",") if o.strip()]
+
+
+MIN_BODY_BYTES = 1024
+
+
+def loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine's loopback."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    check_args(args)
     logging.basicConfig(
         level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s"
     )
+    if not loopback(args.host):
+        logger.warning(
+            "listening on %s: other machines that can reach it can use the model, with no "
+            "authentication; --host 127.0.0.1 serves this machine only",
+            args.host,
+        )
     defaults = chosen_settings(args)
     # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
     group = launch_group()
@@ -196,11 +313,13 @@ def main(argv=None) -> int:
             model_id=str(args.model or "default_model"),
             defaults=defaults,
             chat_template_args=args.chat_template_args,
-            allowed_origins=args.allowed_origins,
+            cors_origins=args.cors_origins,
             max_batch=args.decode_concurrency,
             group=group,
             prompt_cache_size=args.prompt_cache_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
+            image_policy=ImagePolicy(args.allowed_image_dir, args.allow_remote_images),
+            max_body_bytes=args.max_body_bytes,
         )
     except ValueError as e:  # CheckpointError, SettingsError
         raise SystemExit(f"error: {e}")

@@ -7,8 +7,12 @@ that shares one decoder run, so one forward serves every row; groups with differ
 (block length, sampler, family settings, temperature, seed...) take turns block by block. Within a
 group:
 
-* A row leaves when it finishes (EOS or its max_tokens), or at the next block boundary after its
-  client disconnects (or its stop string appeared): the decoder drops it like a finished row.
+* A row leaves when it finishes (EOS or its max_tokens). A row whose client disconnected (or whose
+  stop string appeared) leaves at the next denoising step when that costs less than carrying it
+  to the block's end: a run left with no live row ends there, and a run whose rows may join it
+  (below) restarts its survivors over [prompt ; committed blocks], exactly as a join does (the
+  block's steps so far are redone); otherwise the decoder drops it at the block's end like a
+  finished row. A block can take a minute at thousands of positions on a CPU.
 * Requests that arrive while a group decodes join it at the next block boundary when the engine
   says such a join is exact (engine.join_policy: the decoder restarts rows over [prompt ;
   committed] with per-row budgets, `MaskedBlockDecoder.run(prompts, budgets=...)`, and the backend
@@ -51,16 +55,19 @@ from .prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
 
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
+
 
 class Job:
     """One request's generation, shared by its HTTP handler thread and the scheduler thread.
 
     The scheduler posts to `events`: ("accepted", prompt_tokens), ("error", message), or
     ("block", tokens, finished, eos, logprobs) per committed block (logprobs: the tokens'
-    TokenLogprobs when the request asked for them, else None). The handler sets `cancelled` (client
-    gone, stop string met) at any time; the scheduler reads it once per step, into `dropped`
-    (the value every rank of a sharded server acts on), and drops the row at the next block
-    boundary."""
+    TokenLogprobs when the request asked for them, else None), or ("error", message, status) when
+    it fails or the server stops. The handler sets `cancelled` (client gone, stop string met) at
+    any time; the scheduler reads it at every step's start and between denoising steps, into
+    `dropped` (the value every rank of a sharded server acts on), and drops the row there or at
+    the block's end (see the module docstring)."""
 
     def __init__(
         self,
@@ -140,6 +147,7 @@ class Group:
         self.decoder = None
         self.cancelled: set = set()  # row indices the current run drops at its next block
         self.nfe_seen = 0
+        self.steps_in_block = 0  # denoising steps of the current run's open block so far
 
     def gathering(self, now: float) -> bool:
         """Whether the group's next run waits for more requests (Scheduler.gather)."""
@@ -192,6 +200,7 @@ class Scheduler:
         self._uids = itertools.count()
         # Counters the tests and the benchmark read.
         self.joins = 0  # runs restarted to take in rows that arrived while a batch decoded
+        self.cut_short = 0  # runs ended or restarted mid-block to drop cancelled rows
         self.blocks = 0
         self.forwards = 0
         self.max_rows = 0  # largest batch a forward served
@@ -244,10 +253,12 @@ class Scheduler:
             raise box["error"]
         return box["scheduler"]
 
-    def stop(self):
+    def stop(self, timeout: Optional[float] = 30):
+        """Stop at the next denoising step: the requests still running or waiting get a 503
+        (SHUTTING_DOWN), then the worker thread ends (joined here, up to `timeout` seconds)."""
         self.stopped.set()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=timeout)
 
     @property
     def healthy(self) -> bool:
@@ -266,6 +277,7 @@ class Scheduler:
                             raise
                         logger.exception("scheduler step failed")
                         self._fail_all("internal error in the decoding loop (see the server log)")
+            self._fail_all(SHUTTING_DOWN, 503)
         except SystemExit as e:  # lost_rank_exits: another rank died
             self._end(str(e))
         except Exception:
@@ -281,13 +293,22 @@ class Scheduler:
         self.error = message
         self._fail_all(message)
 
-    def _fail_all(self, message):
+    def _fail_all(self, message, status: int = 500):
         for group in self.groups.values():
+            if group.run is not None:
+                group.run.close()
             for job in group.jobs + group.waiting:
                 if not job.done:
                     job.done = True
-                    job.events.put(("error", message))
+                    job.events.put(("error", message, status))
         self.groups.clear()
+        while True:  # requests that arrived after the last step
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            job.done = True
+            job.events.put(("error", message, status))
 
     def step(self, wait: float = 0.0) -> bool:
         """Admit what arrived (waiting up to `wait` seconds for it when no group has work), apply
@@ -298,15 +319,8 @@ class Scheduler:
         busy = any(not g.idle and not g.gathering(now) for g in self.groups.values())
         if gathering:
             wait = min([wait, *gathering])
-        news = self._news(None if busy else wait)
-        if news is not None:
-            jobs, cancelled, stop = news
-            self._admit(jobs)
-            for job in self._live():
-                job.dropped = job.dropped or job.uid in cancelled
-            if stop:
-                self.ended = True
-                return False
+        if not self._take_news(None if busy else wait):
+            return False
         for key in list(self.groups):
             group = self.groups[key]
             if group.idle:
@@ -319,6 +333,18 @@ class Scheduler:
             self._advance(group)
             return True
         return False
+
+    def _take_news(self, wait: Optional[float]) -> bool:
+        """Admit what arrived and mark the cancelled rows (`_news`); False once asked to stop."""
+        news = self._news(wait)
+        if news is not None:
+            jobs, cancelled, stop = news
+            self._admit(jobs)
+            for job in self._live():
+                job.dropped = job.dropped or job.uid in cancelled
+            if stop:
+                self.ended = True
+        return not self.ended
 
     def _live(self):
         for group in self.groups.values():
@@ -473,6 +499,8 @@ class Scheduler:
         try:
             while event is None or not hasattr(event, "finished"):
                 event = next(group.run)
+                if not hasattr(event, "finished") and not self._between_steps(group):
+                    return
         except StopIteration:
             group.run = None
             self._keep_kv(group)
@@ -482,10 +510,9 @@ class Scheduler:
         if group.prior is not None:  # the run's prefill has reused what it could
             group.jobs[0].cached_tokens = getattr(group.decoder.backend, "reused", 0)
             group.prior = None
-        nfe = group.decoder.nfe
-        delta, group.nfe_seen = nfe - group.nfe_seen, nfe
+        group.steps_in_block = 0
+        self._count_forwards(group)
         self.blocks += 1
-        self.forwards += delta
         self.max_rows = max(self.max_rows, len(event.rows))
         rows = zip(event.rows, event.tokens, event.eos, event.finished)
         for i, (row, toks, eos, finished) in enumerate(rows):
@@ -493,7 +520,6 @@ class Scheduler:
             if job.done:
                 continue
             job.tokens.extend(toks)
-            job.nfe += delta
             if job.dropped:
                 job.done = True
                 continue
@@ -502,6 +528,61 @@ class Scheduler:
         if all(j.done for j in group.jobs):
             group.run = None
             self._keep_kv(group)
+
+    def _count_forwards(self, group: Group) -> int:
+        """The run's forwards since they were last counted, added to its rows' and the total."""
+        nfe = group.decoder.nfe
+        delta, group.nfe_seen = nfe - group.nfe_seen, nfe
+        self.forwards += delta
+        for job in group.jobs:
+            if not job.done:
+                job.nfe += delta
+        return delta
+
+    def _between_steps(self, group: Group) -> bool:
+        """After a denoising step of `group`'s run: what arrived since the last step (as at a
+        step's start, the same on every rank), then the rows to drop now rather than at the
+        block's end. False when the run ended here (stopped, or cut short: `_cut_short`)."""
+        group.steps_in_block += 1
+        if not self._take_news(None):
+            self._end_run(group)
+            return False
+        dropped = sum(j.dropped and not j.done for j in group.jobs)
+        live = sum(not j.dropped and not j.done for j in group.jobs)
+        if dropped and self._cut_short(group, dropped, live):
+            self._end_run(group)
+            self.cut_short += 1
+            return False
+        return True
+
+    def _cut_short(self, group: Group, dropped: int, live: int) -> bool:
+        """Whether to end the run now for `dropped` cancelled rows (its `live` rows then restart
+        at their last block boundary, exactly as a join restarts them): always when no row is
+        live; when rows may join exactly, if redoing the block's steps so far for the live rows
+        (and re-encoding them, for a backend with K/V) costs fewer row-forwards than carrying
+        the dropped rows through the block's remaining steps (`steps` bounds them)."""
+        if live == 0:
+            return True
+        if not group.batching.joins:
+            return False
+        done = group.steps_in_block + (0 if group.batching.free_join else 1)
+        left = group.settings.get("steps", 0) - group.steps_in_block
+        return done * live < left * dropped
+
+    def _end_run(self, group: Group):
+        """End the group's run between two steps: its dropped rows are done, the others restart
+        from their committed blocks at the group's next turn (or get the stop's 503). Nothing
+        goes to the prompt cache: the K/V of a block half decoded is no run's final K/V."""
+        group.run.close()
+        group.run = None
+        self._count_forwards(group)
+        group.steps_in_block = 0
+        for job in group.jobs:
+            if job.dropped:
+                job.done = True
+        # The survivors first in line: the group's next run takes them before the newcomers.
+        group.waiting = [j for j in group.jobs if not j.done] + group.waiting
+        group.jobs = []
 
     def _should_join(self, group: Group) -> bool:
         """Whether the waiting requests join the running batch at this block boundary. Full

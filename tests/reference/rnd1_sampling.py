@@ -102,9 +102,10 @@ def diffusion_sample(
     eos_token_id=None,
     pad_token_id=None,
     add_eos_at_end=False,
+    eb_gamma=None,
     seed=0,
 ):
-    """`diffusion_sample(model, ...)` for one prefix, no suffix / infill_length / bos / eb_gamma:
+    """`diffusion_sample(model, ...)` for one prefix, no suffix / infill_length / bos:
     (seq_len,) int64, and the number of forwards."""
     g = torch.Generator().manual_seed(seed)
     pad_token_id = 0 if pad_token_id is None else pad_token_id
@@ -158,18 +159,33 @@ def diffusion_sample(
     total_masked = init_maskable.sum(1, keepdim=True)
     finf = torch.finfo(conf_i.dtype)
     for step in range(num_steps - 1, 0, -1):
-        rate = step / num_steps
-        cutoff_len = (total_masked * rate).long().clamp(min=0)
-        sel_scores = ent_i.masked_fill(~maskable, -finf.max)
-        k_max = cutoff_len.max().item()
-        keep_mask = torch.zeros_like(sel_scores, dtype=torch.bool)
-        if k_max > 0:
-            _, idx = torch.topk(sel_scores, k_max, dim=-1, largest=True)
-            for b in range(sel_scores.shape[0]):
-                k_b = int(cutoff_len[b].item())
+        if eb_gamma is not None:
+            err = (-conf_i.clone()).masked_fill(~maskable, finf.max)
+            _, idx = torch.sort(err, dim=-1)
+            entropy_sorted = torch.gather(ent_i, 1, idx)
+            acc_entropy = torch.cumsum(entropy_sorted, dim=-1)
+            cummax_entropy, _ = torch.cummax(entropy_sorted, dim=-1)
+            valid = (acc_entropy - cummax_entropy) <= eb_gamma
+            to_unmask = torch.zeros_like(maskable)
+            for b in range(maskable.shape[0]):
+                k_b = int(valid[b].sum().item())
                 if k_b > 0:
-                    keep_mask[b, idx[b, :k_b]] = True
-        to_unmask = maskable & ~keep_mask
+                    candidate = torch.zeros_like(maskable[b])
+                    candidate[idx[b][:k_b]] = True
+                    to_unmask[b] = candidate & maskable[b]
+        else:
+            rate = step / num_steps
+            cutoff_len = (total_masked * rate).long().clamp(min=0)
+            sel_scores = ent_i.masked_fill(~maskable, -finf.max)
+            k_max = cutoff_len.max().item()
+            keep_mask = torch.zeros_like(sel_scores, dtype=torch.bool)
+            if k_max > 0:
+                _, idx = torch.topk(sel_scores, k_max, dim=-1, largest=True)
+                for b in range(sel_scores.shape[0]):
+                    k_b = int(cutoff_len[b].item())
+                    if k_b > 0:
+                        keep_mask[b, idx[b, :k_b]] = True
+            to_unmask = maskable & ~keep_mask
         if to_unmask.any():
             xt[to_unmask] = pred_i[to_unmask]
             maskable[to_unmask] = False
