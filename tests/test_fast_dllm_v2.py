@@ -260,6 +260,16 @@ def test_published_config_reads_with_the_families_ids(tmp_path):
     args = ModelArgs.from_dict(dict(real, vocab_size=152064, rms_norm_eps=1e-6))
     assert args.bd_size == 32 and args.mask_token_id == FAST_DLLM_MASK_TOKEN_ID == 151665
     assert args.eos_token_id == 151645 and args.tie_word_embeddings is False
+    # Built at full size (MLX arrays are lazy: nothing is allocated): Qwen2.5-7B's 7.62e9.
+    from mlx.utils import tree_flatten
+
+    from mlx_dllm_models.models.fast_dllm_qwen import Model
+
+    model = Model(args)
+    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 7.6e9 < count < 7.65e9
+    spec = model.diffusion_spec
+    assert spec.trained_block_length == 32 and spec.defaults["block_length"] == 32
 
 
 @pytest.mark.parametrize(
@@ -292,3 +302,20 @@ def test_bad_config_is_one_clear_error(checkpoint, tmp_path, change, message):
     (bad / "config.json").write_text(json.dumps(dict(cfg, **change)))
     with pytest.raises(ValueError, match=message):
         load_fixture(bad)
+
+
+def test_logprobs_of_a_blocks_seed_are_its_argmax_logit(loaded, ref):
+    """A block's first token, which no step decides, gets the log-probability of the finished
+    prefix's last logit (the reference's forward over the prefix), and leads its alternatives."""
+    model, tok = loaded
+    ids = prompt(33)
+    plain = batch_generate_diffusion(model, tok, [ids], max_tokens=80)
+    out = batch_generate_diffusion(model, tok, [ids], max_tokens=80, logprobs=3)
+    assert out.tokens == plain.tokens and len(out.tokens[0]) == 80
+    seq = ids + out.tokens[0]
+    for column in (64, 96):  # the seeds of the second and third blocks
+        logits = ref.forward(torch.tensor([seq[:column]]), None, False, fx.BLOCK_SIZE)[0, -1]
+        want = torch.log_softmax(logits.double(), -1)[seq[column]].item()
+        entry = out.logprobs[0][column - len(ids)]
+        assert entry.token == seq[column] == entry.top[0][0]
+        assert abs(entry.logprob - want) < 1e-4
