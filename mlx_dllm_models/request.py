@@ -16,9 +16,11 @@ from typing import Any, List, Optional, Sequence, Set, Union
 import numpy as np
 
 from .engine import make_decoder
+from .engine.registry import check_constraints
 from .errors import CheckpointError
 from .settings import SettingsError, resolve_settings
 from .spec import BIDIRECTIONAL, GENERATION_CONFIG_KEYS, DiffusionSpec, read_generation_config
+from .structured import CONSTRAINT_KEYS, compile_rows
 from .vision import encode_prompt, is_processor, text_tokenizer
 
 Prompt = Union[str, Sequence[int]]
@@ -39,6 +41,8 @@ class Request:
     eos_token_ids: Set[int] = field(default_factory=set)
     eot_token_id: Optional[int] = None  # LLaDA's confidence_eos_eot_inf
     suffix: List[int] = field(default_factory=list)  # infilling: ids after the generated span
+    # Structured output: per row, a structured.Constraint or None; None when no row has one.
+    constraints: Optional[List[Any]] = None
 
     def decoder(self, model):
         """The decoding loop of this request (engine.make_decoder); `decoder.run(self.ids)`
@@ -50,6 +54,7 @@ class Request:
             images=self.pixel_values,
             eot_token_id=self.eot_token_id,
             suffix=self.suffix,
+            constraints=self.constraints,
         )
 
 
@@ -69,20 +74,35 @@ def prepare(
     infilling): every prompt is followed by max_tokens masks and then the suffix.
     `fit_context`: a max_tokens past the model's context is lowered to what fits after the
     longest prompt (the server's rule, as mlx_lm.server's), instead of refused; a prompt that
-    fills the context alone is still refused."""
+    fills the context alone is still refused.
+
+    Structured output: `json_schema`, `regex` or `lark` among the settings (one value for every
+    prompt, or a list with one entry per prompt, None for an unconstrained one) constrain the
+    generated text (structured.py); they are compiled here and never enter the settings."""
+    settings = dict(settings)
+    wanted = {k: settings.pop(k) for k in CONSTRAINT_KEYS if settings.get(k) is not None}
+    for k in CONSTRAINT_KEYS:
+        settings.pop(k, None)
     spec, s, ids, pixel_values = _prepare_rows(
         model, tokenizer, prompts, settings, images, fit_context
     )
     suffix = suffix_ids(tokenizer, suffix)
     check_infill(model, spec, s, ids, suffix)
+    eos = eos_ids(model, tokenizer, spec)
+    constraints = None
+    if wanted:
+        check_constraints(spec, s)  # a decoder without them refuses before anything compiles
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
+        constraints = compile_rows(wanted, len(ids), text_tokenizer(tokenizer), vocab, eos)
     return Request(
         spec=spec,
         settings=s,
         ids=ids,
         pixel_values=pixel_values,
-        eos_token_ids=eos_ids(model, tokenizer, spec),
+        eos_token_ids=eos,
         eot_token_id=eot_id(tokenizer, spec, s),
         suffix=suffix,
+        constraints=constraints,
     )
 
 

@@ -93,6 +93,12 @@ class CanvasDecoder:
     samplers = ("entropy", "threshold")
     # Each row draws from its own stream: rows with different seeds share a run exactly.
     row_seeds = True
+    # Structured output needs a left-to-right order of commits; a canvas re-draws every position
+    # from noise at each step, so make_decoder refuses constraints here (with this advice).
+    constraint_alternative = (
+        "a canvas re-draws every position at each step, so no prefix is ever final; drop the "
+        "constraint and validate the text afterwards"
+    )
 
     def __init__(
         self,

@@ -36,6 +36,7 @@ from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL
 from .base import BlockEvent, StepEvent, block_event, check_finite
+from .constrained import RowConstraints, make_row_constraints
 from .editing import BlockEditing
 from .layout import Layout
 from .logprobs import PositionLogprobs
@@ -96,6 +97,7 @@ class _Batch:
     key: mx.array  # the run's PRNG key, split once per step
     first: int  # the leftmost column where a row's canvas starts: StepEvents show from there
     checked: bool = False  # the first forward's logits were checked to be finite
+    constraints: Optional[RowConstraints] = None  # the rows' grammar matchers (structured output)
 
 
 @dataclass
@@ -124,6 +126,8 @@ class MaskedBlockDecoder:
     # `run(cancelled=)` drops a cancelled row at its next block, and `run(budgets=)` restarts rows
     # over [prompt ; committed] with what is left of their max_tokens (the server's joins).
     drops_cancelled_rows = True
+    # Structured output: rows may carry grammar constraints (engine/constrained.py).
+    takes_constraints = True
 
     def __init__(
         self,
@@ -133,8 +137,11 @@ class MaskedBlockDecoder:
         backend,
         eot_token_id: Optional[int] = None,
         suffix: Sequence[int] = (),
+        constraints: Optional[Sequence] = None,
     ):
         self.model = model
+        # Structured output: each row's structured.Constraint (None: unconstrained), or None.
+        self.constraints = constraints
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
@@ -191,6 +198,8 @@ class MaskedBlockDecoder:
         budgets: Optional[Sequence[int]] = None,
         cancelled: AbstractSet[int] = frozenset(),
         prior=None,
+        constraints: Optional[Sequence] = None,
+        consumed: Optional[Sequence] = None,
     ) -> Iterator[object]:
         """Decode `prompts` (left-padded into one batch), yielding StepEvents and BlockEvents.
         `budgets`: each row's max_tokens (default: the max_tokens setting for every row).
@@ -198,8 +207,20 @@ class MaskedBlockDecoder:
         at the next block boundary, as a finished row does (the server's disconnected clients).
         `prior`: a cache.PriorKV from an earlier run (see `kv_prefix`) whose K/V the prefill reuses
         over the prefix the (single) prompt shares with it; the tokens are those of a run without
-        it. Backends with a KV cache only (block-causal and causal-prefix families)."""
+        it. Backends with a KV cache only (block-causal and causal-prefix families).
+        `constraints`: each row's structured.Constraint (None: unconstrained; default: the
+        decoder's), `consumed` the tokens each has already returned (a row the server restarts
+        over [prompt ; committed]: its grammar continues after them)."""
+        constraints = self.constraints if constraints is None else constraints
         batch = self._start(prompts, budgets, prior)
+        batch.constraints = make_row_constraints(
+            constraints, consumed, self.eos, self.spec.mask_token_id
+        )
+        if batch.constraints is not None and batch.layout.has_infill:
+            raise SettingsError(
+                "a constraint (json_schema / regex / lark) applies to the text after the prompt; "
+                "mask tokens inside a prompt are not supported with it: drop them (a suffix is)"
+            )
         for start, stop in batch.layout.blocks():
             event = yield from self._block(batch, start, stop)
             self.tokens = batch.x
@@ -240,9 +261,15 @@ class MaskedBlockDecoder:
         BlockEvent."""
         blk = self._open_block(batch, start, stop)
         first, editing = batch.first, blk.editing
-        for step in range(self.s["steps"] + (editing.max_post if editing else 0)):
+        # A constrained row commits one column a step at least, whatever its schedule: it may
+        # need as many steps as the window has columns.
+        extra = stop - blk.lo if batch.constraints is not None else 0
+        for step in range(self.s["steps"] + (editing.max_post if editing else 0) + extra):
             if editing is not None:
                 if not editing.continues(blk.cand):
+                    break
+            elif batch.constraints is not None:
+                if not any(blk.rows_left):
                     break
             elif self.exact_floor and step >= len(blk.floor_max):
                 break  # past the schedule's columns every floor is 0: nothing more commits
@@ -264,6 +291,8 @@ class MaskedBlockDecoder:
         # counts both, so that every mask is filled; LLaDA's generate.py counts only the block's,
         # and would end with as many masks as the prompt held.
         lo = layout.window_start(x, mask_id, start)
+        if batch.constraints is not None:
+            batch.x = x = batch.constraints.open_block(x, lo, stop, layout)
         gen = layout.decoded[:, lo:stop] | layout.infill[:, lo:stop]
         cand = (x[:, lo:stop] == mask_id) & gen
         if self.spec.quota_base == "masks":
@@ -318,8 +347,15 @@ class MaskedBlockDecoder:
         )
         commit, x0 = self._commit(stats, blk, step, k_rule, idx)
         current = batch.x[:, blk.lo : blk.stop]
+        if batch.constraints is not None:
+            # A key of its own for the first column's masked draw: the rule's stays as it was.
+            k_first = mx.random.split(k_rule)[1]
+            commit, x0 = batch.constraints.commit(logits, idx, commit, x0, s, spec, k_first)
         if blk.editing is not None:
-            commit = commit | blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
+            edits = blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
+            if batch.constraints is not None:  # a constrained row's tokens are never rewritten
+                edits = edits & ~batch.constraints.row_mask()
+            commit = commit | edits
         block = mx.where(commit, x0.astype(mx.int32), current)
         batch.x[:, blk.lo : blk.stop] = block
         if blk.logprobs is not None:
@@ -423,5 +459,7 @@ class MaskedBlockDecoder:
             batch.x = batch.x[mx.array(keep)]
             batch.rows = [rows[i] for i in keep]
             batch.layout = batch.layout.select(keep)
+            if batch.constraints is not None:
+                batch.constraints.select(keep)
             batch.backend = self.backend = batch.backend.select(batch.layout, keep)
         return True

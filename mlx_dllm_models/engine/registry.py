@@ -102,16 +102,40 @@ def select_decoder(spec, settings):
     return DECODERS[name]
 
 
+def check_constraints(spec, settings) -> None:
+    """A SettingsError unless the decoder of these settings takes structured-output constraints
+    (it declares `takes_constraints`); its `constraint_alternative` says what to do instead."""
+    decoder = select_decoder(spec, settings)
+    if not getattr(decoder, "takes_constraints", False):
+        raise SettingsError(
+            f"structured output (json_schema / regex / lark) is not supported by the "
+            f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
+            f"({decoder.__name__}); {getattr(decoder, 'constraint_alternative', '')}"
+        )
+
+
 def make_decoder(
-    model, settings, eos_token_ids, images=None, eot_token_id=None, suffix=(), row_seeds=None
+    model,
+    settings,
+    eos_token_ids,
+    images=None,
+    eot_token_id=None,
+    suffix=(),
+    row_seeds=None,
+    constraints=None,
 ):
     """The decoding loop for a model and resolved settings, with its backend; `images` (the
     processor's pixel values) go to the decoder of a family that reads them; `eot_token_id` (LLaDA's
     confidence_eos_eot_inf) and `suffix` (infilling) to the masked decoder; `row_seeds` (a seed
-    per row) to a decoder whose rows draw from streams of their own (Batching.row_seeds)."""
+    per row) to a decoder whose rows draw from streams of their own (Batching.row_seeds);
+    `constraints` (structured output, one structured.Constraint or None per row) to a decoder
+    that declares `takes_constraints`, and a SettingsError from any other."""
     spec = model.diffusion_spec
     decoder = select_decoder(spec, settings)
     extra = {} if images is None else {"images": images}
+    if constraints is not None:
+        check_constraints(spec, settings)
+        extra["constraints"] = constraints
     if row_seeds is not None:
         extra["row_seeds"] = row_seeds
     if eot_token_id is not None:

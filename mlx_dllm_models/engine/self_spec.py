@@ -97,6 +97,9 @@ class SelfSpeculativeDecoder:
     caches would not stay aligned.
     """
 
+    # Structured output is the masked decoder's (engine/constrained.py); make_decoder says so.
+    constraint_alternative = "use mode='diffusion', whose masked block decoding takes them"
+
     def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
         self.model = model
         self.spec = model.diffusion_spec

@@ -1,0 +1,256 @@
+"""Constrained rows in the masked block loop: one llguidance matcher per row (structured.py builds
+them), the row's open positions in the block, and the commits decoding/constrained.py's rule
+decides under the matcher.
+
+The loop calls `open_block` after the backend began a block (tokens a backend put there, such as
+Nemotron's AR-seeded first column, stay only where the grammar allows them; forced tokens are
+filled), `commit` after each step's rule (a constrained row's commit is replaced by the rule's
+left-to-right prefix) and `select` when rows leave. Rows without a constraint are untouched.
+
+Host work: one read of the block's window at `open_block`, and per step one read of the rows'
+first tokens, proposals and rule commits (the grammar's mask is computed on the host while the
+device evaluates the forward). Everything a constrained row commits is decided on the host, so the
+row's window is known there without further reads.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..decoding import token_stats
+from ..decoding.constrained import allowed_tokens, commit_prefix, completion, mask_logits
+
+
+@dataclass
+class _Row:
+    """A constrained row's open block, on the host."""
+
+    window: List[int]  # the window's tokens
+    open: List[int]  # window columns the row returns and has not committed yet, left to right
+    tail: List[int] = field(default_factory=list)  # columns decoded but never returned
+    after: int = 0  # columns the row returns after the window (its budget beyond this block)
+
+    @property
+    def room(self) -> int:
+        """Positions left for the row's text and its EOS."""
+        return len(self.open) + self.after
+
+
+class RowConstraints:
+    """The matchers of a run's rows (None: unconstrained) and their open blocks."""
+
+    def __init__(
+        self, matchers: Sequence, candidates: Sequence[tuple], eos: Sequence[int], mask_id: int
+    ):
+        self.matchers = list(matchers)
+        self.candidates = list(candidates)  # each row's budget-guard search order
+        self.eos = sorted(eos)
+        self.mask_id = mask_id
+        self.rows = {}  # batch row -> _Row, for the constrained rows of the open block
+
+    def select(self, keep: List[int]) -> None:
+        self.matchers = [self.matchers[i] for i in keep]
+        self.candidates = [self.candidates[i] for i in keep]
+
+    def _fits(self, row: int, left: int) -> bool:
+        """Whether the row's grammar can still be closed, and EOS follow, in `left` positions."""
+        return completion(self.matchers[row], left - 1, self.candidates[row]) is not None
+
+    def row_mask(self) -> mx.array:
+        """(B, 1) bool: the constrained rows."""
+        return mx.array([m is not None for m in self.matchers])[:, None]
+
+    def _consume(self, matcher, token: int) -> bool:
+        return matcher.try_consume_tokens([int(token)]) == 1
+
+    def open_block(self, x: mx.array, lo: int, stop: int, layout) -> mx.array:
+        """The block's window [lo, stop) of `x` with each constrained row's tokens made valid: the
+        leading tokens a backend put there kept while the grammar allows them (the rest back to
+        masks), then the forced tokens filled (one host read)."""
+        rows = [i for i, m in enumerate(self.matchers) if m is not None]
+        self.rows = {}
+        if not rows:
+            return x
+        idx = mx.array(rows)
+        read = mx.concatenate(
+            [
+                x[idx, lo:stop],
+                layout.decoded[idx, lo:stop].astype(x.dtype),
+                layout.generated[idx, lo:stop].astype(x.dtype),
+            ],
+            axis=1,
+        ).tolist()
+        width = stop - lo
+        new = np.array(x[:, lo:stop])
+        for row, r in zip(rows, read):
+            window, decoded, returned = r[:width], r[width : 2 * width], r[2 * width :]
+            after = max(0, layout.ends[row] - stop)
+            state = _Row(window, [], [], after)
+            room = sum(returned) + after
+            keeping = True
+            for c in range(width):
+                if not decoded[c]:
+                    continue
+                if not returned[c]:
+                    state.tail.append(c)
+                    window[c] = self.mask_id
+                elif keeping and window[c] != self.mask_id:
+                    m = self.matchers[row]
+                    keeping = self._consume(m, window[c])
+                    room -= 1
+                    if keeping and not self._fits(row, room):
+                        m.rollback(1)
+                        keeping = False
+                    if not keeping:
+                        window[c] = self.mask_id
+                        state.open.append(c)
+                else:
+                    keeping = False
+                    window[c] = self.mask_id
+                    state.open.append(c)
+            self.rows[row] = state
+            self._advance(row)
+            new[row] = state.window
+        return mx.concatenate([x[:, :lo], mx.array(new, dtype=x.dtype), x[:, stop:]], axis=1)
+
+    def _advance(self, row: int) -> List[int]:
+        """Fill the row's forced tokens (no forward needed), then EOS everywhere once the grammar
+        can take nothing else or the row's returned columns are all committed; the columns filled."""
+        state, matcher, done = self.rows[row], self.matchers[row], []
+        while state.open and not matcher.is_stopped():
+            forced = matcher.compute_ff_tokens()
+            taken = 0
+            for token in forced[: len(state.open)]:
+                if not self._consume(matcher, token):
+                    break
+                c = state.open.pop(0)
+                state.window[c] = token
+                done.append(c)
+                taken += 1
+            if taken == 0:
+                break
+        if matcher.is_stopped() or not state.open:
+            # Past EOS nothing is returned, and past max_tokens nothing either: EOS fills them
+            # (the block must close without a mask). A stopped grammar takes EOS next.
+            rest = (state.open if matcher.is_stopped() else []) + state.tail
+            for c in rest:
+                state.window[c] = self.eos[0]
+            done.extend(rest)
+            state.tail = []
+            if matcher.is_stopped():
+                state.open = []
+        return done
+
+    def commit(self, logits, idx, commit, x0, settings, spec, key):
+        """The step's (commit, x0) with each constrained row's replaced by the prefix rule's.
+        `logits`: the step's, over the batch rows `idx` (None: every row)."""
+        live = [] if idx is None else idx.tolist()
+        order = {r: i for i, r in enumerate(live)}
+        rows = [r for r, s in self.rows.items() if s.open and (idx is None or r in order)]
+        if not rows:
+            return commit, x0
+        mx.async_eval(logits, commit, x0)  # the device works while the host computes masks
+        vocab = logits.shape[-1]
+        words = np.stack(
+            [np.frombuffer(self.matchers[r].compute_bitmask(), dtype=np.uint32) for r in rows]
+        )
+        lrows = mx.array([r if idx is None else order[r] for r in rows])
+        first_cols = mx.array([self.rows[r].open[0] for r in rows])
+        masked = mask_logits(logits[lrows, first_cols], allowed_tokens(mx.array(words), vocab))
+        first = token_stats(
+            masked[:, None, :],
+            temperature=settings["temperature"],
+            top_k=settings["top_k"],
+            top_p=settings["top_p"],
+            key=None if settings["temperature"] == 0 else key,
+            suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
+            order=spec.sampling_order,
+        ).x0[:, 0]
+        brows = mx.array(rows)
+        read = mx.concatenate(
+            [
+                first[:, None].astype(mx.int32),
+                x0[brows].astype(mx.int32),
+                commit[brows].astype(mx.int32),
+            ],
+            axis=1,
+        ).tolist()
+        width = commit.shape[1]
+        new_commit = np.zeros(commit.shape, dtype=bool)
+        new_x0 = np.zeros(commit.shape, dtype=np.int32)
+        which = np.zeros((commit.shape[0], 1), dtype=bool)
+        for r, w, line in zip(rows, words, read):
+            state, cols = self.rows[r], self.rows[r].open
+            proposals, passes = line[1 : 1 + width], line[1 + width :]
+            tokens = self._tokens(
+                r, line[0], w, [proposals[c] for c in cols], [bool(passes[c]) for c in cols]
+            )
+            done = cols[: len(tokens)]
+            for c, t in zip(done, tokens):
+                state.window[c] = t
+            state.open = cols[len(tokens) :]
+            done = done + self._advance(r)
+            which[r] = True
+            new_commit[r, done] = True
+            new_x0[r] = state.window
+        which = mx.array(which)
+        return (
+            mx.where(which, mx.array(new_commit), commit),
+            mx.where(which, mx.array(new_x0), x0.astype(mx.int32)),
+        )
+
+    def _tokens(self, row: int, first: int, words, proposals, passes) -> List[int]:
+        """What the row commits at its open columns this step (consumed by its matcher): the
+        prefix rule's tokens, each kept only while the grammar can still close within the row's
+        budget after it; where the first cannot be, the closing tokens and EOS."""
+        state, matcher = self.rows[row], self.matchers[row]
+        room = state.room
+        guarded = self._fits(row, room)  # else no closing fits at all: nothing to guard
+        token = self._first(matcher, first, words)
+        if guarded and not self._fits(row, room - 1):
+            matcher.rollback(1)
+            close = completion(matcher, room - 1, self.candidates[row])
+            matcher.try_consume_tokens(close)
+            tokens = close[: len(state.open)]
+            if len(tokens) < len(state.open) and self._consume(matcher, self.eos[0]):
+                tokens.append(self.eos[0])
+            return tokens
+        used = [1]
+
+        def consume(t):
+            if not self._consume(matcher, t):
+                return False
+            used[0] += 1
+            if guarded and not self._fits(row, room - used[0]):
+                matcher.rollback(1)
+                return False
+            return True
+
+        return commit_prefix(token, proposals[1:], passes[1:], consume, lambda t: t in self.eos)
+
+    def _first(self, matcher, token: int, words) -> int:
+        """The first open column's token, consumed: the masked draw, or (when every allowed
+        token's logit was -inf, e.g. EOS suppressed by logits_eos_inf) the lowest allowed id."""
+        if self._consume(matcher, token):
+            return token
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        for t in np.flatnonzero(bits).tolist():
+            if self._consume(matcher, t):
+                return t
+        raise RuntimeError(f"the grammar allows no token here: {matcher.get_error()}")
+
+
+def make_row_constraints(
+    constraints: Optional[Sequence], consumed: Optional[Sequence], eos, mask_id
+) -> Optional[RowConstraints]:
+    """RowConstraints of a run's rows: `constraints` holds one structured.Constraint per row
+    (None: unconstrained), `consumed` the tokens each row already returned (a restarted row),
+    or None; None when no row is constrained."""
+    if constraints is None or all(c is None for c in constraints):
+        return None
+    consumed = consumed or [()] * len(constraints)
+    matchers = [None if c is None else c.matcher(t) for c, t in zip(constraints, consumed)]
+    candidates = [() if c is None else c.candidates for c in constraints]
+    return RowConstraints(matchers, candidates, eos, mask_id)
