@@ -54,6 +54,25 @@ def generate_parser():
         "masks between prompt and suffix are filled (use --ignore-chat-template for raw code)",
     )
     p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="structured output: the text is JSON valid under the JSON schema in FILE (or given "
+        "inline, starting with '{')",
+    )
+    p.add_argument(
+        "--regex",
+        default=None,
+        metavar="PATTERN",
+        help="structured output: the whole text matches the regular expression PATTERN",
+    )
+    p.add_argument(
+        "--lark",
+        default=None,
+        metavar="FILE",
+        help="structured output: the text is in the language of the Lark grammar in FILE",
+    )
+    p.add_argument(
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
     p.add_argument(
@@ -97,6 +116,28 @@ def _extra_settings(unknown):
     return extra
 
 
+def constraint_args(args) -> dict:
+    """The structured-output settings of --json-schema / --regex / --lark (files read here; a
+    missing or unreadable file is an error that names it)."""
+    out = {}
+    for name in ("json_schema", "lark"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "json_schema" and value.lstrip().startswith("{"):
+            out[name] = value
+            continue
+        try:
+            with open(value, encoding="utf-8") as f:
+                out[name] = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: {flag} {value}: {e.strerror or e}")
+    if args.regex is not None:
+        out["regex"] = args.regex
+    return out
+
+
 def generate_main(argv):
     from .generate import responses, stats_line, stream_events
     from .vision import is_processor, text_tokenizer
@@ -105,6 +146,7 @@ def generate_main(argv):
     args, unknown = parser.parse_known_args(argv)
     settings = chosen_settings(args)
     settings.update(_extra_settings(unknown))
+    settings.update(constraint_args(args))
     chat_template_kwargs = template_kwargs(args)
 
     prompt = args.prompt

@@ -92,6 +92,12 @@ def prepare(
     constraints = None
     if wanted:
         check_constraints(spec, s)  # a decoder without them refuses before anything compiles
+        if spec.mask_token_id is not None and any(spec.mask_token_id in p for p in ids):
+            raise SettingsError(
+                "a constraint (json_schema / regex / lark) applies to the text after the "
+                "prompt; mask tokens inside a prompt are not supported with it: drop them (a "
+                "suffix is)"
+            )
         vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
         constraints = compile_rows(wanted, len(ids), text_tokenizer(tokenizer), vocab, eos)
     return Request(

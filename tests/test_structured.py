@@ -26,7 +26,7 @@ import regex as partial_re
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import load_fixture
+from conftest import load_fixture, run_cli
 from fixtures import build_once, coda, dream, fast_dllm_v2, llada, llada2, nemotron, rnd1, sdar
 from fixtures import diffusion_gemma as dgfx
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
@@ -399,3 +399,26 @@ def test_masks_inside_the_prompt_are_refused_with_a_constraint(models):
     prompt = tok.encode("Hello") + [mask, mask] + tok.encode(" there")
     with pytest.raises(SettingsError, match="mask tokens inside a prompt"):
         run(model, tok, prompt, regex="[a-c]", max_tokens=8)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_flags(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}}}))
+    out = run_cli("generate", "--json-schema", str(schema), "--verbose", "false")
+    assert out.returncode == 0, out.stderr
+    value = json.loads(out.stdout)
+    jsonschema.validate(value, json.loads(schema.read_text()))
+    out = run_cli("generate", "--regex", "[0-9]{3}", "--verbose", "false", "--temp", "0")
+    assert out.returncode == 0 and re.fullmatch("[0-9]{3}\n", out.stdout), out
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    out = run_cli("generate", "--lark", str(grammar), "--verbose", "false")
+    assert out.returncode == 0 and out.stdout.strip() in ("yes", "no"), out
+    out = run_cli("generate", "--json-schema", str(tmp_path / "missing.json"))
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --json-schema"), out.stderr
+    out = run_cli("generate", "--regex", "a(b", "--verbose", "false")
+    assert out.returncode != 0 and "regex of prompt 0 cannot be compiled" in out.stderr
