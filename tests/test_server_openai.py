@@ -131,7 +131,6 @@ def test_fields_that_change_nothing_are_accepted_and_ignored(llada, client):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
         ("tool_choice", "required"),
         ("presence_penalty", 0.5),
         ("logit_bias", {"5": 10}),

@@ -67,6 +67,7 @@ from .fields import (
     draws_noise,
     error_body,
     neutral,
+    read_response_format,
 )
 from .guards import (
     DEFAULT_MAX_BODY_BYTES,
@@ -226,6 +227,7 @@ class Service:
         if max_tokens is not None:
             overrides["max_tokens"] = max_tokens
         read_logprobs(body, overrides)
+        read_response_format(body, overrides)
         if body.get("n") not in (None, 1):
             raise RequestError(f"n must be 1 (one completion per request), got {body['n']!r}")
         options = body.get("stream_options")

@@ -24,6 +24,7 @@ REQUEST_FIELDS = {
     "n",
     "logprobs",  # these two: logprobs.read_fields
     "top_logprobs",
+    "response_format",  # read_response_format
 }
 # Fields OpenAI clients send that change nothing here: accepted and ignored, as mlx_lm.server does.
 IGNORED_FIELDS = {
@@ -47,13 +48,11 @@ UNSUPPORTED_FIELDS = {
     "draft_model": "diffusion models need no draft model",
     "num_draft_tokens": "diffusion models need no draft model",
     "adapters": "adapters are chosen when the server starts (--adapter-path)",
-    "response_format": 'the output is not constrained to a format; send {"type": "text"}',
     "tool_choice": "tool calls are not parsed by this server",
 }
 # Neutral values beyond `neutral`'s defaults (None, false, 0, empty).
 NEUTRAL_VALUES = {
     "repetition_penalty": (0, 1),
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),
 }
 
@@ -71,6 +70,36 @@ def error_body(message: str, status: int = 400, param=None, code=None) -> dict:
     """OpenAI's error object (its clients' exception `.message` carries `message`)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def read_response_format(body: dict, overrides: dict) -> None:
+    """OpenAI's `response_format` as the json_schema setting (structured.py): "json_object" any
+    JSON object, "json_schema" its `json_schema.schema` (its `name` and `strict` change nothing:
+    the output always follows the schema); "text" or none, nothing. A request may also send
+    `json_schema`, `regex` or `lark` as fields of their own, as any setting."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        overrides["json_schema"] = {"type": "object"}
+        return
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise RequestError(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                "{...}}}, with the schema an object",
+                param="response_format",
+            )
+        overrides["json_schema"] = spec.get("schema", {"type": "object"})
+        return
+    raise RequestError(
+        f"response_format type {kind!r} is not supported; send text, json_object or json_schema",
+        param="response_format",
+    )
 
 
 def neutral(name, value) -> bool:

@@ -465,6 +465,10 @@ class Scheduler:
         group.prior = self._cached_prior(group, prompts)
         if group.prior is not None:
             options["prior"] = group.prior
+        constraints = [(j.request.constraints or [None])[0] for j in jobs]
+        if any(c is not None for c in constraints):
+            # Structured output: a restarted row's grammar continues after what it returned.
+            options.update(constraints=constraints, consumed=[j.tokens for j in jobs])
         group.run = decoder.run(prompts, **options)
         group.decoder, group.jobs, group.nfe_seen = decoder, jobs, 0
 
