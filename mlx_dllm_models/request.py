@@ -71,7 +71,8 @@ def prepare(
     SettingsError or CheckpointError says what is wrong). `images`: None, or one entry per prompt:
     None, an image (a path, PIL image or array) or a list of them, for text prompts, with the
     processor that `load` returns for a multimodal checkpoint. `suffix` (text or ids,
-    infilling): every prompt is followed by max_tokens masks and then the suffix.
+    infilling): every prompt is followed by max_tokens masks and then the suffix; None: the
+    family's default suffix (spec.default_suffix: RND1's trailing pad), if it has one.
     `fit_context`: a max_tokens past the model's context is lowered to what fits after the
     longest prompt (the server's rule, as mlx_lm.server's), instead of refused; a prompt that
     fills the context alone is still refused.
@@ -86,7 +87,8 @@ def prepare(
     spec, s, ids, pixel_values = _prepare_rows(
         model, tokenizer, prompts, settings, images, fit_context
     )
-    suffix = suffix_ids(tokenizer, suffix)
+    # No suffix given: the one the family's reference always places (RND1's trailing pad).
+    suffix = list(spec.default_suffix) if suffix is None else suffix_ids(tokenizer, suffix)
     check_infill(model, spec, s, ids, suffix)
     eos = eos_ids(model, tokenizer, spec)
     constraints = None

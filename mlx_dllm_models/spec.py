@@ -81,6 +81,10 @@ class DiffusionSpec:
     # A row's block stops denoising once it holds an EOS with no mask before it (the positions
     # after it are never returned), as Nemotron-Labs-Diffusion's generate breaks its step loop.
     eos_ends_block: bool = False
+    # Token ids after every row's canvas when the caller gives no suffix (request.prepare): RND1's
+    # generate reserves the last position of its sequence for the pad token, which the model sees
+    # at every step. An explicit suffix replaces them.
+    default_suffix: Tuple[int, ...] = ()
     # Preset settings: setting name -> its value -> the settings it brings (LLaDA2's
     # editing_mode: quality / speed / off), applied over `defaults` and `sampler_defaults`.
     presets: Mapping[str, Mapping[Any, Mapping[str, Any]]] = field(default_factory=dict)

@@ -36,6 +36,8 @@ from .common import (
 
 # RND1Config's default mask id (rnd/configuration_rnd.py); the Qwen3 tokenizer has no token there.
 RND1_MASK_TOKEN_ID = 151669
+# generation_utils.py's fallback pad id (<|endoftext|>) when config.json names none.
+RND1_PAD_TOKEN_ID = 151643
 
 # The recipe of RND1's README (Python API) and demo_rnd_generation.py's defaults:
 # generate(max_new_tokens=256, num_diffusion_steps=256, temperature=0.01), no top-k / top-p,
@@ -121,4 +123,8 @@ class Model(qwen3_moe.Model):
             # samplers keep their steps = block_length).
             sampler_defaults={"rnd1": {"block_length": None, "steps": REFERENCE_STEPS}},
             vocab_size=self.args.vocab_size,
+            # RND1GenerationMixin.generate always sets an EOS id, so diffusion_sample keeps the
+            # sequence's last position as the pad token (never a mask): the model sees it after
+            # the canvas at every step. The engine's canvas is max_tokens masks, then this pad.
+            default_suffix=(self.args.pad_token_id or RND1_PAD_TOKEN_ID,),
         )

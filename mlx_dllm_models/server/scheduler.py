@@ -138,6 +138,7 @@ class Group:
         self.settings = request.settings
         self.eos_token_ids = request.eos_token_ids
         self.eot_token_id = request.eot_token_id
+        self.suffix = request.suffix  # the family's default suffix (RND1's trailing pad), if any
         self.batching = batching
         self.prior = None  # the prompt cache's entry the current run resumes from
         self.gather_until = 0.0  # a run batched at arrival starts no earlier (Scheduler.gather)
@@ -453,6 +454,7 @@ class Scheduler:
             group.eos_token_ids,
             images=images,
             eot_token_id=group.eot_token_id,
+            suffix=group.suffix,
             row_seeds=[j.settings["seed"] for j in jobs] if group.batching.row_seeds else None,
         )
         prompts = [j.ids + j.tokens for j in jobs]

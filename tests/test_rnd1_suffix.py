@@ -1,0 +1,94 @@
+"""RND1's trailing pad by default: RND1GenerationMixin.generate always sets an EOS id, so its
+diffusion_sample keeps the sequence's last position as the pad token <|endoftext|>, which the model
+sees at every step. A call that names no suffix places it (spec.default_suffix, read by
+request.prepare) and equals the reference's generate(max_new_tokens=max_tokens + 1)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fixtures import build_once
+from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
+from mlx_dllm_models import batch_generate_diffusion, load
+from mlx_dllm_models.models import rnd1
+from mlx_dllm_models.request import prepare
+from reference.rnd1_sampling import generate, reference_forward
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "rnd1", build)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load(ckpt)
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def reference(ckpt, p, max_tokens, steps):
+    """generate(max_new_tokens=max_tokens + 1) at greedy=True, temperature 1 (what temperature 0
+    is here, tests/test_rnd1.py): max_tokens masks, then the pad it reserves."""
+    seq, _ = generate(
+        reference_forward(ckpt),
+        p,
+        max_tokens + 1,
+        steps,
+        mask_token_id=MASK,
+        eos_token_id=IM_END,
+        pad_token_id=ENDOFTEXT,
+        greedy=True,
+        temperature=1.0,
+    )
+    assert seq[-1] == ENDOFTEXT
+    toks = seq[len(p) : -1].tolist()
+    # The package returns a row's tokens up to its first EOS (the reference fills the canvas).
+    return toks[: toks.index(IM_END)] if IM_END in toks else toks
+
+
+def test_the_spec_declares_the_pad_of_config_json(loaded):
+    model, tok = loaded
+    assert model.args.pad_token_id == ENDOFTEXT
+    assert model.diffusion_spec.default_suffix == (ENDOFTEXT,)
+    assert prepare(model, tok, [[40, 41]], {}).suffix == [ENDOFTEXT]
+    assert prepare(model, tok, [[40, 41]], {}, suffix=[41, 42]).suffix == [41, 42]  # replaces it
+
+
+def test_without_pad_token_id_the_references_fallback(loaded):
+    """generation_utils.py: `pad_token_id = gen_config.pad_token_id or config.pad_token_id`,
+    151643 when both are unset."""
+    model, _ = loaded
+    args = dataclasses.replace(model.args, pad_token_id=None)
+    assert rnd1.Model(args).diffusion_spec.default_suffix == (rnd1.RND1_PAD_TOKEN_ID,) == (151643,)
+
+
+CASES = [(7, 0, 12, 12), (3, 1, 16, 5), (10, 2, 9, 20)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}-N{c[2]}-S{c[3]}")
+def test_a_default_call_equals_the_reference(loaded, ckpt, case):
+    n, seed, max_tokens, steps = case
+    model, tok = loaded
+    p = prompt(n, seed)
+    got = batch_generate_diffusion(
+        model, tok, [p], max_tokens=max_tokens, steps=steps, temperature=0.0
+    )
+    assert got.tokens[0] == reference(ckpt, p, max_tokens, steps)
+
+
+def test_the_check_can_fail_without_the_pad(loaded, ckpt):
+    """Without the pad (an explicit empty suffix) the canvas the model sees differs, and so do
+    the tokens: the default is what makes the call above equal the reference."""
+    model, tok = loaded
+    differ = 0
+    for n, seed, max_tokens, steps in CASES:
+        p = prompt(n, seed)
+        got = batch_generate_diffusion(
+            model, tok, [p], max_tokens=max_tokens, steps=steps, temperature=0.0, suffix=[]
+        )
+        differ += got.tokens[0] != reference(ckpt, p, max_tokens, steps)
+    assert differ > 0
