@@ -30,6 +30,7 @@ from conftest import load_fixture, run_cli
 from fixtures import build_once, coda, dream, fast_dllm_v2, llada, llada2, nemotron, rnd1, sdar
 from fixtures import diffusion_gemma as dgfx
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
+from mlx_dllm_models.cli import main
 from mlx_dllm_models.decoding.constrained import allowed_tokens, commit_prefix
 from mlx_dllm_models.default import chat_prompt, default_checkpoint, held_out_problems
 from mlx_dllm_models.settings import SettingsError
@@ -49,6 +50,8 @@ FAMILIES = {
     "llada2 editing": (llada2.build, dict(threshold=0.7, editing_threshold=0.6, max_post_steps=4)),
     "nemotron": (nemotron.build, {}),
     "nemotron recompute": (nemotron.build, dict(cache="none")),
+    "nemotron self_spec": (nemotron.build, dict(mode="self_spec")),
+    "nemotron self_spec draft adapter": (nemotron.build_with_draft_adapter, dict(mode="self_spec")),
     "fast_dllm_v2": (fast_dllm_v2.build, {}),
     "fast_dllm_v2 recompute": (fast_dllm_v2.build, dict(cache="none")),
     "rnd1": (rnd1.build, {}),
@@ -386,8 +389,16 @@ def test_bad_constraints_are_one_line_errors(models):
 
 def test_decoders_without_constraints_refuse(models, fixture_dir):
     model, tok = models("nemotron")
-    with pytest.raises(SettingsError, match="mode='diffusion'"):
-        run(model, tok, "Hello", regex="[a-c]", mode="self_spec", max_tokens=8)
+    with pytest.raises(SettingsError, match="thinking budget"):
+        run(
+            model,
+            tok,
+            "Hello",
+            regex="[a-c]",
+            max_tokens=8,
+            max_thinking_tokens=2,
+            end_think_token_id=5,
+        )
     gemma = load(build_once(fixture_dir / "diffusion_gemma", dgfx.CHECKPOINTS["diffusion_gemma"]))
     with pytest.raises(SettingsError, match="canvas re-draws every position"):
         run(*gemma, "Hello", regex="[a-c]", max_tokens=8)
@@ -404,21 +415,54 @@ def test_masks_inside_the_prompt_are_refused_with_a_constraint(models):
 # ------------------------------------------------------------------------------------------ CLI
 
 
-def test_cli_flags(tmp_path):
+def test_cli_flags(tmp_path, capsys):
+    """One fresh process (what a user runs), the other flags through the same entry point in
+    this one."""
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}}}))
     out = run_cli("generate", "--json-schema", str(schema), "--verbose", "false")
     assert out.returncode == 0, out.stderr
-    value = json.loads(out.stdout)
-    jsonschema.validate(value, json.loads(schema.read_text()))
-    out = run_cli("generate", "--regex", "[0-9]{3}", "--verbose", "false", "--temp", "0")
-    assert out.returncode == 0 and re.fullmatch("[0-9]{3}\n", out.stdout), out
+    jsonschema.validate(json.loads(out.stdout), json.loads(schema.read_text()))
+
+    def generate(*args):
+        assert main(["generate", *args, "--verbose", "false"]) == 0
+        return capsys.readouterr().out
+
+    assert re.fullmatch("[0-9]{3}\n", generate("--regex", "[0-9]{3}", "--temp", "0"))
     grammar = tmp_path / "g.lark"
     grammar.write_text('start: "yes" | "no"\n')
-    out = run_cli("generate", "--lark", str(grammar), "--verbose", "false")
-    assert out.returncode == 0 and out.stdout.strip() in ("yes", "no"), out
-    out = run_cli("generate", "--json-schema", str(tmp_path / "missing.json"))
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1].startswith("error: --json-schema"), out.stderr
-    out = run_cli("generate", "--regex", "a(b", "--verbose", "false")
-    assert out.returncode != 0 and "regex of prompt 0 cannot be compiled" in out.stderr
+    assert generate("--lark", str(grammar)).strip() in ("yes", "no")
+    assert json.loads(generate("--json-schema", '{"type": "array", "maxItems": 2}')) is not None
+    with pytest.raises(SystemExit, match="error: --json-schema .*missing.json"):
+        main(["generate", "--json-schema", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit, match="regex of prompt 0 cannot be compiled"):
+        main(["generate", "--regex", "a(b"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_self_speculation_is_constrained_autoregressive_decoding(models, temperature):
+    """Nemotron's self-speculation under a grammar returns what one token a round (no drafts:
+    block_length 1) returns: drafts are kept only where the masked causal model agrees. Greedy:
+    the same tokens; sampled: valid text either way."""
+    model, tok = models("nemotron")
+    pattern = "[a-z]{3,12}( [a-z]{2,6}){0,3}"
+    kw = dict(regex=pattern, mode="self_spec", max_tokens=40, temperature=temperature, seed=1)
+    text, tokens, reason, nfe = run(model, tok, "Hello", **kw)
+    assert re.fullmatch(pattern, text) and reason == "stop"
+    if temperature == 0:
+        one = run(model, tok, "Hello", **dict(kw, block_length=1))
+        assert one[1] == tokens and one[3] >= nfe
+
+
+def test_embedded_default_always_gives_valid_json():
+    """The issue's schema on the model trained on bare sums: valid JSON every time, at its
+    default budget (16 tokens, where `{"answer": 132}` leaves one position for EOS: the budget
+    guard closes the object when the model would run on)."""
+    model, tok = load(default_checkpoint())
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    prompts = [chat_prompt(tok, q) for q, _ in held_out_problems(12)]
+    for kw in (dict(), dict(sampler="threshold", threshold=0.5), dict(temperature=1.0, seed=3)):
+        batch = batch_generate_diffusion(model, tok, prompts, json_schema=schema, **kw)
+        for text in batch.texts:
+            jsonschema.validate(json.loads(text), schema)
+        assert any("answer" in json.loads(t) for t in batch.texts)

@@ -129,3 +129,22 @@ def test_constrained_rows_joining_a_running_batch_get_their_single_calls(fixture
     assert re.fullmatch("[a-z ]{5,20}", tok.decode(jobs[0].tokens))
     assert json.loads(tok.decode(jobs[1].tokens)) in ({}, {"ok": True}, {"ok": False})
     assert tok.decode(jobs[3].tokens) in ("yes", "no", "maybe")
+
+
+def test_self_speculation_requests_with_constraints(fixture_dir):
+    """Nemotron's self-speculation through the scheduler: each request's constraint reaches its
+    row (rows decode one after another in one run)."""
+    from fixtures import nemotron
+
+    model, tok = load(nemotron.shared_checkpoint(fixture_dir))
+    scheduler = Scheduler(model, tok, max_batch=4)
+    cases = [("hello", dict(regex="[a-z]{2,6}")), ("x y", dict(regex="(yes|no)")), ("z", {})]
+    jobs = [scheduler.submit(Job(p, dict(mode="self_spec", max_tokens=16, **c))) for p, c in cases]
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        assert steps < 200
+    for job, (prompt, c) in zip(jobs, cases):
+        assert job.tokens == single(model, tok, prompt, mode="self_spec", max_tokens=16, **c)[0]
+    assert re.fullmatch("[a-z]{2,6}", tok.decode(jobs[0].tokens))
+    assert tok.decode(jobs[1].tokens) in ("yes", "no")

@@ -63,7 +63,7 @@ class RowConstraints:
         return mx.array([m is not None for m in self.matchers])[:, None]
 
     def _consume(self, matcher, token: int) -> bool:
-        return matcher.try_consume_tokens([int(token)]) == 1
+        return consume(matcher, token, self.eos)
 
     def open_block(self, x: mx.array, lo: int, stop: int, layout) -> mx.array:
         """The block's window [lo, stop) of `x` with each constrained row's tokens made valid: the
@@ -254,3 +254,76 @@ def make_row_constraints(
     matchers = [None if c is None else c.matcher(t) for c, t in zip(constraints, consumed)]
     candidates = [() if c is None else c.candidates for c in constraints]
     return RowConstraints(matchers, candidates, eos, mask_id)
+
+
+def consume(matcher, token: int, eos: Sequence[int]) -> bool:
+    """Advance `matcher` by `token` if the grammar allows it there. EOS after a grammar that has
+    stopped (it takes nothing else) is allowed and leaves it as it is (llguidance's
+    try_consume_tokens refuses it there)."""
+    if token in eos and matcher.is_stopped():
+        return True
+    return matcher.try_consume_tokens([int(token)]) == 1
+
+
+class TokenSequenceConstraint:
+    """One row's constraint in self-speculation (engine/self_spec.py), whose rounds keep a prefix
+    of drafts that a causal forward verifies, then the causal model's own next token. Under a
+    grammar each verified position's distribution is masked by what the grammar allows after the
+    kept tokens before it, so a draft is kept only where the constrained causal model agrees, and
+    the output is constrained autoregressive decoding's (greedy: exactly; sampled: in
+    distribution). Forced tokens replace the next round's first drafts (they are always kept),
+    and the budget guard of the masked decoder applies to the round's tokens."""
+
+    def __init__(self, constraint, eos: Sequence[int], max_tokens: int, consumed=()):
+        self.matcher = constraint.matcher(consumed)
+        self.candidates = constraint.candidates
+        self.eos = sorted(eos)
+        self.room = max_tokens  # positions left for text and EOS
+
+    def masks(self, drafts: List[int], vocab: int):
+        """(allowed (j + 1, vocab) bool, j): the grammar's allowed tokens at each verified
+        position while the drafts before it are allowed; j drafts are (later ones cannot be
+        kept). The matcher is left as it was."""
+        words, j = [], 0
+        for j in range(len(drafts) + 1):
+            words.append(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
+            if j == len(drafts) or self.matcher.try_consume_tokens([drafts[j]]) != 1:
+                break
+        if j:
+            self.matcher.rollback(j)
+        return allowed_tokens(mx.array(np.stack(words)), vocab), j
+
+    def fits(self, left: int) -> bool:
+        return completion(self.matcher, left - 1, self.candidates) is not None
+
+    def keep(self, new: List[int]) -> List[int]:
+        """The round's tokens consumed, each kept while the grammar can still close within the
+        row's budget after it; where one cannot, the closing tokens and EOS instead."""
+        guarded = self.fits(self.room)
+        out = []
+        for t in new:
+            if not consume(self.matcher, t, self.eos):
+                raise RuntimeError(f"the grammar refused a token it allowed: {t}")
+            if guarded and not self.fits(self.room - len(out) - 1):
+                self.matcher.rollback(1)
+                close = completion(self.matcher, self.room - len(out) - 1, self.candidates)
+                self.matcher.try_consume_tokens(close)
+                out += close
+                if len(out) < self.room and consume(self.matcher, self.eos[0], self.eos):
+                    out.append(self.eos[0])
+                break
+            out.append(t)
+            if t in self.eos:
+                break
+        self.room -= len(out)
+        if not out or out[-1] not in self.eos:
+            if self.matcher.is_stopped() and self.room > 0:
+                out.append(self.eos[0])  # the grammar takes nothing else
+                self.room -= 1
+        return out
+
+    def forced(self) -> List[int]:
+        """The tokens the grammar forces next (drafts that are always kept), within the room."""
+        if self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()[: max(self.room - 1, 0)]

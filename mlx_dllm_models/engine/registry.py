@@ -112,6 +112,12 @@ def check_constraints(spec, settings) -> None:
             f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
             f"({decoder.__name__}); {getattr(decoder, 'constraint_alternative', '')}"
         )
+    if settings.get("max_thinking_tokens") is not None:
+        raise SettingsError(
+            "a constraint (json_schema / regex / lark) and the thinking budget "
+            "(max_thinking_tokens) cannot go together: the budget forces end_think_token_id into "
+            "the text, where the grammar may not allow it; drop one of them"
+        )
 
 
 def make_decoder(

@@ -23,12 +23,14 @@ place of the last accepted token, which stays in its output: its output never sh
 no longer is what the model was conditioned on.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..decoding import filter_logits, threshold_commit
+from ..decoding.constrained import mask_logits
 from .base import block_event, check_finite, next_key, sample_tokens
+from .constrained import TokenSequenceConstraint
 from .logprobs import entries
 
 
@@ -97,11 +99,21 @@ class SelfSpeculativeDecoder:
     caches would not stay aligned.
     """
 
-    # Structured output is the masked decoder's (engine/constrained.py); make_decoder says so.
-    constraint_alternative = "use mode='diffusion', whose masked block decoding takes them"
+    # Structured output: each verified position's distribution masked by the grammar
+    # (engine/constrained.TokenSequenceConstraint).
+    takes_constraints = True
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
+    def __init__(
+        self,
+        model,
+        settings: dict,
+        eos_token_ids: Sequence[int],
+        backend=None,
+        constraints: Optional[Sequence] = None,
+    ):
         self.model = model
+        self.constraints = constraints  # one structured.Constraint (or None) per prompt
+        self.constraint = None  # the row being decoded's TokenSequenceConstraint
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
@@ -113,11 +125,18 @@ class SelfSpeculativeDecoder:
         self.drafted = 0  # drafts verified
         self.accepted = 0  # drafts kept
 
-    def run(self, prompts: Sequence[Sequence[int]]):
+    def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
+        """Decode `prompts` one after another. `constraints`: each row's structured.Constraint
+        (None: unconstrained; default: the decoder's), `consumed` the tokens each row already
+        returned (its grammar continues after them), as MaskedBlockDecoder.run takes them."""
         adapter = getattr(self.model, "has_draft_adapter", False)
         linear = adapter or self.s.get("draft_threshold") is not None
         run_row = self._run_row_linear if linear else self._run_row
+        constraints = self.constraints if constraints is None else constraints
         for row, prompt in enumerate(prompts):
+            c = None if constraints is None else constraints[row]
+            done = () if consumed is None else consumed[row]
+            self.constraint = c and TokenSequenceConstraint(c, self.eos, self.s["max_tokens"], done)
             yield from run_row(row, [int(t) for t in prompt])
 
     def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
@@ -135,6 +154,11 @@ class SelfSpeculativeDecoder:
         setting: one more read)."""
         logprobs = None
         if self.s.get("logprobs") is not None:
+            if len(new) > logits.shape[0]:
+                # Closing tokens the budget guard placed past the verified rows (structured
+                # output) had no forward of their own: the last verified row's distribution.
+                extra = mx.repeat(logits[-1:], len(new) - logits.shape[0], axis=0)
+                logits = mx.concatenate([logits, extra])
             logprobs = [entries(logits, new, self.s["logprobs"])]
         out += new
         finished = len(out) >= self.s["max_tokens"]
@@ -187,6 +211,7 @@ class SelfSpeculativeDecoder:
                 q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
             else:
                 drafts, q = [], None
+            drafts, q = self._drafts(drafts, q)
             event = self._confirmed(row, new, out, verify)
             yield event
             if event.finished[0]:
@@ -194,7 +219,29 @@ class SelfSpeculativeDecoder:
 
     def _accept(self, verify, drafts, q):
         """The kept drafts and the causal model's own next token (greedy match, or speculative
-        sampling above temperature 0)."""
+        sampling above temperature 0); under a constraint, over the grammar's masked
+        distributions, the round's tokens then kept within the budget."""
+        c = self.constraint
+        if c is None:
+            return self._verified(verify, drafts, q)
+        allowed, j = c.masks(drafts, verify.shape[-1])
+        verify = mask_logits(verify[: j + 1], allowed)
+        return c.keep(self._verified(verify, drafts[:j], None if q is None else q[:j]))
+
+    def _drafts(self, drafts, q, limit=None):
+        """The next round's drafts with the grammar's forced tokens first (always kept), at most
+        `limit` of them."""
+        forced = [] if self.constraint is None else self.constraint.forced()[:limit]
+        if not forced:
+            return drafts, q
+        n = len(forced)
+        if q is not None or (self.s["temperature"] != 0 and not drafts):
+            width = self.model.args.vocab_size if q is None else q.shape[-1]
+            one_hot = (mx.arange(width)[None] == mx.array(forced)[:, None]).astype(mx.float32)
+            q = one_hot if q is None else mx.concatenate([one_hot, q[n:]])[: max(n, len(drafts))]
+        return forced + drafts[n:], q
+
+    def _verified(self, verify, drafts, q):
         if self.s["temperature"] == 0:
             ar = self._tokens(verify)
             n = next((i for i in range(len(drafts)) if ar[i] != drafts[i]), len(drafts))
@@ -260,6 +307,9 @@ class SelfSpeculativeDecoder:
             stop = start + window
             x[:, start + 1 : stop] = mask_id
             drafts, q = self._draft(run, x, start, stop)
+            if self.constraint is not None:
+                drafts, q = self._drafts(drafts, q, limit=len(drafts))
+                x[0, start + 1 : stop] = mx.array(drafts, dtype=mx.int32)
             self.nfe += 1
             verify = logits = run.mixed(x, start, stop, stop)[0]
             new = self._end_thinking(self._accept(verify, drafts, q), out)
