@@ -107,7 +107,7 @@ def make_server(
         # with its error. (shutdown() may come before serve_forever starts: it then returns at
         # once.)
         def stop_serving():
-            scheduler.thread.join()
+            scheduler.finished.wait()
             if scheduler.error is not None:
                 server.shutdown()
 
@@ -391,7 +391,7 @@ def _follow_main(args, defaults: dict, group) -> int:
         except ValueError as e:  # SettingsError, RequestError
             scheduler.stop()
             raise SystemExit(f"error: {e}")
-        scheduler.thread.join()
+        scheduler.finished.wait()
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

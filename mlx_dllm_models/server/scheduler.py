@@ -52,6 +52,7 @@ from ..distributed import lost_rank, lost_rank_exits, share
 from ..engine import Batching, join_policy, make_decoder
 from ..request import Request, prepare
 from .prompt_cache import PromptCache
+from .worker import on_worker_thread
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ class Scheduler:
         self.inbox: "queue.Queue[Job]" = queue.Queue()
         self.groups: Dict[str, Group] = {}
         self.thread: Optional[threading.Thread] = None
+        self.finished = threading.Event()  # the loop has ended (its thread is then parked)
         self.stopped = threading.Event()  # asked to stop (rank 0 shares it at the next step)
         self.ended = False  # the step that every rank stops at has run
         self.error: Optional[str] = None  # why a sharded scheduler stopped serving, if it failed
@@ -223,49 +225,36 @@ class Scheduler:
         prompt_cache: Optional[PromptCache] = None,
         gather: float = 0.0,
     ) -> "Scheduler":
-        """A scheduler whose worker thread first loads the model (`load_model()` -> (model,
-        tokenizer)), then serves. MLX streams belong to a thread, and the arrays a model builds
-        lazily (RoPE frequencies, masks) can only be evaluated on the thread that built them: the
-        model is built where it runs, as mlx-lm's server loads in its generation thread. A load
-        error is raised here."""
-        box, ready = {}, threading.Event()
-
-        def work():
-            try:
-                scheduler = cls(
-                    *load_model(),
-                    max_batch=max_batch,
-                    group=group,
-                    prompt_cache=prompt_cache,
-                    gather=gather,
-                )
-                box["scheduler"] = scheduler
-            except BaseException as e:  # raised again in the caller's thread
-                box["error"] = e
-                ready.set()
-                return
-            scheduler.thread = threading.current_thread()
-            ready.set()
-            scheduler._loop()
-
-        threading.Thread(target=work, name="mlx_dllm-scheduler", daemon=True).start()
-        ready.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["scheduler"]
+        """A scheduler whose worker thread (worker.py) first loads the model (`load_model()` ->
+        (model, tokenizer)), then serves. A load error is raised here."""
+        return on_worker_thread(
+            lambda: cls(
+                *load_model(),
+                max_batch=max_batch,
+                group=group,
+                prompt_cache=prompt_cache,
+                gather=gather,
+            )
+        )
 
     def stop(self, timeout: Optional[float] = 30):
         """Stop at the next denoising step: the requests still running or waiting get a 503
-        (SHUTTING_DOWN), then the worker thread ends (joined here, up to `timeout` seconds)."""
+        (SHUTTING_DOWN), then the loop ends (`finished`, waited for up to `timeout` seconds)."""
         self.stopped.set()
         if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(timeout=timeout)
+            self.finished.wait(timeout=timeout)
 
     @property
     def healthy(self) -> bool:
-        return self.thread is not None and self.thread.is_alive() and not self.stopped.is_set()
+        return self.thread is not None and not self.finished.is_set() and not self.stopped.is_set()
 
     def _loop(self):
+        try:
+            self._serve()
+        finally:
+            self.finished.set()
+
+    def _serve(self):
         try:
             with lost_rank_exits(self.group):
                 while not self.ended:
