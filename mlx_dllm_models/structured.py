@@ -155,12 +155,22 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     past the tokenizer's vocabulary are never allowed) with the request's EOS ids (allowed
     exactly where the grammar accepts)."""
     import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
-    hf = getattr(hf, "tokenizer", hf)  # an mlx-vlm processor holds its tokenizer
-    key = (id(hf), vocab_size, tuple(sorted(eos_ids)))
+    # mlx-lm's TokenizerWrapper holds the HF tokenizer in `_tokenizer`, an mlx-vlm processor in
+    # `tokenizer`; a bare `tokenizers.Tokenizer` is wrapped.
+    hf = tokenizer
+    while not isinstance(hf, PreTrainedTokenizerFast):
+        inner = getattr(hf, "_tokenizer", None) or getattr(hf, "tokenizer", None)
+        if inner is None or inner is hf:
+            break
+        hf = inner
+    base = hf  # the cache's key (held by the cache, so that its id is not reused)
+    key = (id(base), vocab_size, tuple(sorted(eos_ids)))
     found = _TOKENIZERS.get(key)
-    if found is None or found[0] is not hf:
+    if found is None or found[0] is not base:
+        if type(hf).__module__.startswith("tokenizers"):
+            hf = PreTrainedTokenizerFast(tokenizer_object=hf)
         try:
             llt = llguidance.hf.from_tokenizer(
                 hf, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None
@@ -170,7 +180,7 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
                 f"structured output needs a fast (tokenizers-backed) Hugging Face tokenizer; "
                 f"this one ({type(hf).__name__}) cannot be read by llguidance: {e}"
             ) from None
-        found = _TOKENIZERS[key] = (hf, llt)
+        found = _TOKENIZERS[key] = (base, llt)
     return found[1]
 
 

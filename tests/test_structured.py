@@ -466,3 +466,18 @@ def test_embedded_default_always_gives_valid_json():
         for text in batch.texts:
             jsonschema.validate(json.loads(text), schema)
         assert any("answer" in json.loads(t) for t in batch.texts)
+
+
+def test_tokenizer_forms(models):
+    """mlx-lm's TokenizerWrapper, the Hugging Face tokenizer it holds, and the bare `tokenizers`
+    object all compile, to one llguidance tokenizer per underlying tokenizer."""
+    from mlx_dllm_models.structured import compile_rows
+
+    model, tok = models("llada")
+    forms = [tok, tok._tokenizer, tok._tokenizer._tokenizer]
+    out = [compile_rows(dict(regex="[ab]"), 1, f, 320, [301])[0] for f in forms]
+    assert out[0].tokenizer is out[1].tokenizer
+    m = out[2].matcher()
+    assert m.try_consume_tokens([ord("a")]) == 1 and m.is_accepting()
+    with pytest.raises(SettingsError, match="fast .*tokenizer"):
+        compile_rows(dict(regex="[ab]"), 1, object(), 320, [301])

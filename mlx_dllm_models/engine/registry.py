@@ -120,6 +120,18 @@ def check_constraints(spec, settings) -> None:
         )
 
 
+def check_constraints(spec, settings) -> None:
+    """A SettingsError unless the decoder of these settings takes structured-output constraints
+    (it declares `takes_constraints`); its `constraint_alternative` says what to do instead."""
+    decoder = select_decoder(spec, settings)
+    if not getattr(decoder, "takes_constraints", False):
+        raise SettingsError(
+            f"structured output (json_schema / regex / lark) is not supported by the "
+            f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
+            f"({decoder.__name__}); {getattr(decoder, 'constraint_alternative', '')}"
+        )
+
+
 def make_decoder(
     model,
     settings,
