@@ -110,25 +110,14 @@ def check_constraints(spec, settings) -> None:
         raise SettingsError(
             f"structured output (json_schema / regex / lark) is not supported by the "
             f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
-            f"({decoder.__name__}); {getattr(decoder, 'constraint_alternative', '')}"
+            f"({decoder.__name__}); "
+            f"{getattr(decoder, 'constraint_alternative', 'drop the constraint')}"
         )
     if settings.get("max_thinking_tokens") is not None:
         raise SettingsError(
             "a constraint (json_schema / regex / lark) and the thinking budget "
             "(max_thinking_tokens) cannot go together: the budget forces end_think_token_id into "
             "the text, where the grammar may not allow it; drop one of them"
-        )
-
-
-def check_constraints(spec, settings) -> None:
-    """A SettingsError unless the decoder of these settings takes structured-output constraints
-    (it declares `takes_constraints`); its `constraint_alternative` says what to do instead."""
-    decoder = select_decoder(spec, settings)
-    if not getattr(decoder, "takes_constraints", False):
-        raise SettingsError(
-            f"structured output (json_schema / regex / lark) is not supported by the "
-            f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
-            f"({decoder.__name__}); {getattr(decoder, 'constraint_alternative', '')}"
         )
 
 
