@@ -62,6 +62,15 @@ _CANVAS = ("diffusion_gemma",)
 # Families whose sampler "dream" is Dream's diffusion_generate (CoDA's generation_utils.py is a copy).
 _DREAM = ("dream", "coda")
 
+
+def _d3llm(name, what, check=number(0, 1), cli_type=float):
+    """A setting of the d3llm sampler (d3LLM's generate_multi_block, LLaDA and Dream)."""
+    return Setting(name, None, f"d3LLM: {what}", cli_type, check, ("llada", "dream"), ("d3llm",))
+
+
+_OPEN_SHARE = number(0, 1, low_open=True)
+
+
 SETTINGS: Tuple[Setting, ...] = (
     Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, positive_int),
     Setting(
@@ -96,10 +105,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(
         "threshold",
         0.9,
-        "confidence threshold of the threshold sampler, in (0, 1]",
+        "confidence threshold of the threshold sampler, in (0, 1] (d3llm: entropy bound, nats)",
         float,
         number(0, 1, low_open=True),
-        samplers=("threshold", "sub_block"),
+        samplers=("threshold", "sub_block", "d3llm"),
         modes=_DIFFUSION,
     ),
     Setting(
@@ -245,6 +254,10 @@ SETTINGS: Tuple[Setting, ...] = (
         families=("sdar",),
         samplers=("entropy_bounded",),
     ),
+    _d3llm("block_size", "positions per block of its pipeline", positive_int, int),
+    _d3llm("block_add_threshold", "open a block at this share of the last decoded", _OPEN_SHARE),
+    _d3llm("decoded_token_threshold", "a block is fully active at this share of the last"),
+    _d3llm("early_stop", "positions after a decoded EOS become EOS", true_or_false, cli_bool),
     # Fast-dLLM v2's generate: small_block_size, the sub-blocks a block is decoded in.
     Setting(
         "sub_block_length",

@@ -85,6 +85,10 @@ class DiffusionSpec:
     # generate reserves the last position of its sequence for the pad token, which the model sees
     # at every step. An explicit suffix replaces them.
     default_suffix: Tuple[int, ...] = ()
+    # d3LLM's entropy-threshold commit (sampler "d3llm"): LLaDA's form (get_transfer_index_entropy)
+    # commits the step's lowest-entropy candidate whatever its entropy and keeps the others at
+    # entropy <= threshold; Dream's (_sample_multi_block) commits entropy < threshold only.
+    threshold_keeps_lowest: bool = False
     # Preset settings: setting name -> its value -> the settings it brings (LLaDA2's
     # editing_mode: quality / speed / off), applied over `defaults` and `sampler_defaults`.
     presets: Mapping[str, Mapping[Any, Mapping[str, Any]]] = field(default_factory=dict)

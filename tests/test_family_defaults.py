@@ -81,7 +81,13 @@ SHARED = dict(
 # LLaDA generate.py: generate(steps=128, gen_length=128, block_length=32 (README), temperature=0.,
 # cfg_scale=0., remasking='low_confidence'), logits_eos_inf / confidence_eos_eot_inf off; steps
 # per block here (128 over 4 blocks = 32).
-LLADA = dict(SHARED, cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False)
+# The d3llm sampler's settings are unset under the other samplers (its recipe: test_d3llm.py).
+D3LLM_UNSET = dict.fromkeys(
+    ("block_size", "block_add_threshold", "decoded_token_threshold", "early_stop")
+)
+LLADA = dict(
+    SHARED, cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False, **D3LLM_UNSET
+)
 # SDAR: block 4 = config.block_size (trained), denoising_steps = block, greedy (README evaluation),
 # low_confidence_dynamic at 0.9 (README's JetEngine / LMDeploy examples); eb_threshold only with
 # the entropy_bounded sampler.
@@ -115,6 +121,7 @@ DOCUMENTED = {
         alg="entropy",
         alg_temp=0.0,
         eps=1e-3,
+        **D3LLM_UNSET,
     ),
     "sdar": SDAR,
     "sdar_moe": SDAR,

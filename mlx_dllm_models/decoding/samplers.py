@@ -13,6 +13,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from .block import entropy_bounded_commit, sequential_commit
+from .d3llm import d3llm_commit
 from .dream import dream_commit
 from .llada import random_commit
 from .rnd1 import rnd1_commit
@@ -31,6 +32,8 @@ class StepContext:
     key: Optional[mx.array]  # PRNG key for rules that draw (None at temperature 0 unless needed)
     settings: dict
     spec: object
+    # (B, L) the window's positions the rows decode (the d3llm rule counts its blocks on them).
+    generated: Optional[mx.array] = None
 
 
 # A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
@@ -41,7 +44,9 @@ class StepContext:
 #     needs allocates nothing (default: default_schedule);
 #   exact_floor(settings) -> bool: the rule commits exactly the floor, so a step whose floor is 0
 #     in every row is skipped without a forward;
-#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats).
+#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats);
+#   fills_after_eos(settings) -> bool: after each commit, every generated position after a row's
+#     first EOS becomes that EOS (d3llm.fill_after_eos: d3LLM's early stop).
 CommitRule = Callable[..., mx.array]
 
 
@@ -90,4 +95,5 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "random": random_commit,  # LLaDA generate.py's remasking="random"
     "sub_block": sub_block_commit,  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
     "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
+    "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
 }

@@ -31,6 +31,7 @@ from typing import AbstractSet, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..decoding import token_stats
+from ..decoding.d3llm import fill_after_eos
 from ..decoding.llada import confidence_suppressed_ids, suppress_logits
 from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..settings import SettingsError
@@ -172,6 +173,8 @@ class MaskedBlockDecoder:
         self.rule = rule
         self.schedule = getattr(rule, "schedule", None) or default_schedule
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
+        fills = getattr(rule, "fills_after_eos", lambda _: False)(settings)
+        self.fills_after_eos = bool(fills) and bool(self.eos)
         # Alternatives listed per token (None: no log-probabilities); never the ids a step cannot
         # propose.
         self.top_logprobs = settings.get("logprobs")
@@ -354,6 +357,8 @@ class MaskedBlockDecoder:
                 edits = edits & ~batch.constraints.row_mask()
             commit = commit | edits
         block = mx.where(commit, x0.astype(mx.int32), current)
+        if self.fills_after_eos:  # the positions after a row's first EOS are that EOS from now on
+            block = fill_after_eos(block, blk.gen, self.eos)
         batch.x[:, blk.lo : blk.stop] = block
         if blk.logprobs is not None:
             rows = block if idx is None else block[idx]
@@ -391,9 +396,9 @@ class MaskedBlockDecoder:
         else:  # past the schedule's columns: no floor
             floor = mx.zeros((cand.shape[0],), mx.int32)
         if idx is None:
-            ctx = StepContext(step, s["steps"], floor, key, s, self.spec)
+            ctx = StepContext(step, s["steps"], floor, key, s, self.spec, blk.gen)
             return self.rule(stats, cand, ctx), stats.x0
-        ctx = StepContext(step, s["steps"], floor[idx], key, s, self.spec)
+        ctx = StepContext(step, s["steps"], floor[idx], key, s, self.spec, blk.gen[idx])
         commit = mx.zeros(cand.shape, dtype=mx.bool_)
         commit[idx] = self.rule(stats, cand[idx], ctx)
         x0 = mx.zeros(cand.shape, dtype=mx.int32)

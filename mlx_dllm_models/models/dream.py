@@ -51,6 +51,22 @@ REFERENCE_DEFAULTS = {
 # their own), and steps 512 whatever max_tokens is would cost 512 forwards for 16 tokens with
 # "origin". These keys are not read from it; eps and alg_temp are.
 IGNORED_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
+# d3LLM's recipe for its distilled d3LLM_Dream / d3LLM_Dream_Coder (chat/chat_d3llm_dream.py:
+# generate_multi_block(max_new_tokens=256, temperature=0, alg="entropy_threshold", threshold=0.5,
+# block_size=32, block_add_threshold=0.1, decoded_token_threshold=0.95, early_stop=True)), no
+# top-p / top-k (its _sample_multi_block reads neither). Its whole canvas is the engine's block.
+D3LLM_DEFAULTS = {
+    "block_length": None,
+    "max_tokens": 256,
+    "block_size": 32,
+    "threshold": 0.5,
+    "block_add_threshold": 0.1,
+    "decoded_token_threshold": 0.95,
+    "early_stop": True,
+    "temperature": 0.0,
+    "top_p": None,
+    "top_k": None,
+}
 
 
 @dataclass
@@ -137,10 +153,11 @@ class Model(nn.Module):
             quota_base="masks",
             # "dream" is diffusion_generate (its `alg` picks origin / maskgit_plus / topk_margin /
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
-            samplers=("dream",) + SHARED_SAMPLERS,
+            samplers=("dream", "d3llm") + SHARED_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
-            sampler_defaults={"dream": {"block_length": None}},  # the whole canvas is one block
+            # The whole canvas is one block ("d3llm": d3LLM's multi-block decoding, decoding/d3llm).
+            sampler_defaults={"dream": {"block_length": None}, "d3llm": dict(D3LLM_DEFAULTS)},
         )

@@ -55,8 +55,23 @@ REFERENCE_DEFAULTS = {
     "confidence_eos_eot_inf": False,
 }
 
-# generate.py's remasking="random" is the sampler "random" (decoding.llada.random_commit).
-LLADA_SAMPLERS = SHARED_SAMPLERS + ("random",)
+# generate.py's remasking="random" is the sampler "random" (decoding.llada.random_commit); "d3llm"
+# is d3LLM's generate_multi_block (decoding.d3llm), the decoder of its distilled d3LLM_LLaDA.
+LLADA_SAMPLERS = SHARED_SAMPLERS + ("random", "d3llm")
+# d3LLM's recipe for d3LLM_LLaDA (chat/chat_d3llm_llada.py and eval_scripts/llada_gsm8k_cot.sh's
+# generate_multi_block run): 256 tokens, blocks of 32, entropy threshold 0.5, the next block at
+# 10% of the last, full activation at 95% of the previous, early stop at EOS, greedy. Its whole
+# canvas is the engine's one block.
+D3LLM_DEFAULTS = {
+    "block_length": None,
+    "max_tokens": 256,
+    "block_size": 32,
+    "threshold": 0.5,
+    "block_add_threshold": 0.1,
+    "decoded_token_threshold": 0.95,
+    "early_stop": True,
+    "temperature": 0.0,
+}
 
 # The end-of-turn token that confidence_eos_eot_inf scores 0 (generate.py hard-codes 126348, LLaDA
 # 8B's <|eot_id|>), by name, resolved through the checkpoint's tokenizer; LLaDA-MoE's chat template
@@ -515,6 +530,8 @@ class Model(nn.Module):
             quota_base="masks",
             samplers=LLADA_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
+            sampler_defaults={"d3llm": dict(D3LLM_DEFAULTS)},
+            threshold_keeps_lowest=True,  # d3LLM's get_transfer_index_entropy
             eot_token_names=EOT_TOKENS,
             max_position_embeddings=max_pos,
         )
