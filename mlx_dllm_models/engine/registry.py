@@ -18,12 +18,14 @@ from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
 from .self_spec import SelfSpeculativeDecoder
+from .sub_block_cache import SubBlockCache
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
 BACKENDS: Dict[str, Dict[str, type]] = {
     # Fast-dLLM's prefix and dual caches are approximations: opt-in, never "auto".
     BIDIRECTIONAL: {"none": FullRecompute, "prefix": ApproxPrefixCache, "dual": DualCache},
-    BLOCK_CAUSAL: {"prefix": PrefixCache, "none": FullRecompute},
+    # Fast-dLLM v2's sub-block cache is an approximation: opt-in, and refused by other families.
+    BLOCK_CAUSAL: {"prefix": PrefixCache, "none": FullRecompute, "sub_block": SubBlockCache},
     CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},
     # The canvas decoder keeps its encoder's KV cache itself: nothing to choose.
     ENCODER_CANVAS: {},

@@ -6,20 +6,25 @@ repository Efficient-Large-Model/Fast_dLLM_v2_7B (same file in Fast_dLLM_v2_1.5B
   queries' absolute positions and every cached key), no mask once a sub-block cache holds K/V;
 * `Fast_dLLM_QwenAttention.forward`: q/k/v with bias, RoPE (rotate_half), the past K/V either
   stored (`update_past_key_values=True`) or only read (concatenated), SDPA with `is_causal=False`;
-  the sub-block cache (`block_past_key_values`, `replace_position`) is not transcribed: generate's
-  default `use_block_cache=False` never uses it;
+  with the sub-block cache (`use_block_cache=True`: `block_past_key_values` holds the K/V of the
+  block window's last full forward; a forward over a sub-block writes its K/V over theirs at
+  `replace_position` and attends, without a mask, to the prefix and that whole window);
 * `Fast_dLLM_QwenForCausalLM.generate` (batch of one row): the prompt's whole blocks prefilled,
   the next token by argmax once a block is whole, sub-blocks of `small_block_size` each decoded
   until no mask is left, a step committing every mask of the sub-block with `x1_p > threshold`
   and the argmax in any case, logits shifted by `cat([logits[:, :1], logits[:, :-1]])`, the
-  `stop_token` checks, and the final cut after the first stop token;
+  `stop_token` checks, and the final cut after the first stop token; with `use_block_cache`, a
+  sub-block's step runs the whole window (and keeps its K/V) when it is the block's first or the
+  sub-block's first position is still a mask, else the sub-block alone against the kept K/V;
 * `sample_with_top_p` at temperature 0: `softmax(logits)`, its argmax.
 
 The layers (RMSNorm in float32, SwiGLU MLP) are Qwen2's, as that file defines them. Copied from
 the file as read through a mirror of the checkpoint's directory (GitHub Satgoy152/DualDiffusion,
 FastDLLM_inferencing/Fast_dLLM_v2_7B/modeling.py; that copy adds a step counter and a logits hook
-to generate, left out here) and NVlabs/Fast-dLLM v2/generation_functions.py (`batch_sample`, the
-same decoding over a batch).
+to generate, left out here, and drops the `block_past_key_values = None` at each block's start that
+another mirror's "Vanilla generate of Fast-dLLM" has) and NVlabs/Fast-dLLM
+v2/generation_functions.py (`batch_sample`, the same decoding over a batch, which resets the
+sub-block cache at each block too).
 """
 
 import json
@@ -60,7 +65,7 @@ class Reference:
         x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
         return torch.cat((-x2, x1), dim=-1)
 
-    def _attention(self, i, h, cos, sin, mask, past, update):
+    def _attention(self, i, h, cos, sin, mask, past, update, block=None, replace=None):
         p = f"model.layers.{i}.self_attn."
         B, L, _ = h.shape
         q = F.linear(h, self.w[p + "q_proj.weight"], self.w[p + "q_proj.bias"])
@@ -71,6 +76,13 @@ class Reference:
         v = v.view(B, L, -1, self.head_dim).transpose(1, 2)
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
+        if block is not None:  # the sub-block cache: store the window, or write into it
+            if len(block) <= i:
+                block.append((k, v))
+            else:
+                block[i][0][:, :, replace : replace + L] = k
+                block[i][1][:, :, replace : replace + L] = v
+                k, v = block[i]
         if past is not None:
             if update:  # DynamicCache.update: store, then attend to everything stored
                 if len(past) <= i:
@@ -89,21 +101,25 @@ class Reference:
         out = out.transpose(1, 2).reshape(B, L, -1)
         return F.linear(out, self.w[p + "o_proj.weight"])
 
-    def forward(self, input_ids, past=None, update=False, block_size=32):
+    def forward(self, input_ids, past=None, update=False, block_size=32, block=None, replace=None):
         """Logits (B, L, V). `past`: a list of per-layer (K, V) (None: no cache); `update`: store
-        this forward's K/V in it."""
+        this forward's K/V in it. `block`: the sub-block cache (a list, empty for a full window
+        forward that fills it); `replace`: the column in the window where this forward's tokens
+        sit once it holds K/V."""
         cached = past[0][0].shape[2] if past else 0
         L = input_ids.shape[1]
-        positions = torch.arange(cached, cached + L)
+        first = cached + (replace or 0) if block is not None else cached
+        positions = torch.arange(first, first + L)
         q_idx, kv_idx = positions[:, None], torch.arange(cached + L)[None, :]
         mask = (q_idx // block_size) >= (kv_idx // block_size)
+        if block:  # a forward into a filled sub-block cache attends to everything, unmasked
+            mask = None
         cos, sin = self._rope(positions)
         h = self.w["model.embed_tokens.weight"][input_ids]
         for i in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            a = self._attention(
-                i, self._norm(h, self.w[p + "input_layernorm.weight"]), cos, sin, mask, past, update
-            )
+            x = self._norm(h, self.w[p + "input_layernorm.weight"])
+            a = self._attention(i, x, cos, sin, mask, past, update, block, replace)
             h = h + a
             x = self._norm(h, self.w[p + "post_attention_layernorm.weight"])
             gate = F.linear(x, self.w[p + "mlp.gate_proj.weight"])
@@ -132,9 +148,10 @@ def generate(
     small_block_size=8,
     block_size=32,
     stop_token=None,
+    use_block_cache=False,
 ):
-    """Fast_dLLM_QwenForCausalLM.generate at temperature 0 without the sub-block cache. Returns
-    (the ids, prompt included, cut after the first stop token; the forward count)."""
+    """Fast_dLLM_QwenForCausalLM.generate at temperature 0. Returns (the ids, prompt included,
+    cut after the first stop token; the forward count)."""
     nfe = 0
     num_blocks = max_new_tokens // block_size
     original_input_length = input_ids.shape[1]
@@ -157,6 +174,7 @@ def generate(
             (1, block_size - prompt_length % block_size), dtype=torch.long
         )
         x_t = torch.cat([input_ids, x_init], dim=1)
+        block_past = None
         while True:
             if _stopped(x_t, prompt_length, stop_token, mask_id):
                 break
@@ -182,10 +200,31 @@ def generate(
                         break
                     if _stopped(x_t, prompt_length, stop_token, mask_id):
                         break
-                    logits = ref.forward(x_t[:, -block_size:], past, False, block_size)
                     nfe += 1
-                    logits = torch.cat([logits[:, :1, :], logits[:, :-1, :]], dim=1)
-                    logits = logits[:, start:end]
+                    if use_block_cache and (
+                        block_past is None
+                        or (x_t[:, -block_size + small_block_start_idx] == mask_id).any()
+                    ):
+                        block_past = []
+                        logits = ref.forward(
+                            x_t[:, -block_size:], past, False, block_size, block=block_past
+                        )
+                        logits = torch.cat([logits[:, :1, :], logits[:, :-1, :]], dim=1)
+                        logits = logits[:, start:end]
+                    elif use_block_cache:
+                        logits = ref.forward(
+                            x_t[:, start:end],
+                            past,
+                            False,
+                            block_size,
+                            block=block_past,
+                            replace=small_block_start_idx,
+                        )
+                        logits = torch.cat([logits[:, :1, :], logits[:, :-1, :]], dim=1)
+                    else:
+                        logits = ref.forward(x_t[:, -block_size:], past, False, block_size)
+                        logits = torch.cat([logits[:, :1, :], logits[:, :-1, :]], dim=1)
+                        logits = logits[:, start:end]
                     p_1t = torch.softmax(logits, dim=-1)  # sample_with_top_p, temperature 0
                     x_1 = p_1t.argmax(dim=-1)
                     x1_p = torch.squeeze(torch.gather(p_1t, dim=-1, index=x_1[..., None]), -1)
