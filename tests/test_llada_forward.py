@@ -163,6 +163,16 @@ def test_model_args_need_a_mask_token(ckpts):
         llada.ModelArgs.from_dict(cfg)
 
 
+def test_moe_mask_token_defaults_to_its_generate_s():
+    """LLaDA-MoE's config.json, as quoted, names no mask_token_id: its generate's 156895."""
+    cfg, _ = llada_moe_arrays()
+    del cfg["mask_token_id"]
+    cfg["vocab_size"] = 157184
+    assert llada.ModelArgs.from_dict(cfg).mask_token_id == 156895
+    cfg["mask_token_id"] = 303  # a config that names one keeps it
+    assert llada.ModelArgs.from_dict(cfg).mask_token_id == 303
+
+
 def test_moe_router_expert_bias_and_shared_expert():
     """The LLaDA-MoE block as its remote code writes it: softmax in float32, expert bias added to
     the probabilities (biased values rank and weight), no renormalisation; shared expert added."""

@@ -79,6 +79,9 @@ D3LLM_DEFAULTS = {
 EOT_TOKENS = ("<|eot_id|>", "<|role_end|>")
 
 
+# LLaDA-MoE's <|mask|>: the id its generate uses when config.json names none.
+LLADA_MOE_MASK_ID = 156895
+
 @dataclass
 class ModelArgs(BaseModelArgs):
     model_type: str = "llada"
@@ -133,16 +136,20 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        if self.mask_token_id is None:
-            raise ValueError(
-                f"{self.model_type}: checkpoint has no mask_token_id; add it to config.json "
-                "(126336, <|mdm_mask|>, for LLaDA-8B; 156895, <|mask|>, for LLaDA-MoE)"
-            )
         archs = self.architectures or ()
         if isinstance(archs, str):
             archs = (archs,)
         # Both architectures say model_type "llada"; the MoE one is told apart by its body.
         self.is_moe = self.num_experts is not None or any("MoE" in a for a in archs)
+        if self.mask_token_id is None and self.is_moe:
+            # No quote of LLaDA-MoE's config.json shows a mask_token_id (tests/data/README.md);
+            # its model card's generate hard-codes mask_id=156895 (<|mask|>), as llama.cpp does.
+            self.mask_token_id = LLADA_MOE_MASK_ID
+        if self.mask_token_id is None:
+            raise ValueError(
+                f"{self.model_type}: checkpoint has no mask_token_id; add it to config.json "
+                "(126336, <|mdm_mask|>, for LLaDA-8B; 156895, <|mask|>, for LLaDA-MoE)"
+            )
         if self.is_moe:
             self._check_moe()
         else:
