@@ -82,6 +82,7 @@ EOT_TOKENS = ("<|eot_id|>", "<|role_end|>")
 # LLaDA-MoE's <|mask|>: the id its generate uses when config.json names none.
 LLADA_MOE_MASK_ID = 156895
 
+
 @dataclass
 class ModelArgs(BaseModelArgs):
     model_type: str = "llada"
