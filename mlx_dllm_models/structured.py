@@ -172,9 +172,10 @@ def llg_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         if type(hf).__module__.startswith("tokenizers"):
             hf = PreTrainedTokenizerFast(tokenizer_object=hf)
         try:
-            llt = llguidance.hf.from_tokenizer(
-                hf, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None
-            )
+            # A tokenizer may hold ids past the logits (DiffusionGemma's image tokens): the
+            # wider of the two, and the engine masks the logits' own width.
+            width = max(vocab_size, len(hf)) if hasattr(hf, "__len__") else vocab_size
+            llt = llguidance.hf.from_tokenizer(hf, n_vocab=width, eos_token=sorted(eos_ids) or None)
         except (ValueError, TypeError, AttributeError) as e:
             raise SettingsError(
                 f"structured output needs a fast (tokenizers-backed) Hugging Face tokenizer; "

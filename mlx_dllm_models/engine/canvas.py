@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..decoding import (
     canvas_stats,
@@ -32,9 +33,11 @@ from ..decoding import (
     stable_and_confident,
     threshold_commit,
 )
+from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.logprobs import log_probs
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite
+from .constrained import CanvasConstraint
 from .logprobs import PositionLogprobs
 
 
@@ -93,12 +96,8 @@ class CanvasDecoder:
     samplers = ("entropy", "threshold")
     # Each row draws from its own stream: rows with different seeds share a run exactly.
     row_seeds = True
-    # Structured output needs a left-to-right order of commits; a canvas re-draws every position
-    # from noise at each step, so make_decoder refuses constraints here (with this advice).
-    constraint_alternative = (
-        "a canvas re-draws every position at each step, so no prefix is ever final; drop the "
-        "constraint and validate the text afterwards"
-    )
+    # Structured output: the canvas's readout follows the grammar (constrained.CanvasConstraint).
+    takes_constraints = True
 
     def __init__(
         self,
@@ -108,8 +107,10 @@ class CanvasDecoder:
         backend=None,
         images=None,
         row_seeds: Optional[Sequence[int]] = None,
+        constraints: Optional[Sequence] = None,
     ):
         self.model = model
+        self.constraints = constraints  # one structured.Constraint (or None) per prompt
         self.spec = model.diffusion_spec
         self.s = settings
         if settings["sampler"] not in self.samplers:
@@ -126,8 +127,20 @@ class CanvasDecoder:
         s = self.s
         return max(s["min_canvas_length"], min(remaining, s["max_canvas_length"]))
 
-    def run(self, prompts: Sequence[Sequence[int]]) -> Iterator[object]:
+    def run(
+        self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None
+    ) -> Iterator[object]:
+        """Decode `prompts` (left-padded into one batch). `constraints` / `consumed`: each row's
+        structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it
+        already returned, as MaskedBlockDecoder.run takes them."""
         s, model = self.s, self.model
+        constraints = self.constraints if constraints is None else constraints
+        self.rules = {}  # row -> CanvasConstraint
+        for row, c in enumerate(constraints or ()):
+            if c is not None:
+                self.rules[row] = CanvasConstraint(c, self.eos, s["max_tokens"])
+                if consumed:
+                    self.rules[row].matcher.try_consume_tokens(list(consumed[row]))
         pixel_values = None
         if self.images is not None:
             if len(self.images) != len(prompts):
@@ -161,8 +174,10 @@ class CanvasDecoder:
         while True:
             length = self.canvas_length(s["max_tokens"] - total)
             mask = model.padding_masks(valid, length) if valid is not None else None
-            argmax, lp = yield from self._denoise(cache, rows, length, mask, before)
+            argmax, lp, last = yield from self._denoise(cache, rows, length, mask, before)
             wanted = min(length, s["max_tokens"] - total)
+            if last is not None:
+                argmax = self._constrained(rows, argmax, last, lp, wanted)
             new, logprobs = self._read(argmax, lp, wanted)
             event = block_event(
                 rows,
@@ -189,6 +204,30 @@ class CanvasDecoder:
             model.encode(argmax, cache, valid=valid)
             mx.eval([(c.keys, c.values) for c in cache])
             before = mx.concatenate([before, argmax], axis=1)
+
+    def _constrained(self, rows, argmax, last, lp, wanted, ranked=32):
+        """The canvas with each constrained row's readout made the grammar's (its tokens, and
+        with the logprobs setting their log-probabilities, under `last`: each row's last step's
+        logits)."""
+        picks = {i: r for i, r in enumerate(rows) if r in self.rules}
+        idx = mx.array(list(picks))
+        scores = last[idx, :wanted]
+        top = mx.argpartition(-scores, ranked - 1, axis=-1)[..., :ranked]
+        order = mx.argsort(-mx.take_along_axis(scores, top, axis=-1), axis=-1)
+        ranks = mx.take_along_axis(top, order, axis=-1).tolist()
+        out = np.array(argmax)
+        for k, (i, row) in enumerate(picks.items()):
+
+            def best_allowed(pos, words, k=k):
+                allowed = allowed_tokens(mx.array(words[None]), scores.shape[-1])[0]
+                return int(mx.argmax(mask_logits(scores[k, pos], allowed)).item())
+
+            out[i, :wanted] = self.rules[row].readout(ranks[k], best_allowed, wanted)
+        argmax = mx.array(out, dtype=argmax.dtype)
+        if lp is not None:
+            rows_mask = mx.array([i in picks for i in range(len(rows))])[:, None]
+            lp.put(log_probs(last), argmax, rows_mask)
+        return argmax
 
     @staticmethod
     def _read(argmax, lp, wanted):
@@ -231,9 +270,15 @@ class CanvasDecoder:
         lp = None
         if s.get("logprobs") is not None:
             lp = PositionLogprobs(s["logprobs"], (), B, length)
+        # Constrained rows read their canvas out of the last step's logits (a stopped row keeps
+        # those of its last step).
+        constrained = any(r in self.rules for r in rows)
+        last = None
         for remaining in range(steps, 0, -1):
             temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
             logits = model.decode(canvas, cache, self_cond, mask=mask)
+            if constrained:
+                last = logits if last is None else mx.where(stopped[:, None, None], last, logits)
             self.nfe += 1
             if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
                 check_finite(logits, model)
@@ -279,4 +324,4 @@ class CanvasDecoder:
             yield CanvasStepEvent(list(rows), generated, (start, start + length), self.nfe, pending)
             if all(done):
                 break
-        return argmax, lp
+        return argmax, lp, last

@@ -38,6 +38,30 @@ class _Row:
         return len(self.open) + self.after
 
 
+# The budget guard searches for a closing only when a row's room is within this many positions of
+# the last closing it found (a search costs a few hundred microseconds at a 128k vocabulary, a
+# token's mask tens): a token that lengthens the closing by more than this between two searches
+# could still leave a row without room to close (it ends with finish_reason "length").
+GUARD_SLACK = 32
+
+
+class BudgetGuard:
+    """Whether a row's grammar can still be closed, and EOS follow, within the positions left."""
+
+    def __init__(self, matcher, candidates):
+        self.matcher, self.candidates = matcher, candidates
+        self.need = None  # the length of the last closing found
+
+    def fits(self, left: int) -> bool:
+        if self.need is not None and left - 1 > self.need + GUARD_SLACK:
+            return True
+        path = completion(self.matcher, left - 1, self.candidates)
+        if path is None:
+            return False
+        self.need = len(path)
+        return True
+
+
 class RowConstraints:
     """The matchers of a run's rows (None: unconstrained) and their open blocks."""
 
@@ -46,6 +70,7 @@ class RowConstraints:
     ):
         self.matchers = list(matchers)
         self.candidates = list(candidates)  # each row's budget-guard search order
+        self.guards = [m and BudgetGuard(m, c) for m, c in zip(self.matchers, self.candidates)]
         self.eos = sorted(eos)
         self.mask_id = mask_id
         self.rows = {}  # batch row -> _Row, for the constrained rows of the open block
@@ -53,10 +78,11 @@ class RowConstraints:
     def select(self, keep: List[int]) -> None:
         self.matchers = [self.matchers[i] for i in keep]
         self.candidates = [self.candidates[i] for i in keep]
+        self.guards = [self.guards[i] for i in keep]
 
     def _fits(self, row: int, left: int) -> bool:
         """Whether the row's grammar can still be closed, and EOS follow, in `left` positions."""
-        return completion(self.matchers[row], left - 1, self.candidates[row]) is not None
+        return self.guards[row].fits(left)
 
     def row_mask(self) -> mx.array:
         """(B, 1) bool: the constrained rows."""
@@ -277,6 +303,7 @@ class TokenSequenceConstraint:
     def __init__(self, constraint, eos: Sequence[int], max_tokens: int, consumed=()):
         self.matcher = constraint.matcher(consumed)
         self.candidates = constraint.candidates
+        self.guard = BudgetGuard(self.matcher, self.candidates)
         self.eos = sorted(eos)
         self.room = max_tokens  # positions left for text and EOS
 
@@ -294,7 +321,7 @@ class TokenSequenceConstraint:
         return allowed_tokens(mx.array(np.stack(words)), vocab), j
 
     def fits(self, left: int) -> bool:
-        return completion(self.matcher, left - 1, self.candidates) is not None
+        return self.guard.fits(left)
 
     def keep(self, new: List[int]) -> List[int]:
         """The round's tokens consumed, each kept while the grammar can still close within the
@@ -327,3 +354,63 @@ class TokenSequenceConstraint:
         if self.matcher.is_stopped():
             return []
         return self.matcher.compute_ff_tokens()[: max(self.room - 1, 0)]
+
+
+class CanvasConstraint:
+    """One row's constraint in canvas decoding (engine/canvas.py). A canvas re-draws every
+    position at each step, so no prefix is final before its last step; the constraint acts on
+    the readout: the canvas returned (and encoded for the next one) is, position by position, the
+    best token the grammar allows after the ones before it under the last step's logits (the
+    unconstrained readout takes the argmax everywhere), with forced tokens, EOS and the budget
+    guard as in the masked decoder."""
+
+    def __init__(self, constraint, eos: Sequence[int], max_tokens: int):
+        self.matcher = constraint.matcher()
+        self.candidates = constraint.candidates
+        self.guard = BudgetGuard(self.matcher, self.candidates)
+        self.eos = sorted(eos)
+        self.room = max_tokens  # positions left for text and EOS
+
+    def _fits(self, left: int) -> bool:
+        return self.guard.fits(left)
+
+    def _take(self, token: int, guarded: bool, left: int) -> bool:
+        """Consume `token` if the grammar allows it and (guarded) can still close after it in
+        `left` - 1 positions."""
+        if not consume(self.matcher, token, self.eos):
+            return False
+        if guarded and token not in self.eos and not self._fits(left - 1):
+            self.matcher.rollback(1)
+            return False
+        return True
+
+    def readout(self, ranked: List[List[int]], best_allowed, wanted: int) -> List[int]:
+        """The canvas's first `wanted` tokens: `ranked[i]` are position i's most likely tokens,
+        best first; `best_allowed(i, words)` the best token at position i among those the
+        packed mask `words` allows (a device read, when none of the ranked ones will do)."""
+        out: List[int] = []
+        while len(out) < wanted:
+            i, left = len(out), self.room - len(out)
+            if self.matcher.is_stopped():
+                out += [self.eos[0]] * (wanted - i)
+                break
+            forced = self.matcher.compute_ff_tokens()[: wanted - i]
+            if forced and self.matcher.try_consume_tokens(forced) == len(forced):
+                out += forced
+                continue
+            guarded = self._fits(left)
+            token = next((t for t in ranked[i] if self._take(t, guarded, left)), None)
+            if token is None:
+                words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+                token = best_allowed(i, words)
+                if not self._take(token, guarded, left):
+                    close = completion(self.matcher, left - 1, self.candidates) or []
+                    self.matcher.try_consume_tokens(close)
+                    out += (close + [self.eos[0]] * wanted)[: wanted - i]
+                    break
+            out.append(token)
+            if token in self.eos:
+                out += [self.eos[0]] * (wanted - i - 1)
+                break
+        self.room -= wanted
+        return out
