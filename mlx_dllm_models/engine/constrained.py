@@ -1,16 +1,20 @@
-"""Constrained rows in the masked block loop: one llguidance matcher per row (structured.py builds
-them), the row's open positions in the block, and the commits decoding/constrained.py's rule
-decides under the matcher.
+"""Structured output in the loops: one llguidance matcher per row (structured.py builds them) and
+what each decoder commits under it; the rule is decoding/constrained.py's.
 
-The loop calls `open_block` after the backend began a block (tokens a backend put there, such as
-Nemotron's AR-seeded first column, stay only where the grammar allows them; forced tokens are
-filled), `commit` after each step's rule (a constrained row's commit is replaced by the rule's
-left-to-right prefix) and `select` when rows leave. Rows without a constraint are untouched.
+- RowConstraints, the masked block loop (engine/masked.py): the loop calls `open_block` after the
+  backend began a block (tokens a backend put there, such as Nemotron's AR-seeded first column,
+  stay only where the grammar allows them; forced tokens are filled), `commit` after each step's
+  rule (a constrained row's commit is replaced by the rule's left-to-right prefix) and `select`
+  when rows leave. Rows without a constraint are untouched. Host work: one read of the block's
+  window at `open_block`, and per step one read of the rows' first tokens, proposals and rule
+  commits (the grammar's mask is computed on the host while the device evaluates the forward);
+  everything a constrained row commits is decided on the host, so its window is known there.
+- TokenSequenceConstraint, self-speculation (engine/self_spec.py): verified positions' logits
+  masked by the grammar, forced tokens as the next round's first drafts.
+- CanvasConstraint, DiffusionGemma's canvas (engine/canvas.py): the canvas's readout.
 
-Host work: one read of the block's window at `open_block`, and per step one read of the rows'
-first tokens, proposals and rule commits (the grammar's mask is computed on the host while the
-device evaluates the forward). Everything a constrained row commits is decided on the host, so the
-row's window is known there without further reads.
+All three keep a row's text closable within its budget (BudgetGuard, decoding.constrained's
+`completion`).
 """
 
 from dataclasses import dataclass, field
