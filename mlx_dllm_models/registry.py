@@ -24,4 +24,7 @@ MODEL_TYPES = {
     # Salesforce's CoDA writes "CoDA" (mlx-lm imports the model_type as given); same module.
     "CoDA": "coda",
     "coda": "coda",
+    # Tencent's WeDLM (a Qwen2.5 / Qwen3 body, model_type "wedlm"; plain Qwen checkpoints write
+    # qwen2 / qwen3 and stay mlx-lm's).
+    "wedlm": "wedlm",
 }

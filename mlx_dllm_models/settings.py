@@ -70,6 +70,11 @@ def _d3llm(name, what, check=number(0, 1), cli_type=float):
 
 _OPEN_SHARE = number(0, 1, low_open=True)
 
+_WEDLM_STEPS = (
+    "a step fills every mask of the window whose entropy (plus the position penalty) is below "
+    "entropy_threshold, at least one, so there is no step budget; set entropy_threshold"
+)
+_WEDLM_THRESHOLD = "its one threshold is on entropy: set entropy_threshold (and pos_penalty_factor)"
 
 SETTINGS: Tuple[Setting, ...] = (
     Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, positive_int),
@@ -92,7 +97,8 @@ SETTINGS: Tuple[Setting, ...] = (
         modes=_DIFFUSION,
         unused={
             "diffusion_gemma": "set max_denoising_steps (an upper bound per canvas: a canvas stops "
-            "once its argmax is stable and confident)"
+            "once its argmax is stable and confident)",
+            "wedlm": _WEDLM_STEPS,
         },
     ),
     Setting(
@@ -110,6 +116,7 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, 1, low_open=True),
         samplers=("threshold", "sub_block", "d3llm"),
         modes=_DIFFUSION,
+        unused={"wedlm": _WEDLM_THRESHOLD},
     ),
     Setting(
         "factor",
@@ -120,7 +127,8 @@ SETTINGS: Tuple[Setting, ...] = (
         samplers=("factor",),
         modes=_DIFFUSION,
         unused={
-            "diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)"
+            "diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)",
+            "wedlm": _WEDLM_THRESHOLD,
         },
     ),
     Setting(
@@ -131,6 +139,7 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, what=" (nats)"),
         samplers=("entropy",),
         modes=_DIFFUSION,
+        unused={"wedlm": _WEDLM_THRESHOLD},
     ),
     Setting(
         "temperature",
@@ -267,6 +276,27 @@ SETTINGS: Tuple[Setting, ...] = (
         positive_int,
         families=("fast_dllm_v2",),
         samplers=("sub_block",),
+    ),
+    # WeDLM's SamplingParams (wedlm/sampling_params.py); its window is block_length.
+    Setting(
+        "entropy_threshold",
+        None,
+        "WeDLM: fill every mask whose entropy plus the position penalty is below this, at least "
+        "one (wedlm_entropy_threshold; 0: one mask a step, the least, as the reference's None)",
+        cli_optional_float,
+        optional(number(0, what=" (nats)")),
+        families=("wedlm",),
+        samplers=("wedlm",),
+    ),
+    Setting(
+        "pos_penalty_factor",
+        None,
+        "WeDLM: added to a mask's entropy per position after the window's first mask "
+        "(wedlm_pos_penalty_factor)",
+        float,
+        number(0, finite=True),
+        families=("wedlm",),
+        samplers=("wedlm",),
     ),
     # LLaDA2.1 / 2.2 decoding modes: the spec's presets (llada2_moe.LLADA2_EDITING_MODES, the one
     # place of their numbers) map a mode to settings; explicit settings win over the mode.

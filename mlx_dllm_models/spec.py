@@ -15,6 +15,9 @@ BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
 BLOCK_CAUSAL = "block_causal"  # SDAR, LLaDA2.x: blocks aligned on absolute positions 0, B, 2B, ...
 CAUSAL_PREFIX = "causal_prefix"  # Nemotron-Labs-Diffusion: causal KV prefix + bidirectional block
 ENCODER_CANVAS = "encoder_canvas"  # DiffusionGemma: causal encoder KV + bidirectional canvas
+# WeDLM: causal attention over the committed tokens and a sliding window whose filled positions
+# come before its masks (topological reordering), on an ordinary causal K/V cache.
+CAUSAL_WINDOW = "causal_window"
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from ..settings import SettingsError
-from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, ENCODER_CANVAS
+from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, CAUSAL_WINDOW, ENCODER_CANVAS
 from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
@@ -19,6 +19,7 @@ from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
 from .self_spec import SelfSpeculativeDecoder
 from .sub_block_cache import SubBlockCache
+from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
 BACKENDS: Dict[str, Dict[str, type]] = {
@@ -29,6 +30,8 @@ BACKENDS: Dict[str, Dict[str, type]] = {
     CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},
     # The canvas decoder keeps its encoder's KV cache itself: nothing to choose.
     ENCODER_CANVAS: {},
+    # WeDLM's window over a causal K/V cache, or every forward over the whole row.
+    CAUSAL_WINDOW: {"prefix": WindowKV, "none": WindowRecompute},
 }
 
 # Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`
@@ -38,6 +41,7 @@ DECODERS: Dict[str, type] = {
     "diffusion": MaskedBlockDecoder,
     "self_spec": SelfSpeculativeDecoder,
     "canvas": CanvasDecoder,
+    "wedlm": WeDLMDecoder,
 }
 
 

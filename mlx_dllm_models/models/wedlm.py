@@ -1,0 +1,195 @@
+"""WeDLM (Tencent; tencent/WeDLM-7B-Base, -7B-Instruct, -8B-Base, -8B-Instruct, model_type "wedlm"):
+a Qwen2.5 or Qwen3 body, unchanged, decoded by diffusion under ordinary causal attention.
+
+The checkpoint's class (hf_compat/modeling_wedlm.py of github.com/Tencent/WeDLM) is Qwen's decoder
+with two switches in config.json: `attention_bias` (q/k/v biases, Qwen2.5) and `qk_norm` (per-head
+q/k RMSNorm, Qwen3). WeDLM-7B is the Qwen2.5 body (bias, no norm), WeDLM-8B the Qwen3 one (norm, no
+bias); those are the two combinations mlx-lm has layers for, and so the two this module builds.
+Attention is causal (`is_causal = True`) with RoPE on the given position ids, and logits are read
+at the masked position itself (no shift: wedlm/engine/wedlm_decoder.py takes the logits of the mask
+rows).
+
+What makes it a diffusion model is the decoding loop (engine/wedlm.py): a sliding window of masks
+after the committed tokens, whose filled positions are moved before its masks ("topological
+reordering") so that a causal forward lets every mask see every filled token. The model knows
+nothing of that: the engine gives it the mask that the reordered causal attention implies over the
+window in place (RoPE reads the positions, attention is permutation-equivariant given its mask), and
+mlx-lm's cache protocol for the K/V.
+
+A plain Qwen2 / Qwen3 checkpoint is never captured: mlx-lm picks the module by config.json's
+model_type, and WeDLM's is "wedlm" (configuration_wedlm.py's WeDLMConfig.model_type; architectures
+["WeDLMForCausalLM"]), which no autoregressive Qwen checkpoint writes.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen2, qwen3
+from mlx_lm.models.base import BaseModelArgs
+
+from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
+from . import sharding
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    drop_tied_head,
+    drop_unused_buffers,
+    masked_forward,
+    refuse_autoregressive_tools,
+)
+
+# wedlm/engine/model_runner.py `_init_mask_token`: config.json's mask_token_id, else this id.
+WEDLM_MASK_TOKEN_ID = 151665
+# The reference engine's recipe: wedlm/config.py (wedlm_window_size 16) and
+# wedlm/sampling_params.py (wedlm_entropy_threshold 0.4, wedlm_pos_penalty_factor 0.02, which
+# evaluation/evaluation_base.sh and web_demo.py default to as well), with the README's Python API
+# call SamplingParams(temperature=0.0, max_tokens=512). (example.py passes threshold 0.6.)
+WEDLM_DEFAULTS = {
+    "sampler": "wedlm",
+    "block_length": 16,
+    "entropy_threshold": 0.4,
+    "pos_penalty_factor": 0.02,
+    "temperature": 0.0,
+    "top_p": None,
+    "top_k": None,
+    "max_tokens": 512,
+}
+WEDLM_CONFIG_KEYS = (
+    "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, vocab_size, "
+    "attention_bias, qk_norm, tie_word_embeddings"
+)
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # WeDLMConfig's fields (hf_compat/configuration_wedlm.py) and its defaults.
+    model_type: str
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    intermediate_size: int = 22016
+    num_attention_heads: int = 32
+    vocab_size: int = 151936
+    num_key_value_heads: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    tie_word_embeddings: bool = False
+    use_sliding_window: bool = False
+    attention_bias: bool = True
+    qk_norm: bool = False
+    head_dim: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    eos_token_id: Union[int, List[int], None] = None
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        natural = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = natural
+        body = (bool(self.attention_bias), bool(self.qk_norm))
+        if body not in ((True, False), (False, True)):
+            raise ValueError(
+                f"wedlm: config.json has attention_bias={self.attention_bias} and qk_norm="
+                f"{self.qk_norm}; the published WeDLM checkpoints are Qwen2.5 bodies "
+                "(attention_bias true, qk_norm false) or Qwen3 bodies (false, true), the two this "
+                "package builds"
+            )
+        if not self.qk_norm and self.head_dim != natural:
+            raise ValueError(
+                f"wedlm: a Qwen2.5-style body (qk_norm false) has head_dim = hidden_size / "
+                f"num_attention_heads = {natural}, but config.json says head_dim={self.head_dim}"
+            )
+        if self.use_sliding_window:
+            raise ValueError(
+                "wedlm: config.json sets use_sliding_window, which no published WeDLM checkpoint "
+                "uses and this package does not implement; set it to false"
+            )
+        check_special_ids(self, mask_default=WEDLM_MASK_TOKEN_ID)
+
+    def body_args(self):
+        """mlx-lm's ModelArgs of the Qwen body this config describes."""
+        shared = dict(
+            model_type=self.model_type,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+        if self.qk_norm:
+            return qwen3, qwen3.ModelArgs(head_dim=self.head_dim, **shared)
+        return qwen2, qwen2.ModelArgs(**shared)
+
+
+def wedlm_spec(args: ModelArgs) -> DiffusionSpec:
+    return build_spec(
+        args,
+        "wedlm",
+        CAUSAL_WINDOW,
+        # The logits of a mask row predict that row's token (no shift).
+        logit_shift=0,
+        samplers=("wedlm",),
+        decoder="wedlm",
+        defaults=dict(WEDLM_DEFAULTS),
+        # The reference engine takes its sampling values from SamplingParams alone: it never
+        # reads generation_config.json.
+        ignored_generation_config_keys=tuple(GENERATION_CONFIG_KEYS),
+        vocab_size=args.vocab_size,
+    )
+
+
+class Model(nn.Module):
+    """WeDLMForCausalLM: mlx-lm's Qwen2 or Qwen3 body (config.json's qk_norm decides) whose
+    forward takes the attention mask from the caller."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        module, body = args.body_args()
+        self.model = module.Qwen2Model(body) if module is qwen2 else module.Qwen3Model(body)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights):
+        weights = drop_unused_buffers(weights)
+        weights = drop_tied_head(weights, "wedlm", self.args.tie_word_embeddings)
+        body = "Qwen3's" if self.args.qk_norm else "Qwen2.5's"
+        layout = f"{body} layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
+        return check_weights(self, weights, "wedlm", layout, WEDLM_CONFIG_KEYS)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """mlx-lm's Qwen shard (attention heads with their biases or q/k norms, and the MLP, split
+        over `group`; embeddings and head replicated), after a readable divisibility check."""
+        group = sharding.group_of(group)
+        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
+        sharding.check_divisible("wedlm", group, sizes, model=self)
+        qwen3.Model.shard(self, group)
+
+    @cached_spec
+    def diffusion_spec(self) -> DiffusionSpec:
+        return wedlm_spec(self.args)
