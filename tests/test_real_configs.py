@@ -33,10 +33,7 @@ MB = 1 << 20
 
 # Checkpoints of the listed families whose files could not be found (tests/data/README.md says
 # where we looked). Kept here so that the report shows them as skipped, with the reason.
-NOT_FOUND = {
-    "inclusionAI__LLaDA-MoE-7B-A1B-Instruct": "no copy of its config.json / index found "
-    "(GitHub mirrors, ports, HF pages in the corpora); see tests/data/README.md",
-}
+NOT_FOUND = {}
 
 
 def _rope_of(model):
@@ -52,6 +49,20 @@ def _check_llada(name, model, args, spec):
     assert args.tie_word_embeddings is False
     rope = _rope_of(model)
     assert (rope.dims, rope.base, rope.traditional) == (128, 500000.0, False)
+
+
+def _check_llada_moe(name, model, args, spec):
+    """A reconstruction from quotes (tests/data/README.md): 7.36e9 parameters, 64 experts of
+    1024, top 8, every layer MoE, no shared expert, full rotary."""
+    assert args.is_moe and (args.hidden_size, args.num_hidden_layers) == (2048, 16)
+    assert (args.num_experts, args.num_experts_per_tok, args.expert_intermediate_size) == (
+        64,
+        8,
+        1024,
+    )
+    assert args.vocab_size == 157184 and args.shared_expert_intermediate_size is None
+    rope = _rope_of(model)
+    assert (rope.dims, rope.base, rope.traditional) == (128, 50000.0, False)
 
 
 def _check_dream(name, model, args, spec):
@@ -141,6 +152,20 @@ def _check_diffusion_gemma(name, model, args, spec):
         assert 0 <= getattr(args, key) < text.vocab_size, key
 
 
+def _check_coda(name, model, args, spec):
+    # Qwen3-1.7B's body: 28 layers of 2048, 16 query / 8 K/V heads of 128, its own lm_head.
+    assert (args.hidden_size, args.num_hidden_layers, args.head_dim) == (2048, 28, 128)
+    assert (args.num_attention_heads, args.num_key_value_heads) == (16, 8)
+    assert spec.logit_shift == 1 and "lm_head" in model
+
+
+def _check_rnd1(name, model, args, spec):
+    # Qwen3-30B-A3B's body: 48 MoE layers of 128 experts, top 8, experts 768 wide.
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (128, 8, 768)
+    assert len(model.layers) == 48 and args.tie_word_embeddings is False
+    assert spec.logit_shift == 1 and spec.default_suffix == (151643,)  # the reserved trailing pad
+
+
 CHECKPOINTS = {
     "GSAI-ML__LLaDA-8B-Instruct": dict(
         mask=126336,
@@ -152,6 +177,16 @@ CHECKPOINTS = {
         # tokenizer_config.json has no mask_token entry; <|mdm_mask|> is LLaDA's mask token.
         mask_token="<|mdm_mask|>",
         tokens={"<|startoftext|>": 126080, "<|eot_id|>": 126348},
+    ),
+    # A reconstruction (tests/data/README.md): config.json only, no mask_token_id key.
+    "inclusionAI__LLaDA-MoE-7B-A1B-Instruct": dict(
+        mask=156895,
+        eos=(156892,),
+        runtime_eos={156892},
+        trained_block=None,
+        max_pos=8192,
+        check=_check_llada_moe,
+        tokens={},
     ),
     "Dream-org__Dream-v0-Instruct-7B": dict(
         mask=151666,
@@ -207,6 +242,44 @@ CHECKPOINTS = {
         | dict(check=_check_nemotron, tokens={})
         for size in ("3B", "8B")
     },
+    # Dream checkpoints of other publishers (transcribed config.json only; tests/test_coders.py).
+    "apple__DiffuCoder-7B-Instruct": dict(
+        mask=151666,
+        eos=(151643,),
+        runtime_eos={151643},
+        trained_block=None,
+        max_pos=131072,
+        check=_check_dream,
+        tokens={},
+    ),
+    "Dream-org__Dream-Coder-v0-Instruct-7B": dict(
+        mask=151666,
+        eos=(151643,),
+        runtime_eos={151643},
+        trained_block=None,
+        max_pos=32768,
+        check=_check_dream,
+        tokens={},
+    ),
+    "Salesforce__CoDA-v0-Instruct": dict(
+        mask=151669,
+        eos=(151645,),
+        runtime_eos={151645},
+        trained_block=None,
+        max_pos=40960,
+        check=_check_coda,
+        tokens={"<|im_end|>": 151645, "<|endoftext|>": 151643},
+    ),
+    # A reconstruction from configuration_rnd.py's defaults (tests/data/README.md).
+    "radicalnumerics__RND1-Base-0910": dict(
+        mask=151669,
+        eos=(151645,),
+        runtime_eos={151645},
+        trained_block=None,
+        max_pos=40960,
+        check=_check_rnd1,
+        tokens={},
+    ),
     "google__diffusiongemma-26B-A4B-it": dict(
         mask=None,  # uniform noise: no mask token
         eos=(1, 106, 50),
@@ -274,9 +347,14 @@ def hf_shape(name, expected, rename):
 
 # Checkpoints whose weight index was not found (tests/data/README.md): no weight-name check.
 NO_INDEX = {
+    "inclusionAI__LLaDA-MoE-7B-A1B-Instruct",
     "nvidia__Nemotron-Labs-Diffusion-3B",
     "nvidia__Nemotron-Labs-Diffusion-8B",
     "google__diffusiongemma-26B-A4B-it",
+    "apple__DiffuCoder-7B-Instruct",
+    "Dream-org__Dream-Coder-v0-Instruct-7B",
+    "Salesforce__CoDA-v0-Instruct",
+    "radicalnumerics__RND1-Base-0910",
 }
 
 
@@ -360,6 +438,18 @@ def _xfail(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
+# DiffuCoder and Dream-Coder are Dream checkpoints: no file found tells them from Dream, so they
+# decode with Dream's defaults (temperature 0.2, DiffuCoder-Base's README value; 128 tokens).
+DIFFUCODER_TEMPERATURE = (
+    "apple/ml-diffucoder inference_demo.py uses temperature 0.3 (README cpGRPO example 0.4); the "
+    "package keeps Dream's 0.2: DiffuCoder's config.json is Dream's, and its generation_config.json "
+    "was not found"
+)
+DREAM_CODER_TEMPERATURE = (
+    "DreamLM/Dream-Coder README uses temperature 0.1; the package keeps Dream's 0.2 (config.json "
+    "is Dream's, generation_config.json was not found)"
+)
+CODER_MAX_TOKENS = "the coders' READMEs generate 256 / 768 tokens; the package keeps Dream's 128"
 DREAM_README = (
     "DreamLM/Dream README (Instruct example): max_new_tokens=512 with steps=512; the package keeps "
     "its max_tokens default of 128 (and steps follow max_tokens, so the recipe's one token per "
@@ -476,6 +566,35 @@ SETTINGS = [
     ("google__diffusiongemma-26B-A4B-it", "confidence_threshold", 0.005, None),
     ("google__diffusiongemma-26B-A4B-it", "min_canvas_length", 256, None),
     ("google__diffusiongemma-26B-A4B-it", "max_canvas_length", 256, None),
+    # CoDA's deployment recipe (README / serving config.py): 256 tokens, 128 steps, temperature 0,
+    # alg entropy, alg_temp 0.1; its generation_config.json's alg 'original' is never read.
+    ("Salesforce__CoDA-v0-Instruct", "sampler", "dream", None),
+    ("Salesforce__CoDA-v0-Instruct", "max_tokens", 256, None),
+    ("Salesforce__CoDA-v0-Instruct", "steps", 128, None),
+    ("Salesforce__CoDA-v0-Instruct", "temperature", 0.0, None),
+    ("Salesforce__CoDA-v0-Instruct", "alg", "entropy", None),
+    ("Salesforce__CoDA-v0-Instruct", "alg_temp", 0.1, None),
+    # RND1's README / demo: generate(max_new_tokens=256, num_diffusion_steps=256, temperature=0.01).
+    ("radicalnumerics__RND1-Base-0910", "sampler", "rnd1", None),
+    ("radicalnumerics__RND1-Base-0910", "max_tokens", 256, None),
+    ("radicalnumerics__RND1-Base-0910", "steps", 256, None),
+    ("radicalnumerics__RND1-Base-0910", "temperature", 0.01, None),
+    # DiffuCoder-7B-Instruct: apple/ml-diffucoder inference_demo.py, diffusion_generate(
+    # max_new_tokens=256, steps=256, temperature=0.3, top_p=0.95, alg="entropy", alg_temp=0.).
+    ("apple__DiffuCoder-7B-Instruct", "sampler", "dream", None),
+    ("apple__DiffuCoder-7B-Instruct", "alg", "entropy", None),
+    ("apple__DiffuCoder-7B-Instruct", "alg_temp", 0.0, None),
+    ("apple__DiffuCoder-7B-Instruct", "top_p", 0.95, None),
+    ("apple__DiffuCoder-7B-Instruct", "temperature", 0.3, DIFFUCODER_TEMPERATURE),
+    ("apple__DiffuCoder-7B-Instruct", "max_tokens", 256, CODER_MAX_TOKENS),
+    # Dream-Coder README: diffusion_generate(max_new_tokens=768, steps=768, temperature=0.1,
+    # top_p=0.95, alg="entropy", alg_temp=0.).
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "sampler", "dream", None),
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "alg", "entropy", None),
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "alg_temp", 0.0, None),
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "top_p", 0.95, None),
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "temperature", 0.1, DREAM_CODER_TEMPERATURE),
+    ("Dream-org__Dream-Coder-v0-Instruct-7B", "max_tokens", 768, CODER_MAX_TOKENS),
 ]
 
 
