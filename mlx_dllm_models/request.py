@@ -134,6 +134,9 @@ def checkpoint_settings(model, spec):
 def eos_ids(model, tokenizer, spec):
     ids = set(spec.eos_token_ids)
     ids.update(getattr(tokenizer, "eos_token_ids", None) or ())
+    if spec.eos_token_names and tokenizer is not None:
+        vocab = text_tokenizer(tokenizer).get_vocab()
+        ids.update(int(vocab[n]) for n in spec.eos_token_names if n in vocab)
     gen = getattr(model, "generation_config", None) or {}
     eos = gen.get("eos_token_id")
     if eos is not None:

@@ -92,6 +92,10 @@ class DiffusionSpec:
     # commits the step's lowest-entropy candidate whatever its entropy and keeps the others at
     # entropy <= threshold; Dream's (_sample_multi_block) commits entropy < threshold only.
     threshold_keeps_lowest: bool = False
+    # Names of tokens that end a row's text besides the EOS ids, resolved through the checkpoint's
+    # tokenizer where it has them (request.eos_ids): DiffuCoder's <|dlm_pad|>, the padding its
+    # instruct models write after <|im_end|>, where its README cuts the answer.
+    eos_token_names: Tuple[str, ...] = ()
     # Preset settings: setting name -> its value -> the settings it brings (LLaDA2's
     # editing_mode: quality / speed / off), applied over `defaults` and `sampler_defaults`.
     presets: Mapping[str, Mapping[Any, Mapping[str, Any]]] = field(default_factory=dict)

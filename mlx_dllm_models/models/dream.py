@@ -158,6 +158,10 @@ class Model(nn.Module):
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             sampling_order=("temperature", "top_p", "top_k"),  # Dream's sample_tokens
+            # DiffuCoder (apple/DiffuCoder-7B-*, Dream's model_type and code): its instruct models
+            # pad the canvas with <|dlm_pad|> after <|im_end|>, and its README's answer is the text
+            # before the first one (generations[0].split('<|dlm_pad|>')[0]).
+            eos_token_names=("<|dlm_pad|>",),
             # The whole canvas is one block ("d3llm": d3LLM's multi-block decoding, decoding/d3llm).
             sampler_defaults={"dream": {"block_length": None}, "d3llm": dict(D3LLM_DEFAULTS)},
         )
