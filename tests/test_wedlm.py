@@ -94,6 +94,8 @@ def test_reordered_mask_by_hand():
         dtype=bool,
     )
     np.testing.assert_array_equal(keep, want)
+    # A forward's rows only (a step over the columns after the committed ones).
+    np.testing.assert_array_equal(np.array(reordered_causal_mask(f, 2)), want[2:])
 
 
 # --------------------------------------------------------------------------- spec and settings

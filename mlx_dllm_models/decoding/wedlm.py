@@ -57,13 +57,16 @@ def committed_prefix(filled) -> int:
     return len(filled)
 
 
-def reordered_causal_mask(filled) -> mx.array:
-    """(n, n) bool keep mask of causal attention over the order "filled positions, then masks"
-    (each group in column order), expressed over the columns in place: a filled position sees the
-    filled ones up to itself, a mask sees every filled position and the masks up to itself.
-    Committed tokens count as filled, so over [context ; window] the context stays causal."""
+def reordered_causal_mask(filled, first_row: int = 0) -> mx.array:
+    """(n - first_row, n) bool keep mask (rows first_row..n-1, every column) of causal attention
+    over the order "filled positions, then masks" (each group in column order), expressed over the
+    columns in place: a filled position sees the filled ones up to itself, a mask sees every filled
+    position and the masks up to itself. Committed tokens count as filled, so over
+    [context ; window] the context stays causal. Only the rows a forward runs are built: a step
+    over a long context costs (window x n), not (n x n)."""
     f = np.asarray(filled, dtype=bool)
-    i = np.arange(len(f))
-    upto = i[None, :] <= i[:, None]
-    same = f[None, :] == f[:, None]
-    return mx.array((upto & same) | (f[None, :] & ~f[:, None]))
+    cols = np.arange(len(f))
+    rows = cols[first_row:, None]
+    fr = f[first_row:, None]
+    keep = ((cols[None, :] <= rows) & (f[None, :] == fr)) | (f[None, :] & ~fr)
+    return mx.array(keep)

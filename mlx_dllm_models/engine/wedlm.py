@@ -45,7 +45,7 @@ class WindowKV:
         """(n - start, V) logits of columns start..n-1 of the row `ids` (n columns, `filled`
         saying which hold tokens: committed and filled ones), under the reordered causal mask."""
         lo = self.cache.committed
-        keep = reordered_causal_mask(filled)[lo:]
+        keep = reordered_causal_mask(filled, lo)
         x = mx.array([list(ids[lo:])], dtype=mx.int32)
         return self.model(
             x, cache=self.cache.at(lo), mask=keep, head_span=(start - lo, len(ids) - lo)
