@@ -120,7 +120,9 @@ class WeDLMDecoder:
         """Step 4: fill the masks the rule picks, from the mask rows of this step's logits."""
         s = self.s
         greedy = s["temperature"] == 0
-        # Over every window row: the position penalty counts window columns, filled ones too.
+        # Over every window row: the position penalty counts window columns, filled ones too. The
+        # mask id is not suppressed, as in the reference's sampler: the window's flags, not its
+        # token values, say what is filled.
         stats = token_stats(
             logits[None],
             temperature=s["temperature"],
@@ -169,10 +171,9 @@ class WeDLMDecoder:
             context += tokens
             if tokens:
                 event = self._commit(row, tokens, lps, out)
-                if event is not None:
-                    yield event
-                    if event.finished[0]:
-                        return
+                yield event
+                if event.finished[0]:
+                    return
             self._fill(logits[len(tokens) :], window)
             yield self._step_event(row, out, window)
 
