@@ -18,8 +18,8 @@ by mlx-lm's convert and loaded by this package's `load`, as a user does. On it:
 The output heads are scaled so that predictions are confident, and the mask token's embedding is
 small, as in the fixtures. Random bfloat16 weights are written straight as bit patterns (sign,
 one exponent, random mantissa): generating and converting a vocabulary x hidden table through
-float32 costs seconds each on two cores. Skipped families say why (LLaDA-MoE: its config was
-never found, tests/data/README.md).
+float32 costs seconds each on two cores. LLaDA-MoE's config is a reconstruction from quotes
+(tests/data/README.md).
 
 They run with MLX_DLLM_SLOW_TESTS=1 only: on CI's two CPU cores one family takes 40 s to 4 min
 (measured, issue #25's report): a forward over one block at a 126k x 4096 head alone takes about
@@ -247,6 +247,18 @@ def _llada_reference(path, config, ids, spec):
     return _torch_logits(_torch_model(LlamaForCausalLM, cfg, state), ids)
 
 
+def _llada_moe_reference(path, config, ids, spec):
+    """transformers' Qwen3-MoE without top-k renormalisation (tests/reference/llada_torch.py),
+    under a bidirectional mask."""
+    from reference.llada_torch import _qwen3_moe
+
+    weights = {k: v.float().numpy() for k, v in _hf_state(path).items()}
+    model, context = _qwen3_moe(config, weights)
+    del weights
+    with context():
+        return _torch_logits(model, ids)
+
+
 def _dream_reference(path, config, ids, spec):
     """transformers' Qwen2 under a bidirectional mask; logits unshifted, as the model returns."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -337,6 +349,45 @@ def _sdar(data, moe):
         return _from_index(tmp, data, 1, overrides, embed, HEAD, tokens, roles)
 
     return build
+
+
+def _llada_moe(tmp):
+    """LLaDA-MoE's reconstructed config (no index was found: the names are its modeling code's,
+    as the fixtures write them); every layer MoE, 64 experts of NARROW, top 8."""
+    roles = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mask|>")
+    tokens = {"<|endoftext|>": 156892, "<|mask|>": 156895}
+    embed = ("model.embed_tokens.weight", "lm_head.weight")
+    overrides = {
+        "num_hidden_layers": 1,
+        "moe_layer_freq": [1],
+        "dense_intermediate_size": NARROW,
+        "expert_intermediate_size": NARROW,
+    }
+    config = _config("inclusionAI__LLaDA-MoE-7B-A1B-Instruct", overrides)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    layer = "model.layers.0"
+    shapes = {
+        embed[0]: (vocab, hidden),
+        embed[1]: (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        f"{layer}.input_layernorm.weight": (hidden,),
+        f"{layer}.post_attention_layernorm.weight": (hidden,),
+        f"{layer}.self_attn.q_proj.weight": (hidden, hidden),
+        f"{layer}.self_attn.k_proj.weight": (kv, hidden),
+        f"{layer}.self_attn.v_proj.weight": (kv, hidden),
+        f"{layer}.self_attn.o_proj.weight": (hidden, hidden),
+        f"{layer}.self_attn.q_norm.weight": (head_dim,),
+        f"{layer}.self_attn.k_norm.weight": (head_dim,),
+        f"{layer}.mlp.gate.weight": (config["num_experts"], hidden),
+    }
+    for e in range(config["num_experts"]):
+        for name, shape in (("gate_proj", (NARROW, hidden)), ("up_proj", (NARROW, hidden))):
+            shapes[f"{layer}.mlp.experts.{e}.{name}.weight"] = shape
+        shapes[f"{layer}.mlp.experts.{e}.down_proj.weight"] = (hidden, NARROW)
+    tensors = _random_tensors(shapes, np.random.default_rng(0), HEAD, embed, 156895)
+    return _write(tmp / "hf", config, tensors, tokens, roles), config
 
 
 def _llada2(tmp):
@@ -438,6 +489,7 @@ FAMILIES = {
     "sdar": (_sdar("JetLM__SDAR-8B-Chat", moe=False), _sdar_reference),
     "sdar_moe": (_sdar("JetLM__SDAR-30B-A3B-Chat", moe=True), _sdar_reference),
     "llada2_moe": (_llada2, _llada2_reference),
+    "llada_moe": (_llada_moe, _llada_moe_reference),
     "nemotron_labs_diffusion": (_nemotron, _nemotron_reference),
     "diffusion_gemma": (_diffusion_gemma, _diffusion_gemma_reference),
 }
@@ -543,10 +595,8 @@ def _weight_bytes(model):
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES) + ["llada_moe"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_real_width(name, tmp_path):
-    if name == "llada_moe":
-        pytest.skip("LLaDA-MoE-7B-A1B: no config.json was found (tests/data/README.md)")
     from mlx_lm.convert import convert
 
     from mlx_dllm_models import generate_diffusion, load
