@@ -265,7 +265,7 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
     _d3llm("block_size", "positions per block of its pipeline", positive_int, int),
     _d3llm("block_add_threshold", "open a block at this share of the last decoded", _OPEN_SHARE),
-    _d3llm("decoded_token_threshold", "a block is fully active at this share of the last"),
+    _d3llm("decoded_token_threshold", "fully active once the block before is this share decoded"),
     _d3llm("early_stop", "positions after a decoded EOS become EOS", true_or_false, cli_bool),
     # Fast-dLLM v2's generate: small_block_size, the sub-blocks a block is decoded in.
     Setting(
