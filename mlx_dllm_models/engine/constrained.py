@@ -242,8 +242,9 @@ class RowConstraints:
         if guarded and not self._fits(row, room - 1):
             matcher.rollback(1)
             close = completion(matcher, room - 1, self.candidates[row])
-            matcher.try_consume_tokens(close)
+            # The block's share of the closing: the rest follows in the next block's steps.
             tokens = close[: len(state.open)]
+            matcher.try_consume_tokens(tokens)
             if len(tokens) < len(state.open) and self._consume(matcher, self.eos[0]):
                 tokens.append(self.eos[0])
             return tokens
@@ -399,8 +400,9 @@ class CanvasConstraint:
                 out += [self.eos[0]] * (wanted - i)
                 break
             forced = self.matcher.compute_ff_tokens()[: wanted - i]
-            if forced and self.matcher.try_consume_tokens(forced) == len(forced):
-                out += forced
+            taken = self.matcher.try_consume_tokens(forced) if forced else 0
+            if taken:
+                out += forced[:taken]
                 continue
             guarded = self._fits(left)
             token = next((t for t in ranked[i] if self._take(t, guarded, left)), None)
@@ -408,13 +410,16 @@ class CanvasConstraint:
                 words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
                 token = best_allowed(i, words)
                 if not self._take(token, guarded, left):
-                    close = completion(self.matcher, left - 1, self.candidates) or []
-                    self.matcher.try_consume_tokens(close)
-                    out += (close + [self.eos[0]] * wanted)[: wanted - i]
+                    close = (completion(self.matcher, left - 1, self.candidates) or [])[
+                        : wanted - i
+                    ]
+                    self.matcher.try_consume_tokens(close)  # the rest in the next canvas
+                    out += close
                     break
             out.append(token)
             if token in self.eos:
-                out += [self.eos[0]] * (wanted - i - 1)
                 break
+        # After EOS nothing is returned (and where no closing was found, EOS ends the text).
+        out += [self.eos[0]] * (wanted - len(out))
         self.room -= wanted
         return out
