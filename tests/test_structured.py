@@ -27,7 +27,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import load_fixture, run_cli
-from fixtures import build_once, coda, dream, fast_dllm_v2, llada, llada2, nemotron, rnd1, sdar
+from fixtures import (
+    build_once,
+    coda,
+    dream,
+    fast_dllm_v2,
+    llada,
+    llada2,
+    nemotron,
+    rnd1,
+    sdar,
+    wedlm,
+)
 from fixtures import diffusion_gemma as dgfx
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cli import main
@@ -55,6 +66,8 @@ FAMILIES = {
     "nemotron self_spec draft adapter": (nemotron.build_with_draft_adapter, dict(mode="self_spec")),
     "fast_dllm_v2": (fast_dllm_v2.build, {}),
     "fast_dllm_v2 recompute": (fast_dllm_v2.build, dict(cache="none")),
+    "fast_dllm_v2 sub_block cache": (fast_dllm_v2.build, dict(cache="sub_block")),
+    "dream d3llm": (dream.build, dict(sampler="d3llm")),
     "rnd1": (rnd1.build, {}),
     "coda": (coda.build, {}),
     # The canvas: its readout follows the grammar. Its temperature is a schedule of its own.
@@ -401,6 +414,14 @@ def test_bad_constraints_are_one_line_errors(models):
         with pytest.raises(SettingsError, match=message) as e:
             run(model, tok, "Hello", max_tokens=8, **kw)
         assert "\n" not in str(e.value), str(e.value)
+
+
+def test_wedlm_refuses_constraints(fixture_dir):
+    """WeDLM's window decoder takes none: a one-line error before any forward."""
+    model, tok = load_fixture(build_once(fixture_dir / "structured_wedlm", wedlm.build))
+    with pytest.raises(SettingsError, match="not supported by the wedlm family") as e:
+        run(model, tok, "Hello", regex="[a-c]", max_tokens=8)
+    assert "\n" not in str(e.value)
 
 
 def test_the_thinking_budget_is_refused_with_a_constraint(models):
