@@ -5,6 +5,7 @@ _sample_multi_block) on the transformers forwards, the recipe as the sampler's d
 batches, and bad settings."""
 
 import dataclasses
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +25,7 @@ from reference.dream_torch import reference_forward
 from reference.llada_torch import torch_forward
 
 LLADA_MASK = LLADA_TOKENS["<|mdm_mask|>"]
+PATHS = {}  # the fixtures' checkpoint folders, by family
 
 
 @pytest.fixture(scope="module", params=["llada", "dream"])
@@ -39,6 +41,7 @@ def family(request, fixture_dir):
         forward = lambda x: dream(x, None, None)  # noqa: E731  (attention "full", no positions)
         mask = DREAM_MASK
     model, tok = load(path)
+    PATHS[request.param] = path
     return request.param, model, tok, forward, mask
 
 
@@ -227,3 +230,28 @@ def test_rule_pieces():
     filled = d3llm.fill_after_eos(block, gen, {2})
     assert filled.tolist() == [[5, 7, 2, 2, 2, 2, 2]]
     assert d3llm.fill_after_eos(block, gen, {99}).tolist() == block.tolist()
+
+
+def test_one_completion_through_serve(family):
+    """The sampler and its settings as request fields: the answer equals the same call here."""
+    from openai import OpenAI
+
+    from mlx_dllm_models.server import make_server, shutdown
+
+    form, model, tok, _, _ = family
+    path = PATHS[form]
+    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id=form)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+        kw = dict(sampler="d3llm", block_size=8, threshold=0.5)
+        answer = client.completions.create(
+            model=form, prompt="abc", max_tokens=16, temperature=0, extra_body=kw
+        )
+        want = batch_generate_diffusion(model, tok, ["abc"], max_tokens=16, temperature=0, **kw)
+        assert answer.choices[0].text == want.texts[0]
+        # The fields are read: the family's default sampler answers otherwise.
+        other = batch_generate_diffusion(model, tok, ["abc"], max_tokens=16, temperature=0)
+        assert other.tokens[0] != want.tokens[0]
+    finally:
+        shutdown(server)
