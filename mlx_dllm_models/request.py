@@ -218,7 +218,8 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
         ids = [encode(tokenizer, p) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
-    room = (limit or UNSTATED_CONTEXT) - longest
+    # The family's default suffix (RND1's pad) sits after the canvas: max_tokens leaves it room.
+    room = (limit or UNSTATED_CONTEXT) - longest - len(spec.default_suffix)
     if fit_context and s["max_tokens"] > room:
         if room < 1:
             raise SettingsError(

@@ -92,3 +92,12 @@ def test_the_check_can_fail_without_the_pad(loaded, ckpt):
         )
         differ += got.tokens[0] != reference(ckpt, p, max_tokens, steps)
     assert differ > 0
+
+
+def test_the_servers_lowered_max_tokens_leaves_room_for_the_pad(loaded):
+    """fit_context (the server's rule) lowers max_tokens to what fits with the pad after it."""
+    model, tok = loaded
+    limit = model.diffusion_spec.max_position_embeddings
+    p = prompt(7, 0)
+    request = prepare(model, tok, [p], {"max_tokens": limit}, fit_context=True)
+    assert len(p) + request.settings["max_tokens"] + len(request.suffix) == limit
