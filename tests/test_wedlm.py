@@ -1,7 +1,8 @@
 """WeDLM (tencent/WeDLM-7B / -8B, model_type "wedlm"): the forward against transformers' Qwen2 /
-Qwen3 under causal attention over the reordered window, the `wedlm` decoder against a transcription of the
-reference engine's decoding (tests/reference/wedlm_torch.py), its rule, the recipe, plain
-`mlx_lm convert` / `mlx_lm.load`, batches, sharding over one process and serve."""
+Qwen3 under causal attention over the reordered window, the `wedlm` decoder against a
+transcription of the reference engine's decoding (tests/reference/wedlm_torch.py), its rule, the
+recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches (rows stepping together), sharding over
+one process and serve."""
 
 import importlib
 import json
@@ -349,6 +350,23 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     for p, got in zip(prompts, batch.tokens):
         assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
     assert all(len(t) == 20 for t in batch.tokens)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_rows_step_together_and_each_gets_its_single_run(loaded, cache):
+    """One run of rows of different lengths (the decoder's own batch: each row's K/V in its own
+    columns, rows dropped as they finish, here at different steps through a stop token)."""
+    model, _ = loaded
+    prompts = [prompt(9, 20), prompt(3, 21), prompt(17, 22), prompt(1, 23)]
+    kw = dict(max_tokens=24, cache=cache, entropy_threshold=0.6)
+    (first,), _ = ours(model, prompts[:1], eos=(), **kw)
+    stop = first[7]  # the first row stops early; the others later or never
+    kw["eos"] = (stop,)
+    batch, nfe = ours(model, prompts, **kw)
+    singles = [ours(model, [p], **kw) for p in prompts]
+    assert batch == [tokens for (tokens,), _ in singles]
+    assert nfe == max(n for _, n in singles)  # one forward a step for the whole batch
+    assert len({len(t) for t in batch}) > 1
 
 
 def test_logprobs_are_those_of_the_step_that_filled_each_token(loaded):

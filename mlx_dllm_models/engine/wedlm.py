@@ -18,57 +18,162 @@ The reference writes the reordered window into its paged cache; here the window 
 order and the forward gets the keep mask that the reordered causal attention implies
 (decoding.wedlm.reordered_causal_mask), with RoPE on the columns as the reference's position ids:
 the same attention, on mlx-lm's cache protocol. The reference's separate prefill forward is folded
-into the first step (the prompt's rows are causal either way). Rows of a batch run one after
-another: their windows commit different lengths every step, so their caches would not stay aligned.
+into the first step (the prompt's rows are causal either way).
+
+The rows of a batch step together, one forward a step: each row's K/V sit in its own columns
+(its committed tokens from column 0, its window after them), each row writes its step's K/V after
+its own committed ones (`RowKVCache`), and the mask hides from each row the columns it has not
+written. At temperature 0 a row's tokens are those it gets alone; above it, its draws depend on the
+rows it decodes with (one draw over the batch's windows per step).
 """
 
 from typing import List, Sequence
 
 import mlx.core as mx
+import numpy as np
 
-from ..cache import PrefixKVCache
 from ..decoding import token_stats
 from ..decoding.wedlm import committed_prefix, reordered_causal_mask, wedlm_commit
 from .base import StepEvent, block_event, check_finite, next_key
 from .logprobs import entries
 
 
+class _RowLayerKV:
+    """One layer's K/V of `RowKVCache`: (B, kv_heads, width, head_dim), written in place."""
+
+    def __init__(self, owner: "RowKVCache"):
+        self.owner = owner
+        self.keys = None
+        self.values = None
+
+    @property
+    def offset(self):
+        return self.owner.offset
+
+    def update_and_fetch(self, keys, values):
+        starts, width = self.owner.starts, self.owner.width
+        n = keys.shape[2]
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = mx.zeros((b, h, width, d), keys.dtype)
+            self.values = mx.zeros((b, values.shape[1], width, values.shape[3]), values.dtype)
+        for row, start in enumerate(starts):
+            self.keys[row, :, start : start + n, :] = keys[row]
+            self.values[row, :, start : start + n, :] = values[row]
+        end = max(starts) + n
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+
+class RowKVCache:
+    """Per-layer K/V of a batch whose rows write at columns of their own: a forward's input row b
+    goes to columns starts[b].., and RoPE reads the same columns (`offset`, a (B,) array)."""
+
+    def __init__(self, num_layers: int, rows: int, width: int):
+        self.width = width
+        self.starts = [0] * rows
+        self.layers = [_RowLayerKV(self) for _ in range(num_layers)]
+
+    @property
+    def offset(self):
+        return mx.array(self.starts, dtype=mx.int32)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def select(self, idx: Sequence[int]) -> "RowKVCache":
+        out = RowKVCache(len(self.layers), len(idx), self.width)
+        out.starts = [self.starts[i] for i in idx]
+        rows = mx.array(list(idx))
+        for new, old in zip(out.layers, self.layers):
+            if old.keys is not None:
+                new.keys, new.values = old.keys[rows], old.values[rows]
+        return out
+
+
+def _batch_mask(keeps, widths, length: int, columns: int) -> mx.array:
+    """(B, 1, length, columns) keep mask from each row's (rows, its columns) keep mask; the
+    padding query rows see column 0 only (their outputs are never read, but a row that sees
+    nothing would give NaN)."""
+    out = np.zeros((len(keeps), 1, length, columns), dtype=bool)
+    for b, (keep, n) in enumerate(zip(keeps, widths)):
+        out[b, 0, : keep.shape[0], :n] = keep
+        out[b, 0, keep.shape[0] :, 0] = True
+    return mx.array(out)
+
+
+def _rows_of(logits, spans):
+    """Each row's window logits: rows lo..hi-1 of its part of the batch's (B, L, V)."""
+    return [logits[b, lo:hi] for b, (lo, hi) in enumerate(spans)]
+
+
 class WindowKV:
-    """`cache="prefix"` (the default): the K/V of committed columns are kept (cache.PrefixKVCache,
-    written in place), and each forward runs over the columns after them only."""
+    """`cache="prefix"` (the default): the K/V of committed columns are kept (RowKVCache, written
+    in place), and each forward runs over every row's columns after its committed ones only."""
 
-    def __init__(self, model, width: int):
+    def __init__(self, model, rows: int, width: int):
         self.model = model
-        self.cache = PrefixKVCache(len(model.layers), width)
+        self.cache = RowKVCache(len(model.layers), rows, width)
+        self.committed = [0] * rows
 
-    def logits(self, ids: Sequence[int], filled: Sequence[bool], start: int) -> mx.array:
-        """(n - start, V) logits of columns start..n-1 of the row `ids` (n columns, `filled`
-        saying which hold tokens: committed and filled ones), under the reordered causal mask."""
-        lo = self.cache.committed
-        keep = reordered_causal_mask(filled, lo)
-        x = mx.array([list(ids[lo:])], dtype=mx.int32)
-        return self.model(
-            x, cache=self.cache.at(lo), mask=keep, head_span=(start - lo, len(ids) - lo)
-        )[0]
+    def logits(self, batch) -> List[mx.array]:
+        """Each row's (n - start, V) logits of its columns start..n-1, for `batch` rows (ids: n
+        columns, filled: which hold tokens, committed and filled ones; start), under the
+        reordered causal mask."""
+        news = [ids[lo:] for (ids, _, _), lo in zip(batch, self.committed)]
+        length = max(len(n) for n in news)
+        x = mx.array([list(n) + [0] * (length - len(n)) for n in news], dtype=mx.int32)
+        keeps = [
+            np.array(reordered_causal_mask(f, lo)) for (_, f, _), lo in zip(batch, self.committed)
+        ]
+        widths = [len(ids) for ids, _, _ in batch]
+        columns = max(self.committed) + length
+        mask = _batch_mask(keeps, widths, length, columns)
+        spans = [(start - lo, len(ids) - lo) for (ids, _, start), lo in zip(batch, self.committed)]
+        first = min(lo for lo, _ in spans)
+        self.cache.starts = list(self.committed)
+        out = self.model(x, cache=self.cache, mask=mask, head_span=(first, length))
+        return _rows_of(out, [(lo - first, hi - first) for lo, hi in spans])
 
-    def commit(self, column: int):
-        """Columns before `column` hold final K/V."""
-        self.cache.commit(column)
+    def commit(self, row: int, column: int):
+        """Row `row`'s columns before `column` hold final K/V."""
+        self.committed[row] = column
+
+    def select(self, idx: Sequence[int]) -> "WindowKV":
+        out = WindowKV.__new__(WindowKV)
+        out.model, out.cache = self.model, self.cache.select(idx)
+        out.committed = [self.committed[i] for i in idx]
+        return out
 
 
 class WindowRecompute:
-    """`cache="none"`: every forward runs over the whole row (no K/V kept); the same mask."""
+    """`cache="none"`: every forward runs over each whole row (no K/V kept); the same mask."""
 
-    def __init__(self, model, width: int):
+    def __init__(self, model, rows: int, width: int):
         self.model = model
 
-    def logits(self, ids, filled, start):
-        x = mx.array([list(ids)], dtype=mx.int32)
-        keep = reordered_causal_mask(filled)
-        return self.model(x, mask=keep, head_span=(start, len(ids)))[0]
+    def logits(self, batch) -> List[mx.array]:
+        widths = [len(ids) for ids, _, _ in batch]
+        length = max(widths)
+        x = mx.array([list(ids) + [0] * (length - len(ids)) for ids, _, _ in batch], dtype=mx.int32)
+        keeps = [np.array(reordered_causal_mask(f)) for _, f, _ in batch]
+        mask = _batch_mask(keeps, widths, length, length)
+        first = min(start for _, _, start in batch)
+        out = self.model(x, mask=mask, head_span=(first, length))
+        return _rows_of(
+            out, [(start - first, n - first) for (_, _, start), n in zip(batch, widths)]
+        )
 
-    def commit(self, column: int):
+    def commit(self, row: int, column: int):
         pass
+
+    def select(self, idx: Sequence[int]) -> "WindowRecompute":
+        return self
 
 
 class _Window:
@@ -97,7 +202,8 @@ class _Window:
 
 
 class WeDLMDecoder:
-    """The `wedlm` decoder: one prompt at a time, a step per forward (see the module docstring)."""
+    """The `wedlm` decoder: the rows of a batch step together, one forward a step (see the module
+    docstring)."""
 
     # The `sampler` setting's names this loop has a rule for (tests/test_sampler_rules.py).
     samplers = ("wedlm",)
@@ -112,78 +218,117 @@ class WeDLMDecoder:
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
 
-    def run(self, prompts: Sequence[Sequence[int]]):
-        for row, prompt in enumerate(prompts):
-            yield from self._run_row(row, [int(t) for t in prompt])
-
-    def _fill(self, logits: mx.array, window: _Window):
-        """Step 4: fill the masks the rule picks, from the mask rows of this step's logits."""
+    def _fill(self, logits: List[mx.array], windows: List[_Window]):
+        """Step 4: fill the masks the rule picks in each row's window, from its step's logits
+        (one (n, V) array a row, n its window's length)."""
         s = self.s
         greedy = s["temperature"] == 0
+        width = max(len(w.tokens) for w in windows)
+        padded = mx.stack([mx.pad(x, ((0, width - x.shape[0]), (0, 0))) for x in logits])
         # Over every window row: the position penalty counts window columns, filled ones too. The
         # mask id is not suppressed, as in the reference's sampler: the window's flags, not its
         # token values, say what is filled.
         stats = token_stats(
-            logits[None],
+            padded,
             temperature=s["temperature"],
             top_k=None if greedy else s["top_k"],
             top_p=None if greedy else s["top_p"],
             key=None if greedy else next_key(self),
             order=self.spec.sampling_order,
         )
-        masked = mx.array([[not f for f in window.filled]])
-        pick = wedlm_commit(stats.entropy, masked, s["entropy_threshold"], s["pos_penalty_factor"])
-        chosen = [k for k, p in enumerate(pick[0].tolist()) if p]
-        proposals = stats.x0[0].tolist()
-        lps = None
-        if s.get("logprobs") is not None:
-            lps = entries(logits[mx.array(chosen)], [proposals[k] for k in chosen], s["logprobs"])
-        for n, k in enumerate(chosen):
-            window.tokens[k] = proposals[k]
-            window.filled[k] = True
-            window.logprobs[k] = None if lps is None else lps[n]
+        masked = [[not f for f in w.filled] + [False] * (width - len(w.filled)) for w in windows]
+        pick = wedlm_commit(
+            stats.entropy, mx.array(masked), s["entropy_threshold"], s["pos_penalty_factor"]
+        )
+        for window, row_pick, proposals, x in zip(
+            windows, pick.tolist(), stats.x0.tolist(), logits
+        ):
+            chosen = [k for k, p in enumerate(row_pick) if p]
+            lps = None
+            if s.get("logprobs") is not None:
+                lps = entries(x[mx.array(chosen)], [proposals[k] for k in chosen], s["logprobs"])
+            for n, k in enumerate(chosen):
+                window.tokens[k] = proposals[k]
+                window.filled[k] = True
+                window.logprobs[k] = None if lps is None else lps[n]
 
-    def _step_event(self, row: int, out: List[int], window: _Window) -> StepEvent:
+    def _step_event(self, rows, outs, windows) -> StepEvent:
         limit, mask_id = self.s["max_tokens"], self.spec.mask_token_id
-        canvas = (out + window.tokens)[:limit]
-        canvas += [mask_id] * (limit - len(canvas))
-        block = (len(out), min(limit, len(out) + len(window.tokens)))
-        return StepEvent([row], mx.array([canvas], dtype=mx.int32), block, self.nfe)
+        canvases = []
+        for r in rows:
+            canvas = (outs[r] + windows[r].tokens)[:limit]
+            canvases.append(canvas + [mask_id] * (limit - len(canvas)))
+        block = (min(len(outs[r]) for r in rows), limit)
+        return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe)
 
-    def _run_row(self, row: int, prompt: List[int]):
+    def run(self, prompts: Sequence[Sequence[int]]):
         s = self.s
         size, limit = s["block_length"], s["max_tokens"]
-        # The window reaches at most 2 * size columns past the committed ones (size, then as many
-        # refilled masks as the prefix it commits).
-        run = self.backend(self.model, len(prompt) + limit + 2 * size)
-        window = _Window(self.spec.mask_token_id, size)
-        context = list(prompt)  # the committed columns (prompt, then returned tokens)
-        out: List[int] = []
-        while True:
-            window.refill()
-            start = len(context)
-            logits = run.logits(context + window.tokens, [True] * start + window.filled, start)
+        prompts = [[int(t) for t in p] for p in prompts]
+        # A row's window reaches at most 2 * size columns past its committed ones (size, then as
+        # many refilled masks as the prefix it commits); the first forward, the prompt and size.
+        run = self.backend(self.model, len(prompts), max(map(len, prompts)) + limit + 2 * size)
+        windows = [_Window(self.spec.mask_token_id, size) for _ in prompts]
+        contexts = [list(p) for p in prompts]  # each row's committed columns
+        outs: List[List[int]] = [[] for _ in prompts]
+        rows = list(range(len(prompts)))  # the rows still decoding
+        while rows:
+            for r in rows:
+                windows[r].refill()
+            batch = [
+                (
+                    contexts[r] + windows[r].tokens,
+                    [True] * len(contexts[r]) + windows[r].filled,
+                    len(contexts[r]),
+                )
+                for r in rows
+            ]
+            logits = run.logits(batch)
             self.nfe += 1
             if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
-                check_finite(logits, self.model)
-            tokens, lps = window.prune()
-            run.commit(start + len(tokens))
-            context += tokens
-            if tokens:
-                event = self._commit(row, tokens, lps, out)
+                check_finite(logits[0], self.model)
+            event, pruned = self._commit(run, rows, windows, contexts, outs)
+            if event is not None:
                 yield event
-                if event.finished[0]:
+                keep = [i for i, done in enumerate(event_finished(event, rows)) if not done]
+                if not keep:
                     return
-            self._fill(logits[len(tokens) :], window)
-            yield self._step_event(row, out, window)
+                if len(keep) < len(rows):
+                    run = run.select(keep)
+                    rows = [rows[i] for i in keep]
+                    logits, pruned = [logits[i] for i in keep], [pruned[i] for i in keep]
+            self._fill([x[n:] for x, n in zip(logits, pruned)], [windows[r] for r in rows])
+            yield self._step_event(rows, outs, windows)
 
-    def _commit(self, row: int, tokens: List[int], lps, out: List[int]):
-        """The block event of a row's newly committed tokens, cut at max_tokens (the reference's
-        scheduler stops appending there) and at the first EOS (kept, then cut by block_event)."""
-        tokens = tokens[: self.s["max_tokens"] - len(out)]
-        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), len(tokens))
-        tokens = tokens[:cut]
-        out += tokens
-        logprobs = None if self.s.get("logprobs") is None else [list(lps[: len(tokens)])]
-        finished = len(out) >= self.s["max_tokens"]
-        return block_event([row], [tokens], [finished], self.eos, self.nfe, logprobs)
+    def _commit(self, run, rows, windows, contexts, outs):
+        """Step 3 over the batch: each row's committed prefix leaves its window; the block event
+        of the rows that committed tokens (None when none did), each cut at max_tokens (the
+        reference's scheduler stops appending there) and at its first EOS (kept, then cut by
+        block_event); and how many tokens each row's window lost."""
+        limit = self.s["max_tokens"]
+        with_tokens, tokens, at_limit, logprobs, pruned = [], [], [], [], []
+        for i, r in enumerate(rows):
+            new, lps = windows[r].prune()
+            run.commit(i, len(contexts[r]) + len(new))
+            contexts[r] += new
+            pruned.append(len(new))
+            if not new:
+                continue
+            new = new[: limit - len(outs[r])]
+            cut = next((j + 1 for j, t in enumerate(new) if t in self.eos), len(new))
+            new = new[:cut]
+            outs[r] += new
+            with_tokens.append(r)
+            tokens.append(new)
+            at_limit.append(len(outs[r]) >= limit)
+            logprobs.append(list(lps[: len(new)]))
+        if not with_tokens:
+            return None, pruned
+        lp = logprobs if self.s.get("logprobs") is not None else None
+        return block_event(with_tokens, tokens, at_limit, self.eos, self.nfe, lp), pruned
+
+
+def event_finished(event, rows) -> List[bool]:
+    """For each of `rows`, whether `event` finished it (rows the event does not name go on)."""
+    done = {r for r, f in zip(event.rows, event.finished) if f}
+    return [r in done for r in rows]
