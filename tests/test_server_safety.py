@@ -527,6 +527,41 @@ def test_a_cancelled_row_leaves_mid_block_and_the_others_are_exact(fixture_dir, 
     assert stays.tokens == single(model, tokenizer, "hi there", **settings)
 
 
+class GoneAfterLooks(Job):
+    """A job whose client goes away once the scheduler has looked `looks` times."""
+
+    def __init__(self, *args, looks: int, **kwargs):
+        self.looks, self.limit = 0, looks
+        super().__init__(*args, **kwargs)
+
+    @property
+    def cancelled(self):
+        self.looks += 1
+        return self.looks > self.limit
+
+    @cancelled.setter
+    def cancelled(self, value):
+        pass
+
+
+def test_a_lone_cancelled_canvas_row_ends_its_run_at_the_next_step(gemma_path):
+    """A decoder that takes no rows once started (DiffusionGemma's canvas) cannot restart the
+    others, but a run whose only row is cancelled ends at the next denoising step."""
+    model, processor = load(gemma_path)
+    settings = dict(max_tokens=dgfx.CANVAS_LENGTH, max_denoising_steps=32, seed=0)
+    alone = Scheduler(model, processor)
+    alone.submit(Job("hi", dict(settings)))
+    while alone.step():
+        pass
+    scheduler = Scheduler(model, processor)
+    gone = scheduler.submit(GoneAfterLooks("hi", dict(settings), looks=4))
+    while scheduler.step():
+        pass
+    assert gone.done and gone.tokens == [] and scheduler.cut_short == 1
+    print(f"canvas: cut after {scheduler.forwards} forwards of {alone.forwards}")
+    assert scheduler.forwards <= 4 < alone.forwards
+
+
 def test_a_client_that_disconnects_mid_block_frees_the_server_at_the_next_step(served):
     server, url = served
     scheduler = server.service.scheduler
