@@ -64,8 +64,18 @@ class ModelArgs(bailing_moe.ModelArgs):
     # LLaDA2.2 (Levenshtein editing) edit-control tokens; absent from 2.0 / 2.1 configs.
     delete_token_id: Optional[int] = None
     split_token_id: Optional[int] = None
+    # LLaDA2.2's block routing (its tech report, section 2.2): a block's tokens share the
+    # `expert_capacity` experts that score highest over the block. Not implemented: refused.
+    expert_capacity: Optional[int] = None
 
     def __post_init__(self):
+        if self.expert_capacity is not None:
+            raise ValueError(
+                f"llada2_moe: this checkpoint routes experts by block (expert_capacity="
+                f"{self.expert_capacity}, LLaDA2.2), which this package does not implement: it would "
+                "run LLaDA2.0 / 2.1's per-token router and give another model's output. LLaDA2.0 and "
+                "2.1 checkpoints are supported"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         # HF ignores the config's `rotary_dim` and derives it from the factor.
