@@ -25,6 +25,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .spec import CAUSAL_WINDOW
+
 Batch = Union[Mapping[str, mx.array], Tuple[mx.array, ...]]
 
 
@@ -114,6 +116,14 @@ def family_loss(spec, eps: float = 1e-3) -> Callable:
         raise ValueError(
             f"the {spec.family} family has no mask token (uniform diffusion): the absorbing-mask "
             "loss does not apply to it"
+        )
+    if spec.attention == CAUSAL_WINDOW:
+        # WeDLM trains causally over reordered windows (its finetune/ code), not by denoising a
+        # whole sequence under full attention: this loss would teach it something else.
+        raise ValueError(
+            f"the {spec.family} family's training objective (causal attention over reordered "
+            "windows) is not implemented; the masked-diffusion loss under full attention would "
+            "train another model"
         )
 
     def loss(model, tokens, t, u, prompt_lengths, maskable=None):

@@ -469,3 +469,13 @@ def test_reconstructed_config_builds_the_full_model_lazily():
     assert "model.layers.0.self_attn.q_proj.bias" not in names  # no biases
     without_mask = {k: v for k, v in cfg.items() if k != "mask_token_id"}
     assert wedlm.ModelArgs.from_dict(without_mask).mask_token_id == wedlm.WEDLM_MASK_TOKEN_ID
+
+
+def test_training_is_refused_with_why(loaded):
+    """`mlx_dllm lora`'s masked-diffusion loss (full attention over a masked sequence) is not
+    WeDLM's objective: refused, rather than silently training another model."""
+    from mlx_dllm_models.training import family_loss
+
+    model, _ = loaded
+    with pytest.raises(ValueError, match="training objective .* is not implemented"):
+        family_loss(model.diffusion_spec)
