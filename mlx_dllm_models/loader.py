@@ -302,7 +302,9 @@ def load(path, **kwargs):
     from .models.cpu_layers import use_float32_matmuls
 
     use_float32_matmuls(model)
-    if getattr(model, "vision_tower", None) is not None:
+    if hasattr(model, "load_processor"):
+        tokenizer = model.load_processor(tokenizer)  # LLaDA-V: images become feature ids
+    elif getattr(model, "vision_tower", None) is not None:
         from .vision import load_processor, vision_config_of
 
         with quiet_transformers():

@@ -27,4 +27,6 @@ MODEL_TYPES = {
     # Tencent's WeDLM (a Qwen2.5 / Qwen3 body, model_type "wedlm"; plain Qwen checkpoints write
     # qwen2 / qwen3 and stay mlx-lm's).
     "wedlm": "wedlm",
+    # dllm's A2D Qwen3 (ZHZisZZ/dllm: Qwen3 converted to bidirectional attention, MDLM-trained).
+    "a2d-qwen3": "a2d_qwen3",
 }

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .block import entropy_bounded_commit, sequential_commit
 from .d3llm import d3llm_commit
+from .dllm import dllm_commit
 from .dream import dream_commit
 from .llada import random_commit
 from .rnd1 import rnd1_commit
@@ -96,4 +97,5 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "sub_block": sub_block_commit,  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
     "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
     "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
+    "dllm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule
 }

@@ -1,0 +1,127 @@
+"""dllm's A2D Qwen3 (model_type "a2d-qwen3"): a Qwen3 body read bidirectionally, the MDLM checkpoints
+of ZHZisZZ/dllm (dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1, converted from Qwen/Qwen3-0.6B).
+
+Reproduces `dllm/pipelines/a2d/models/qwen3/modeling_qwen3.py` (A2DQwen3LMHeadModel): transformers'
+Qwen3 layers and weights unchanged, with the causal mask replaced by a padding-only one, so every
+position sees every other; the head predicts position i from hidden state i (no shift: the MDLM
+sampler's `right_shift_logits` is off in its recipe). `dllm/pipelines/a2d/convert.py` writes the
+source Qwen3 config with model_type "a2d-qwen3" and without auto_map: Qwen3-0.6B's tied head and its
+ids (EOS <|im_end|>, pad / BOS <|endoftext|>) carry over. The mask token is the one dllm's
+`get_tokenizer` adds to Qwen's tokenizer, "<|mask|>", which config.json does not name.
+
+Decoding is dllm's MDLMSampler (dllm/core/samplers/mdlm.py, LLaDA's generate.py reworked): blocks
+from the prompt's end, each step commits the block's most confident masks (softmax of the raw
+logits at the argmax), as many as dllm's linear-alpha schedule gives (decoding.dllm).
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+
+from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
+from .common import (
+    build_spec,
+    cached_spec,
+    check_special_ids,
+    check_weights,
+    drop_tied_head,
+    drop_unused_buffers,
+    masked_forward,
+    refuse_autoregressive_tools,
+)
+
+# dllm's get_tokenizer adds "<|mask|>" to Qwen3's tokenizer as a new special token: it takes the
+# next id after Qwen3's last added token (</think>, 151668). config.json does not name it.
+A2D_MASK_TOKEN_ID = 151669
+QWEN3_EOS_TOKEN_ID = 151645  # <|im_end|>, Qwen3-0.6B's eos_token_id and dllm's eot_token
+
+# examples/a2d/mdlm/sample.py's SamplerConfig (the Tiny-A2D checkpoints' example): 128 new tokens
+# in blocks of 32, 128 steps in all (dllm's steps are total: ceil(128 / 4) = 32 per block, this
+# package's `steps` is per block), temperature 0, remasking "low_confidence". Its cfg_scale 0 (no
+# guidance) is the only value here: guidance is not offered for this family.
+REFERENCE_DEFAULTS = {
+    "sampler": "dllm",
+    "block_length": 32,
+    "steps": 32,
+    "max_tokens": 128,
+    "temperature": 0.0,
+}
+# The source Qwen3 generation_config.json carries AR sampling defaults (temperature 0.6, top_p,
+# top_k) that dllm's samplers never read: their settings come from the sampler config only.
+IGNORED_GENERATION_CONFIG_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k")
+
+
+@dataclass
+class ModelArgs(qwen3.ModelArgs):
+    mask_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, Sequence[int]]] = QWEN3_EOS_TOKEN_ID
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        check_special_ids(self, mask_default=A2D_MASK_TOKEN_ID)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        # Qwen3's weights and layers; the forward below runs them under the caller's mask.
+        self.model = qwen3.Qwen3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
+    make_cache = refuse_autoregressive_tools
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        mask=None,
+        head_span: Optional[Tuple[int, int]] = None,
+    ) -> mx.array:
+        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+
+    def sanitize(self, weights):
+        weights = drop_unused_buffers(weights)
+        drop_tied_head(weights, "A2D-Qwen3", tied=self.args.tie_word_embeddings)
+        layout = "Qwen3's layout (e.g. 'model.layers.0.self_attn.q_norm.weight')"
+        keys = (
+            "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, "
+            "vocab_size, tie_word_embeddings"
+        )
+        return check_weights(self, weights, "A2D-Qwen3", layout, keys)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group`, as mlx-lm's qwen3.Model.shard (attention heads and
+        MLP split; embeddings and head replicated)."""
+        group = sharding.group_of(group)
+        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
+        sharding.check_divisible("A2D-Qwen3", group, sizes, model=self)
+        qwen3.Model.shard(self, group)
+
+    @cached_spec
+    def diffusion_spec(self) -> DiffusionSpec:
+        return build_spec(
+            self.args,
+            "a2d",
+            BIDIRECTIONAL,
+            confidence="raw",  # MDLMSampler: softmax of the unprocessed logits at the argmax
+            quota_base="masks",
+            # "dllm" is MDLMSampler's low_confidence remasking on its own schedule; the shared
+            # samplers run on the same forward.
+            samplers=("dllm",) + SHARED_SAMPLERS,
+            defaults=dict(REFERENCE_DEFAULTS),
+            ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
+            vocab_size=self.args.vocab_size,
+        )

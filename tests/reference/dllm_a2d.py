@@ -1,0 +1,155 @@
+"""Independent torch reference for dllm's A2D Qwen3 MDLM checkpoints (ZHZisZZ/dllm @ ca17675).
+
+* `reference_logits`: transformers' Qwen3ForCausalLM (eager attention) on the checkpoint's weights,
+  its config relabelled qwen3, under the mask A2DQwen3Model.forward builds
+  (dllm/pipelines/a2d/models/qwen3/modeling_qwen3.py): the 2-D padding mask expanded by
+  `_prepare_4d_attention_mask` (every query sees every real key, none sees padding), positions
+  0..L-1 (cache_position; the padding is on the right).
+* `get_num_transfer_tokens`: dllm/core/samplers/utils.py with LinearAlphaScheduler
+  (dllm/core/schedulers/alpha.py) inlined: the float32 reverse_mask_prob, float64 product,
+  torch.round, zero steps removed per row and rows right-padded with zeros.
+* `mdlm_sample`: MDLMSampler.sample (dllm/core/samplers/mdlm.py) transcribed for remasking
+  "low_confidence", no guidance, no suppressed tokens, right_shift_logits off: the canvas filled
+  with EOS, each row's prompt then max_new_tokens masks, attention over those only; blocks counted
+  from each row's prompt end; steps per block = ceil(steps / num_blocks); add_gumbel_noise at
+  temperature 0 is the identity.
+"""
+
+import functools
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+
+
+@functools.lru_cache(maxsize=4)
+def load_reference(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Path(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("mask_token_id", None)
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        for f in ckpt.glob("*.safetensors"):
+            (Path(tmp) / f.name).symlink_to(f.resolve())
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", dtype=torch.float32
+        )
+    return model.eval()
+
+
+def _logits(model, x, attention_mask=None, causal=False):
+    B, L = x.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(B, L, dtype=torch.long)
+    # _prepare_4d_attention_mask: (1 - mask) * finfo.min, expanded over the queries.
+    keep = attention_mask.bool()[:, None, None, :].expand(B, 1, L, L)
+    if causal:
+        keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
+    additive = torch.zeros(B, 1, L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = model(
+            input_ids=x,
+            attention_mask=additive,
+            position_ids=torch.arange(L).expand(B, L),
+            use_cache=False,
+        )
+    return out.logits.float()
+
+
+def reference_logits(ckpt, input_ids, attention_mask=None, causal=False):
+    """Float32 logits (B, L, V); `causal=True` is Qwen3's own reading, which A2D must not match."""
+    x = torch.as_tensor(np.asarray(input_ids)).long()
+    if attention_mask is not None:
+        attention_mask = torch.as_tensor(np.asarray(attention_mask)).long()
+    return _logits(load_reference(str(ckpt)), x, attention_mask, causal).numpy()
+
+
+def reference_forward(ckpt):
+    """`forward(x, attention_mask) -> logits` for `mdlm_sample`."""
+    model = load_reference(str(ckpt))
+    return lambda x, attention_mask: _logits(model, x, attention_mask)
+
+
+# --- dllm/core/schedulers/alpha.py, dllm/core/samplers/utils.py ------------------------------
+
+
+def _linear_alpha(i):
+    return 1 - torch.as_tensor(i, dtype=torch.float32)
+
+
+def _reverse_mask_prob(s, t):
+    out = (1 - _linear_alpha(s)) / (1 - _linear_alpha(t))
+    return out.item()
+
+
+def get_num_transfer_tokens(mask_index, steps):
+    mask_num = mask_index.sum(dim=1, keepdim=True)
+    num = torch.zeros(mask_num.size(0), steps, dtype=torch.int64)
+    for i in range(mask_num.size(0)):
+        for t, s, j in zip(range(steps, 0, -1), range(steps - 1, -1, -1), range(steps)):
+            s /= steps
+            t /= steps
+            prob = 1 - _reverse_mask_prob(s, t)
+            x = mask_num[i, 0].to(torch.float64) * prob
+            num[i, j] = torch.round(x).to(torch.int64)
+            num[i, j] = torch.minimum(num[i, j], mask_num[i, 0])
+            mask_num[i, 0] -= num[i, j]
+            if mask_num[i, 0].item() == 0:
+                break
+    rows = [r[r > 0] for r in num]
+    width = max(r.numel() for r in rows)
+    return torch.stack(
+        [torch.cat([r, torch.zeros(width - r.numel(), dtype=r.dtype)]) for r in rows]
+    )
+
+
+# --- dllm/core/samplers/mdlm.py: MDLMSampler.sample ------------------------------------------
+
+
+def mdlm_sample(forward, prompts, max_new_tokens, block_size, steps, *, mask_id, eos_id):
+    """-> (B, T) int64: each row's prompt, its max_new_tokens decoded, EOS after. `steps` is dllm's
+    total; `forward(x, attention_mask)` returns logits."""
+    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+    prompt_lens = [p.shape[0] for p in prompts]
+    B, T = len(prompts), max_new_tokens + max(prompt_lens)
+    x = torch.full((B, T), eos_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        x[i, : prompt_lens[i]] = p
+        x[i, prompt_lens[i] : prompt_lens[i] + max_new_tokens] = mask_id
+        attention_mask[i, : min(prompt_lens[i] + max_new_tokens, T)] = 1
+    num_blocks = math.ceil(max_new_tokens / block_size)
+    steps = math.ceil(steps / num_blocks)
+    for b in range(num_blocks):
+        block_mask_index = torch.zeros((B, block_size), dtype=torch.bool)
+        for j in range(B):
+            start = prompt_lens[j] + b * block_size
+            end = min(start + block_size, prompt_lens[j] + max_new_tokens, T)
+            if start < end:
+                block_mask_index[j, : end - start] = x[j, start:end] == mask_id
+        num_transfer_tokens = get_num_transfer_tokens(block_mask_index, steps)
+        for i in range(num_transfer_tokens.size(1)):
+            mask_index = x == mask_id
+            logits = forward(x, attention_mask)
+            x0 = torch.argmax(logits, dim=-1)
+            p = F.softmax(logits, dim=-1)
+            x0_p = torch.gather(p, dim=-1, index=x0[..., None]).squeeze(-1)
+            for j in range(B):
+                x0_p[j, prompt_lens[j] + (b + 1) * block_size :] = -np.inf
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -np.inf)
+            transfer_index = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(B):
+                _, select_index = torch.topk(confidence[j], k=int(num_transfer_tokens[j, i]))
+                transfer_index[j, select_index] = True
+            x[transfer_index] = x0[transfer_index]
+    return x

@@ -1,0 +1,292 @@
+"""dllm's A2D Qwen3 MDLM checkpoints (model_type "a2d-qwen3", dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1):
+the forward against transformers' Qwen3 under A2D's padding-only mask, decoding against a
+transcription of dllm's MDLMSampler (tests/reference/dllm_a2d.py), its schedule, the recipe, plain
+`mlx_lm convert` / `mlx_lm.load`, batches, sharding and serve."""
+
+import json
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from fixtures import build_once
+from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
+from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from mlx_dllm_models import stream_generate_diffusion as stream
+from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
+from mlx_dllm_models.decoding.samplers import COMMIT_RULES
+from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.models import a2d_qwen3
+from mlx_dllm_models.request import checkpoint_settings
+from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.spec import BIDIRECTIONAL
+from reference.dllm_a2d import (
+    get_num_transfer_tokens,
+    mdlm_sample,
+    reference_forward,
+    reference_logits,
+)
+
+DATA = Path(__file__).parent / "data" / "dllm-hub__Qwen3-0.6B-diffusion-mdlm-v0.1"
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "a2d_qwen3", build)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load(ckpt)
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+# ------------------------------------------------------------------------------------ forward
+
+
+@pytest.mark.parametrize("length", [1, 9, 24])
+def test_logits_match_qwen3_under_the_padding_only_mask(ckpt, length):
+    model, _ = load_fixture(ckpt)
+    ids = np.random.default_rng(length).integers(0, 256, (2, length))
+    ids[:, length // 2 :] = MASK
+    ours = model(mx.array(ids))
+    assert_close(ours, reference_logits(ckpt, ids))
+    if length > 1:
+        assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen3's causal reading fails
+    part = model(mx.array(ids), head_span=(0, max(1, length // 2)))
+    assert_close(part, np.array(ours)[:, : max(1, length // 2)])
+
+
+def test_head_is_tied_as_qwen3_0_6b(ckpt):
+    model, _ = load_fixture(ckpt)
+    assert model.args.tie_word_embeddings and not hasattr(model, "lm_head")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    from safetensors.numpy import load_file
+
+    weights = {k: mx.array(v) for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    args = a2d_qwen3.ModelArgs.from_dict(cfg)
+    with pytest.raises(ValueError, match="no lm_head.weight"):
+        a2d_qwen3.Model(args).sanitize(weights)
+
+
+def test_spec_and_defaults_are_the_sample_script_recipe(loaded):
+    model, _ = loaded
+    spec = model.diffusion_spec
+    assert (spec.family, spec.attention, spec.logit_shift, spec.confidence) == (
+        "a2d",
+        BIDIRECTIONAL,
+        0,
+        "raw",
+    )
+    # config.json's <|im_end|>, and <|endoftext|> from Qwen3's generation_config.json (as mlx-lm
+    # reads it): either ends a row's text.
+    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END, ENDOFTEXT)
+    # Qwen3's generation_config (temperature 0.6, top_p, top_k) is never read by dllm's sampler.
+    assert model.generation_config["temperature"] == 0.6
+    s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
+    want = dict(sampler="dllm", block_length=32, steps=32, max_tokens=128, temperature=0.0)
+    assert {k: s[k] for k in want} == want
+    assert s["top_p"] is None and s["top_k"] is None
+
+
+def test_bad_settings_and_configs_are_clear_errors(loaded, ckpt):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="cfg_scale"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, cfg_scale=1.0)
+    with pytest.raises(SettingsError, match="sampler"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, sampler="dream")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["mask_token_id"] = 10_000
+    with pytest.raises(ValueError, match="mask_token_id"):
+        a2d_qwen3.ModelArgs.from_dict(cfg)
+
+
+# --------------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 7, 8, 12, 16, 32, 33, 64])
+def test_schedule_equals_dllms_get_num_transfer_tokens(steps):
+    masks = list(range(0, 41))
+    want = get_num_transfer_tokens(
+        torch.arange(41)[None, :] < torch.tensor(masks)[:, None], steps
+    ).tolist()
+    got = dllm_schedule(mx.array(masks), steps).tolist()
+    width = max(len(want[0]), len(got[0]))
+    pad = lambda rows: [r + [0] * (width - len(r)) for r in rows]  # noqa: E731
+    assert pad(got) == pad(want)
+    # Not LLaDA's even split: 10 masks over 4 steps is [2, 3, 2, 3] (round half to even), not
+    # [3, 3, 2, 2].
+    assert linear_alpha_quotas(10, 4) == [2, 3, 2, 3]
+    assert COMMIT_RULES["dllm"].schedule is dllm_schedule
+
+
+# --------------------------------------------------------------------------------- decoding
+
+
+def ours(model, prompts, **kw):
+    spec = model.diffusion_spec
+    settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
+    decoder = make_decoder(model, settings, eos_token_ids=())
+    out = [[] for _ in prompts]
+    for event in decoder.run(prompts):
+        if isinstance(event, BlockEvent):
+            for row, toks in zip(event.rows, event.tokens):
+                out[row].extend(toks)
+    return out, decoder.nfe
+
+
+def reference(ckpt, prompts, max_tokens, block, steps_per_block):
+    total = steps_per_block * math.ceil(max_tokens / block)  # dllm's steps are total
+    seq = mdlm_sample(
+        reference_forward(ckpt), prompts, max_tokens, block, total, mask_id=MASK, eos_id=IM_END
+    )
+    assert not (seq == MASK).any()
+    return [seq[i, len(p) : len(p) + max_tokens].tolist() for i, p in enumerate(prompts)]
+
+
+# (prompt length, seed, max_tokens, block_length, steps per block)
+CASES = [
+    (6, 0, 16, 8, 8),  # one token a step
+    (3, 1, 12, 4, 3),  # three blocks, [1, 1, 2]-type quotas
+    (9, 2, 20, 8, 3),  # a short last block (4 masks over 3 steps)
+    (5, 3, 10, 10, 4),  # one block, 10 masks over 4 steps: [2, 3, 2, 3]
+    (4, 4, 8, 8, 20),  # more steps than masks: zero steps dropped
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_match_the_mdlm_sampler(loaded, ckpt, case):
+    n, seed, max_tokens, block, steps = case
+    model, _ = loaded
+    p = prompt(n, seed)
+    want = reference(ckpt, [p], max_tokens, block, steps)[0]
+    got, nfe = ours(model, [p], max_tokens=max_tokens, block_length=block, steps=steps)
+    assert got[0] == want
+    # One forward per non-zero quota, as the reference's effective steps.
+    blocks = [min(block, max_tokens - b) for b in range(0, max_tokens, block)]
+    assert nfe == sum(len(linear_alpha_quotas(m, steps)) for m in blocks)
+
+
+def test_the_recipe_matches_the_sampler(loaded, ckpt):
+    """The defaults (128 tokens in blocks of 32, 32 steps a block, greedy) end to end."""
+    model, _ = loaded
+    p = prompt(7, 5)
+    got, nfe = ours(model, [p])
+    assert got[0] == reference(ckpt, [p], 128, 32, 32)[0] and nfe == 128
+
+
+def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loaded, ckpt):
+    model, tok = loaded
+    prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
+    kw = dict(max_tokens=12, block_length=4, steps=3)
+    batch = batch_generate_diffusion(model, tok, prompts, **kw)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    # The reference batched (right-padded with EOS, its attention mask hiding the padding).
+    got, _ = ours(model, prompts, **kw)
+    assert got == reference(ckpt, prompts, 12, 4, 3)
+
+
+# ------------------------------------------------------------------- mlx-lm, sharding, serve
+
+
+def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
+    model, tok = loaded
+    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "a2d-qwen3" and "auto_map" not in cfg
+    code = (
+        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
+        "from mlx_dllm_models import batch_generate_diffusion as g;"
+        "m, t = load(sys.argv[1]); print(type(m).__module__);"
+        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=8, steps=4, seed=1).tokens[0]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, tokens = proc.stdout.strip().splitlines()[-2:]
+    assert module == "mlx_dllm_models.models.a2d_qwen3"
+    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
+    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+
+
+class _Ranks:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return 0
+
+
+def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
+    model, _ = load_fixture(ckpt)
+    ids = mx.array([prompt(7, 3) + [MASK] * 5])
+    before = np.array(model(ids))
+    model.shard(mx.distributed.init())
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        load_fixture(ckpt)[0].shard(_Ranks(3))
+
+
+def test_one_chat_request_through_serve(loaded, ckpt):
+    from openai import OpenAI
+
+    from mlx_dllm_models.server import make_server, shutdown
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, tok = loaded
+    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+        messages = [{"role": "user", "content": "hi"}]
+        answer = client.chat.completions.create(
+            model="a2d", messages=messages, max_tokens=8, seed=3, temperature=0
+        )
+        text = text_tokenizer(tok).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
+        assert answer.choices[0].message.content == want
+    finally:
+        shutdown(server)
+
+
+# ---------------------------------------------------------------------- the published config
+
+
+def test_published_config_builds_the_full_model_lazily():
+    from mlx.utils import tree_flatten
+
+    cfg = json.loads((DATA / "config.json").read_text())
+    args = a2d_qwen3.ModelArgs.from_dict(cfg)
+    model = a2d_qwen3.Model(args)
+    count = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 5.8e8 < count < 6.1e8  # Qwen3-0.6B with its tied head (5.96e8)
+    spec = model.diffusion_spec
+    assert (spec.mask_token_id, spec.eos_token_ids, spec.max_position_embeddings) == (
+        151669,
+        (151645,),
+        40960,
+    )
+    assert (args.head_dim, args.num_key_value_heads, args.tie_word_embeddings) == (128, 8, True)
