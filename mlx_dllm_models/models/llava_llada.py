@@ -1,0 +1,393 @@
+"""LLaDA-V (GSAI-ML/LLaDA-V, `LlavaLLaDAModelLM`, model_type "llava_llada"): LLaDA 8B Instruct
+read through a SigLIP vision tower and a two-layer GELU projector, LLaVA-OneVision style.
+
+Transcribed from ML-GSAI/LLaDA-V `train/llava/model/language_model/llava_llada.py` (the model),
+`llava_arch.py` (`encode_images`, `prepare_inputs_labels_for_multimodal`: the anyres packing with
+`spatial_unpad`, `anyres_max_N` downsampling and the learned `image_newline`),
+`multimodal_encoder/siglip_encoder.py` (the tower loses its last encoder layer and its pooling head;
+features are the last remaining layer's output, before `post_layernorm`) and
+`multimodal_projector/builder.py` (`mlp2x_gelu`: Linear, exact GELU, Linear).
+
+The language model is this package's LLaDA body (models/llada.py), here under Llama names
+(`model.layers.N.self_attn.q_proj`, as LLaDA-V's own `modeling_llada.py` writes them, not LLaDA 8B's
+OLMo names); it attends bidirectionally and its logits at i predict token i. The vision tower, the
+projector and the anyres packing are mlx-vlm's LLaVA-OneVision ones (`mlx_vlm.models.
+llava_onevision`: `VisionModel`, `LlavaOnevisionMultiModalProjector`, `Model.get_image_features`),
+which implement the same LLaVA-NeXT code; mlx-vlm is imported only when the model is built.
+
+Images reach the engine as token ids: `image_slots(pixel_values, image_size)` runs the tower and
+projector once and returns one id per image feature, `vocab_size + k` for the k-th stored feature
+row; the forward embeds such ids with the stored features (the reference's `inputs_embeds` with
+the features spliced in). The engine, its caches, batching and row selection see only ids, so every
+decoder of the LLaDA family applies unchanged.
+
+Decoding: LLaDA's engine with the reference's `generate_with_embeds` recipe (generate_demo.py: 128
+tokens in one block of 128, 128 steps, greedy, low-confidence remasking); the logits of
+<|endoftext|>, <|startoftext|>, <|start_header_id|> and <|end_header_id|> are -inf at masked
+positions (never proposed), and the answer ends at <|eot_id|> (its stopping_criteria).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import BaseModelArgs
+
+from ..spec import BIDIRECTIONAL
+from . import llada
+from .common import (
+    build_spec,
+    cached_spec,
+    check_weights,
+    project,
+    refuse_autoregressive_tools,
+    run_layers,
+)
+
+NAME = "llava_llada"
+
+# generate_with_embeds' default mask_id (LLaDA 8B's <|mdm_mask|>); LLaDA-V's config names none.
+MASK_TOKEN_ID = 126336
+# generate_with_embeds sets these logits to -inf at masked positions: <|endoftext|>,
+# <|startoftext|>, <|start_header_id|>, <|end_header_id|> (LLaDA 8B's ids).
+SUPPRESSED_TOKEN_IDS = (126081, 126080, 126346, 126347)
+# generate_demo.py's stopping_criteria: the answer ends at the end of the assistant's turn.
+EOS_TOKEN_NAMES = ("<|eot_id|>",)
+
+# generate_demo.py's call: steps=128, gen_length=128, block_length=128, greedy, low_confidence.
+REFERENCE_DEFAULTS = {
+    "max_tokens": 128,
+    "block_length": 128,
+    "steps": 128,
+    "sampler": "quota",
+    "temperature": 0.0,
+    "cfg_scale": 0.0,
+    "logits_eos_inf": False,
+    "confidence_eos_eot_inf": False,
+}
+
+# SigLipVisionConfig()'s defaults in siglip_encoder.py (siglip-so400m-patch14-384): LLaDA-V's
+# config.json has no vision_config, its tower is built from these.
+SIGLIP_SO400M = {
+    "hidden_size": 1152,
+    "image_size": 384,
+    "intermediate_size": 4304,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 27,
+    "patch_size": 14,
+    "layer_norm_eps": 1e-6,
+}
+
+# How many stored feature rows image ids may index before the oldest images are forgotten.
+MAX_STORED_FEATURES = 1 << 16
+
+
+class ImageSlotError(ValueError):
+    pass
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = NAME
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None
+    intermediate_size: int = 12288
+    vocab_size: int = 126464
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_position_embeddings: Optional[int] = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    mask_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, List[int]]] = None
+    # Not in LLaDA-V's config (the reference hard-codes LLaDA 8B's ids); tiny fixtures name theirs.
+    suppressed_token_ids: Optional[List[int]] = None
+    mm_projector_type: str = "mlp2x_gelu"
+    mm_hidden_size: Optional[int] = None
+    mm_patch_merge_type: str = "spatial_unpad"
+    mm_vision_select_layer: int = -2
+    image_aspect_ratio: str = "anyres_max_4"
+    image_grid_pinpoints: Optional[List[List[int]]] = None
+    # Not in LLaDA-V's config either (SIGLIP_SO400M is its tower); a fixture's smaller tower.
+    vision_config: Optional[Dict[str, Any]] = None
+
+    def __post_init__(self):
+        if self.mask_token_id is None:
+            self.mask_token_id = MASK_TOKEN_ID
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.suppressed_token_ids is None:
+            self.suppressed_token_ids = list(SUPPRESSED_TOKEN_IDS)
+        if self.mm_projector_type != "mlp2x_gelu":
+            raise ValueError(
+                f"{NAME}: mm_projector_type {self.mm_projector_type!r} is not supported (only "
+                "LLaDA-V's mlp2x_gelu)"
+            )
+        if self.mm_patch_merge_type != "spatial_unpad":
+            raise ValueError(
+                f"{NAME}: mm_patch_merge_type {self.mm_patch_merge_type!r} is not supported (only "
+                "LLaDA-V's spatial_unpad)"
+            )
+        tower = dict(SIGLIP_SO400M, **(self.vision_config or {}))
+        if self.mm_hidden_size is not None and self.mm_hidden_size != tower["hidden_size"]:
+            raise ValueError(
+                f"{NAME}: mm_hidden_size {self.mm_hidden_size} differs from the vision tower's "
+                f"hidden_size {tower['hidden_size']}"
+            )
+        self.tower = tower
+        self.llada_args = llada.ModelArgs(
+            model_type=NAME,
+            d_model=self.hidden_size,
+            n_layers=self.num_hidden_layers,
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            mlp_hidden_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_sequence_length=self.max_position_embeddings,
+            include_qkv_bias=self.attention_bias,
+            mask_token_id=self.mask_token_id,
+            eos_token_id=self.eos_token_id,
+        )
+
+
+def _onevision_config(args: ModelArgs):
+    """mlx-vlm's LLaVA-OneVision config for LLaDA-V's vision path: the tower without its last
+    layer, features from the last kept layer ("full": SigLIP has no CLS token), anyres packing."""
+    from mlx_vlm.models.llava_onevision.config import ModelConfig, TextConfig, VisionConfig
+
+    tower = dict(args.tower)
+    tower["num_hidden_layers"] -= 1  # siglip_encoder.py deletes the last encoder layer
+    return ModelConfig(
+        text_config=TextConfig(hidden_size=args.hidden_size),
+        vision_config=VisionConfig(**tower, vision_use_head=False),
+        image_grid_pinpoints=args.image_grid_pinpoints,
+        vision_aspect_ratio=args.image_aspect_ratio,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
+
+
+def _vision_module(args: ModelArgs):
+    from mlx_vlm.models.llava_onevision import llava_onevision as onevision
+
+    class LlavaVision(onevision.Model):
+        """mlx-vlm's LLaVA-OneVision vision path without its language model: the tower, the
+        projector, the image newline and the packing (`get_image_features`)."""
+
+        def __init__(self, config):
+            nn.Module.__init__(self)
+            self.config = config
+            self.vision_tower = onevision.VisionModel(config.vision_config)
+            self.multi_modal_projector = onevision.LlavaOnevisionMultiModalProjector(config)
+            self.image_newline = mx.zeros((config.text_config.hidden_size,))
+
+    return LlavaVision(_onevision_config(args))
+
+
+# LLaDA-V's names (LLaVA-NeXT's) -> this module's.
+_VISION_RENAMES = (
+    ("model.vision_tower.vision_tower.", "vision.vision_tower."),
+    ("model.mm_projector.0.", "vision.multi_modal_projector.linear_1."),
+    ("model.mm_projector.2.", "vision.multi_modal_projector.linear_2."),
+    ("model.image_newline", "vision.image_newline"),
+)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = llada.LLaDABody(args.llada_args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.vision = _vision_module(args)
+        # Image features by slot (id - vocab_size), outside the parameter tree.
+        self.__dict__["_slots"] = {"features": [], "base": 0}
+
+    make_cache = refuse_autoregressive_tools
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    @property
+    def vision_tower(self):
+        return self.vision.vision_tower
+
+    # -- images --------------------------------------------------------------------------------
+
+    def image_features(self, pixel_values, image_size=None) -> mx.array:
+        """One image's features in the text width, (n, hidden): `pixel_values` (tiles, 3, S, S),
+        the base image first; `image_size` (height, width) unpads the anyres tiles."""
+        pixel_values = mx.array(pixel_values)
+        if pixel_values.ndim == 3:
+            pixel_values = pixel_values[None]
+        if pixel_values.shape[0] > 1 and image_size is None:
+            raise ImageSlotError(
+                f"{NAME}: an anyres image ({pixel_values.shape[0]} tiles) needs its size "
+                "(height, width) to unpad its tiles"
+            )
+        # A single tile is never unpadded: any size will do.
+        size = image_size or pixel_values.shape[-2:]
+        return self.vision.get_image_features(pixel_values, [list(size)])
+
+    def image_slots(self, pixel_values, image_size=None) -> List[int]:
+        """Ids that stand for one image's features in a prompt: the features are computed now and
+        kept (the most recent MAX_STORED_FEATURES rows)."""
+        feats = self.image_features(pixel_values, image_size)
+        mx.eval(feats)
+        slots = self.__dict__["_slots"]
+        stored = sum(f.shape[0] for f in slots["features"])
+        while slots["features"] and stored + feats.shape[0] > MAX_STORED_FEATURES:
+            dropped = slots["features"].pop(0)
+            slots["base"] += dropped.shape[0]
+            stored -= dropped.shape[0]
+        first = self.args.vocab_size + slots["base"] + stored
+        slots["features"].append(feats)
+        return list(range(first, first + feats.shape[0]))
+
+    def is_image_id(self, token_id: int) -> bool:
+        return token_id >= self.args.vocab_size
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings, with image ids (>= vocab_size) read from the stored features."""
+        vocab = self.args.vocab_size
+        is_image = inputs >= vocab
+        h = self.model.embed_tokens(mx.where(is_image, 0, inputs))
+        if not bool(is_image.any().item()):
+            return h
+        slots = self.__dict__["_slots"]
+        index = inputs - vocab - slots["base"]
+        if bool((is_image & (index < 0)).any().item()):
+            raise ImageSlotError(
+                f"{NAME}: the prompt holds image ids whose features were dropped (more than "
+                f"{MAX_STORED_FEATURES} image features were stored since); encode its images again"
+            )
+        table = mx.concatenate(slots["features"], axis=0).astype(h.dtype)
+        feats = table[mx.where(is_image, index, 0)]
+        return mx.where(is_image[..., None], feats, h)
+
+    # -- the protocol ------------------------------------------------------------------------------
+
+    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None, embeds=None):
+        """Logits (B, R, V); `embeds` (B, L, H), when given, replace the embedding of `inputs`
+        (the reference's inputs_embeds)."""
+        h = self.embed(inputs) if embeds is None else embeds
+        h = run_layers(self.layers, h, cache, mask)
+        return project(h, head_span, self.model.norm, self.model.embed_tokens, self.lm_head)
+
+    def sanitize(self, weights):
+        out = {}
+        for key, value in weights.items():
+            if key.endswith(("rotary_emb.inv_freq", "position_ids")):
+                continue
+            for old, new in _VISION_RENAMES:
+                if key.startswith(old):
+                    key = new + key[len(old) :]
+                    break
+            if key.endswith("patch_embedding.weight") and value.shape[1] == 3:
+                value = value.transpose(0, 2, 3, 1)  # torch OIHW -> mlx OHWI
+            out[key] = value
+        layout = (
+            "LLaDA-V's LlavaLLaDAModelLM layout (model.layers.N.self_attn.q_proj, "
+            "model.vision_tower.vision_tower.vision_model.*, model.mm_projector.{0,2}, "
+            "model.image_newline, lm_head)"
+        )
+        keys = "hidden_size, num_hidden_layers, head counts, intermediate_size, vocab_size"
+        return check_weights(self, out, NAME, layout, keys)
+
+    @property
+    def quant_predicate(self):
+        def predicate(path, module):
+            return not path.startswith("vision")  # mlx-vlm keeps vision towers unquantized
+
+        return predicate
+
+    def load_processor(self, tokenizer):
+        """The processor `mlx_dllm_models.load` returns with this model (see Processor)."""
+        return Processor(self, tokenizer)
+
+    @cached_spec
+    def diffusion_spec(self):
+        a = self.args
+        suppressed = tuple(t for t in a.suppressed_token_ids if 0 <= t < a.vocab_size)
+        return build_spec(
+            a,
+            "llada",
+            BIDIRECTIONAL,
+            logit_shift=0,
+            confidence="raw",
+            quota_base="masks",
+            samplers=llada.LLADA_SAMPLERS,
+            defaults=dict(REFERENCE_DEFAULTS),
+            sampler_defaults={"d3llm": dict(llada.D3LLM_DEFAULTS)},
+            threshold_keeps_lowest=True,
+            eot_token_names=llada.EOT_TOKENS,
+            eos_token_names=EOS_TOKEN_NAMES,
+            suppressed_token_ids=suppressed,
+            vocab_size=a.vocab_size,
+        )
+
+
+# ------------------------------------------------------------------------------------ processor
+
+
+class Processor:
+    """LLaDA-V's prompt encoding: text through the checkpoint's tokenizer, each `<image>` (LLaVA's
+    DEFAULT_IMAGE_TOKEN, not a token of LLaDA's vocabulary: tokenizer_image_token splits the text
+    there) replaced by the ids of that image's features (`Model.image_slots`).
+
+    Images are preprocessed as SigLipImageProcessor.preprocess does (resize to the tower's
+    image_size, bicubic; rescale 1/255; normalize with mean = std = 0.5), each as one tile: the
+    anyres tiling of image_aspect_ratio "anyres_max_N" (process_anyres_image) is not done here."""
+
+    image_token = "<image>"
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = self.preprocess
+        self.size = model.args.tower["image_size"]
+
+    def __getattr__(self, name):  # the tokenizer's own (decode, chat template, eos ids, ...)
+        if name in ("model", "tokenizer"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def preprocess(self, image) -> np.ndarray:
+        """(1, 3, S, S) float32 pixel values of one PIL image."""
+        from transformers.image_transforms import normalize, rescale, resize
+        from transformers.image_utils import ChannelDimension, PILImageResampling
+
+        first = ChannelDimension.FIRST
+        x = np.array(image.convert("RGB"))
+        x = resize(
+            x,
+            (self.size, self.size),
+            resample=PILImageResampling.BICUBIC,
+            data_format=first,
+            input_data_format=ChannelDimension.LAST,
+        )
+        x = rescale(x, 1 / 255, data_format=first, input_data_format=first)
+        x = normalize(x, (0.5,) * 3, (0.5,) * 3, data_format=first, input_data_format=first)
+        return x[None].astype(np.float32)
+
+    def __call__(self, text, images=(), add_special_tokens=True):
+        (prompt,) = text
+        chunks = prompt.split(self.image_token)
+        if len(chunks) - 1 != len(images):
+            raise ValueError(
+                f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
+                f"{len(images)} images; give one per image"
+            )
+        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
+        for image, chunk in zip(images, chunks[1:]):
+            ids += self.model.image_slots(self.preprocess(image))
+            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+        return {"input_ids": [ids], "pixel_values": None}

@@ -1,0 +1,116 @@
+"""LLaDA-V (model_type llava_llada): the vision path (mlx-vlm's SigLIP tower, projector and
+packing), the logits over a prompt holding an image, and greedy decoding with LLaDA's engine, each
+against the torch transcription of ML-GSAI/LLaDA-V (tests/reference/llada_v_torch.py)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import assert_close, far
+from fixtures import build_once
+from fixtures.llada import LLADA_TOKENS
+from fixtures.llada_v import SUPPRESSED, TILE, build_llada_v
+from mlx_dllm_models.models import llava_llada
+from reference import llada_v_torch as ref
+
+MASK = LLADA_TOKENS["<|mdm_mask|>"]
+EOT = LLADA_TOKENS["<|eot_id|>"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "llada_v", build_llada_v)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    from mlx_dllm_models import load
+
+    return load(ckpt)
+
+
+@pytest.fixture(scope="module")
+def model(loaded):
+    return loaded[0]
+
+
+def pixels(seed):
+    return np.random.default_rng(seed).uniform(-1, 1, (1, 3, TILE, TILE)).astype(np.float32)
+
+
+def test_tower_projector_and_image_features_match_reference(model, ckpt):
+    pv = pixels(0)
+    tower_ref, proj_ref, image_ref = ref.image_features(ckpt, pv)
+    x = mx.array(pv).transpose(0, 2, 3, 1)
+    *_, hidden = model.vision.vision_tower(x, output_hidden_states=True)
+    tower = np.array(hidden[-1])
+    assert_close(tower, tower_ref)
+    # post_layernorm (which the reference does not apply) would be a wrong reading.
+    assert far(
+        np.array(model.vision.vision_tower.vision_model.post_layernorm(hidden[-1])), tower_ref
+    )
+    assert_close(np.array(model.vision.multi_modal_projector(hidden[-1])), proj_ref)
+    feats = np.array(model.image_features(pv))
+    assert feats.shape == ((TILE // 14) ** 2 + 1, 64)  # the patches, then image_newline
+    assert_close(feats, image_ref)
+
+
+def prompt_with_image(model, seed=0, before=(300, 72, 105), after=(33, 313)):
+    slots = model.image_slots(pixels(seed))
+    return list(before), slots, list(after)
+
+
+def test_logits_over_an_image_prompt_match_reference(model, ckpt):
+    before, slots, after = prompt_with_image(model)
+    ids = before + slots + after + [MASK] * 6
+    got = np.array(model(mx.array([ids])))
+    _, _, image = ref.image_features(ckpt, pixels(0))
+    embeds = ref.embed_prompt(ckpt, before, image, after + [MASK] * 6)
+    want = ref.logits(ckpt, embeds).numpy()
+    assert_close(got, want)
+    # The image matters: another image's features give other logits.
+    other = model.image_slots(pixels(1))
+    assert far(np.array(model(mx.array([before + other + after + [MASK] * 6]))), want)
+
+
+def test_image_ids_index_the_stored_features(model):
+    a = model.image_slots(pixels(2))
+    b = model.image_slots(pixels(3))
+    assert a[0] >= model.args.vocab_size and b[0] == a[-1] + 1
+    emb = np.array(model.embed(mx.array([a + b])))[0]
+    assert_close(emb[: len(a)], np.array(model.image_features(pixels(2))))
+    assert_close(emb[len(a) :], np.array(model.image_features(pixels(3))))
+
+
+def test_defaults_are_the_reference_recipe(model):
+    spec = model.diffusion_spec
+    assert spec.mask_token_id == MASK
+    assert set(spec.suppressed_token_ids) == set(SUPPRESSED)
+    d = spec.defaults
+    assert (d["max_tokens"], d["block_length"], d["steps"], d["temperature"]) == (
+        128,
+        128,
+        128,
+        0.0,
+    )
+    assert spec.eos_token_names == ("<|eot_id|>",)
+
+
+def test_real_config_builds(tmp_path):
+    """GSAI-ML/LLaDA-V's config (tests/data, reconstructed) at full size, never evaluated."""
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).parent / "data/GSAI-ML__LLaDA-V/config.json").read_text())
+    args = llava_llada.ModelArgs.from_dict(cfg)
+    assert args.mask_token_id == 126336 and args.tower["num_hidden_layers"] == 27
+    assert args.suppressed_token_ids == [126081, 126080, 126346, 126347]
+    assert args.llada_args.d_model == 4096 and args.image_aspect_ratio == "anyres_max_4"
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="mm_projector_type 'linear' is not supported"):
+        llava_llada.ModelArgs.from_dict({"mm_projector_type": "linear"})
+    with pytest.raises(ValueError, match="mm_hidden_size 99 differs"):
+        llava_llada.ModelArgs.from_dict({"mm_hidden_size": 99})
