@@ -29,4 +29,6 @@ MODEL_TYPES = {
     "wedlm": "wedlm",
     # dllm's A2D Qwen3 (ZHZisZZ/dllm: Qwen3 converted to bidirectional attention, MDLM-trained).
     "a2d-qwen3": "a2d_qwen3",
+    # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
+    "llava_llada": "llava_llada",
 }
