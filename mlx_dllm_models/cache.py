@@ -118,6 +118,79 @@ class PrefixKVCache:
         return out
 
 
+class _RowLayerKV:
+    """One layer's K/V of `RowKVCache`: (B, kv_heads, width + 1, head_dim), written in place; the
+    last column takes the writes of padding inputs (never read)."""
+
+    def __init__(self, owner: "RowKVCache"):
+        self.owner = owner
+        self.keys = None
+        self.values = None
+
+    @property
+    def offset(self):
+        return self.owner.offset
+
+    def update_and_fetch(self, keys, values):
+        o = self.owner
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = mx.zeros((b, h, o.width + 1, d), keys.dtype)
+            self.values = mx.zeros((b, values.shape[1], o.width + 1, values.shape[3]), values.dtype)
+        cols = o.columns[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(cols, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(cols, values.shape), values, axis=2
+        )
+        return self.keys[..., : o.end, :], self.values[..., : o.end, :]
+
+
+class RowKVCache:
+    """Per-layer K/V of a batch whose rows sit at columns of their own (self-speculation's rows
+    keep a different number of tokens every round): `place(starts, stops)` says that a forward's
+    input row b holds columns starts[b]..stops[b]-1 (the rest of it is padding); its K/V are
+    written there, RoPE reads the same columns (`offset`, a (B,) array), and the forward reads
+    the keys of columns 0..max(stops)-1, which the caller's mask restricts per row."""
+
+    def __init__(self, num_layers: int, rows: int, width: int):
+        self.width = width
+        self.starts = [0] * rows
+        self.columns = None  # (B, L) the column of each input, `width` for padding
+        self.end = 0
+        self.layers = [_RowLayerKV(self) for _ in range(num_layers)]
+
+    @property
+    def offset(self):
+        return mx.array(self.starts, dtype=mx.int32)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def place(self, starts, stops, length: int) -> "RowKVCache":
+        if max(stops) > self.width:
+            raise ValueError(f"a write up to column {max(stops) - 1} past the width {self.width}")
+        first = mx.array(starts, dtype=mx.int32)[:, None]
+        cols = first + mx.arange(length, dtype=mx.int32)[None]
+        self.columns = mx.where(cols < mx.array(stops, dtype=mx.int32)[:, None], cols, self.width)
+        self.starts, self.end = list(starts), max(stops)
+        return self
+
+    def select(self, idx) -> "RowKVCache":
+        """The cache of rows `idx` (rows that finished leave the batch)."""
+        out = RowKVCache(len(self.layers), len(idx), self.width)
+        rows = mx.array(list(idx))
+        for new, old in zip(out.layers, self.layers):
+            if old.keys is not None:
+                new.keys, new.values = old.keys[rows], old.values[rows]
+        return out
+
+
 class WindowKVCache(BlockKVCache):
     """A `BlockKVCache` whose forwards read the K/V of every column of the window, not only of
     the columns up to their last one: a forward over some columns writes their K/V in place and

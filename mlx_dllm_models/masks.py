@@ -76,6 +76,26 @@ def causal_prefix_mask(
     return keep[:, None]
 
 
+def rows_prefix_mask(starts, splits, stops, length: int) -> mx.array:
+    """(B, 1, length, max(stops)) keep-mask of a batch whose rows sit at columns of their own
+    (self-speculation's rows keep a different number of tokens every round): row b's queries are
+    columns starts[b]..starts[b]+length-1, a query before splits[b] attends causally and one from
+    splits[b] on to every key before stops[b] (causal_prefix_mask's layout). Keys from stops[b] on
+    (padding, or columns another row's forward reaches) are never attended; a padding query (from
+    stops[b] on) attends to column 0 only, so that no softmax row is empty.
+    """
+
+    def per_row(values):
+        return mx.array(list(values), dtype=mx.int32)[:, None, None]
+
+    q = per_row(starts) + mx.arange(length)[None, :, None]
+    k = mx.arange(max(stops))[None, None, :]
+    stop = per_row(stops)
+    keep = ((k <= q) | (q >= per_row(splits))) & (k < stop)
+    keep = mx.where(q >= stop, k == 0, keep)
+    return keep[:, None]
+
+
 def prompt_block_mask(
     length: int, prompt_end: int, block_length: int, left_padding: Optional[Sequence[int]] = None
 ) -> mx.array:

@@ -1,6 +1,7 @@
 """Causal-prefix decoding (Nemotron-Labs-Diffusion): AR-seeded diffusion blocks over a causal KV
 prefix. The forwards here (a KV cache, or full recompute) also serve self-speculation
-(self_spec.py).
+(self_spec.py), whose batched rows keep different numbers of tokens each round and so sit at
+columns of their own (`row_forwards`: cache.RowKVCache, masks.rows_prefix_mask).
 
 Diffusion mode (the HF remote code's `generate` with causal_context=True): a causal prefill of the
 prompt fills the KV cache and gives the AR head's next token, which seeds position 0 of the first
@@ -31,9 +32,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..cache import Positions, PrefixKVCache, PriorKV
+from ..cache import Positions, PrefixKVCache, PriorKV, RowKVCache
 from ..decoding.logprobs import log_probs
-from ..masks import causal_prefix_mask, prompt_block_mask
+from ..masks import causal_prefix_mask, prompt_block_mask, rows_prefix_mask
 from .base import next_key, replaced, sample_tokens
 
 
@@ -113,11 +114,67 @@ class _RecomputeForwards(_Forwards):
         return type(self)(self.model, 0, pads, self.segments)
 
 
+def _padded(rows) -> mx.array:
+    """Token lists of different lengths as one (B, L) array, right-padded with 0 (never read)."""
+    length = max(len(r) for r in rows)
+    return mx.array([list(r) + [0] * (length - len(r)) for r in rows], dtype=mx.int32)
+
+
+def _rows_of(logits, heads, first):
+    """Row b's logits at its rows heads[b] (forward rows, `first` the head span's first)."""
+    return [logits[b, lo - first : hi - first] for b, (lo, hi) in enumerate(heads)]
+
+
+class _RowKVForwards:
+    """Forwards of a batch whose rows keep different numbers of tokens (self-speculation): each
+    row's tokens sit in columns of its own from column 0, no left padding. `mixed(ids, starts,
+    splits, heads)`: one forward over columns starts[b]..len(ids[b])-1 of every row b (`ids[b]`
+    its tokens up to its forward's last column), causal before splits[b] and bidirectional from
+    it (masks.rows_prefix_mask); returns row b's logits at its forward rows heads[b] (counted
+    from starts[b]). Columns before starts[b] hold final K/V; a later forward of the row starts at
+    or before its last kept column, so what a forward wrote past it is rewritten before it is
+    read."""
+
+    def __init__(self, model, rows: int, width: int):
+        self.model = model
+        self.cache = RowKVCache(len(model.layers), rows, width)
+
+    def mixed(self, ids, starts, splits, heads):
+        news = [row[start:] for row, start in zip(ids, starts)]
+        x, stops = _padded(news), [len(row) for row in ids]
+        cache = self.cache.place(starts, stops, x.shape[1])
+        mask = rows_prefix_mask(starts, splits, stops, x.shape[1])
+        span = (min(lo for lo, _ in heads), max(hi for _, hi in heads))
+        return _rows_of(self.model(x, cache=cache, mask=mask, head_span=span), heads, span[0])
+
+    def select(self, idx):
+        return replaced(self, cache=self.cache.select(idx))
+
+
+class _RowRecomputeForwards:
+    """`_RowKVForwards` by full recompute: each forward runs over every row's columns from 0."""
+
+    def __init__(self, model, rows: int, width: int):
+        self.model = model
+
+    def mixed(self, ids, starts, splits, heads):
+        x, stops = _padded(ids), [len(row) for row in ids]
+        mask = rows_prefix_mask([0] * len(ids), splits, stops, x.shape[1])
+        heads = [(start + lo, start + hi) for start, (lo, hi) in zip(starts, heads)]
+        span = (min(lo for lo, _ in heads), max(hi for _, hi in heads))
+        return _rows_of(self.model(x, mask=mask, head_span=span), heads, span[0])
+
+    def select(self, idx):
+        return self
+
+
 class CausalPrefixCache:
     """Backend of the masked block engine (see full_recompute.py for the interface): blocks seeded
     by the AR head and denoised against a causal KV prefix."""
 
     forwards = _KVForwards
+    # Self-speculation's batched forwards (each row at columns of its own)
+    row_forwards = _RowKVForwards
     # A denoising forward reads the cache and never extends it: it may run on `select(layout,
     # rows)` for the rows that still have masks (the block's final K/V come from its own forward).
     row_steps = True
@@ -255,6 +312,7 @@ class CausalPrefixRecompute(CausalPrefixCache):
     """The same decoding by full recompute: the reference mode the cache must reproduce."""
 
     forwards = _RecomputeForwards
+    row_forwards = _RowRecomputeForwards
     # No K/V to keep or reuse: every forward recomputes the whole sequence.
     resume = None
     kv_prefix = None

@@ -23,7 +23,7 @@ place of the last accepted token, which stays in its output: its output never sh
 no longer is what the model was conditioned on.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -81,9 +81,32 @@ def speculative_accept(p, q, drafts, key) -> List[int]:
     return list(drafts[:n]) + [int(last.item())]
 
 
+class _Row:
+    """A prompt's state in a batched run: its confirmed tokens (the prompt first), the columns
+    whose K/V are final, the drafts pending verification (and, sampled, their distributions), and
+    its new tokens."""
+
+    def __init__(self, index: int, prompt: List[int], constraint):
+        self.index, self.ids, self.constraint = index, prompt, constraint
+        self.committed = 0
+        self.drafts, self.q = [], None
+        self.out: List[int] = []
+
+
+class _Plan(NamedTuple):
+    """A row's part of a round's forward: its tokens up to the forward's last column, where its
+    forward starts, where its bidirectional window starts, its forward rows whose logits are read
+    (counted from `start`) and its number of pending drafts."""
+
+    ids: List[int]
+    start: int
+    split: int
+    head: Tuple[int, int]
+    k: int
+
+
 class SelfSpeculativeDecoder:
-    """`mode="self_spec"`: lossless self-speculative decoding (the HF `linear_spec_generate`), one
-    prompt at a time.
+    """`mode="self_spec"`: lossless self-speculative decoding (the HF `linear_spec_generate`).
 
     Every forward has two parts. A causal part over the tokens whose K/V are not final yet (the
     last confirmed token, then the pending drafts) verifies the drafts: those the causal model
@@ -95,8 +118,12 @@ class SelfSpeculativeDecoder:
     round; folding the next draft into the verify gives at least one token per forward (as AR
     decoding does) and the accepted drafts on top.
 
-    Rows of a batch run one after another: their accepted lengths differ every round, so their
-    caches would not stay aligned.
+    The rows of a batch share each forward. Their accepted lengths differ every round, so each
+    row's tokens and K/V sit in columns of its own (the backend's `row_forwards`: a row writes its
+    forward's K/V after its own final ones, RoPE at its own columns, and the batch mask hides from
+    it every column it has not written), and a row that finishes leaves the batch. At temperature
+    0 a row's tokens are those it gets alone; above it, its draws depend on its batch-mates (the
+    decoder's one key stream). The draft adapter's rounds (`_run_row_linear`) run row by row.
     """
 
     # Structured output: each verified position's distribution masked by the grammar
@@ -113,31 +140,39 @@ class SelfSpeculativeDecoder:
     ):
         self.model = model
         self.constraints = constraints  # one structured.Constraint (or None) per prompt
-        self.constraint = None  # the row being decoded's TokenSequenceConstraint
+        self.constraint = None  # the row being decoded's TokenSequenceConstraint (linear rounds)
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
         # The causal-prefix backend the registry picked for the `cache` setting brings its forwards
-        # (a KV cache, or full recompute).
+        # (a KV cache, or full recompute): one row's, and a batch's whose rows keep apart.
         self.forwards = backend.forwards
+        self.row_forwards = backend.row_forwards
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
         self.drafted = 0  # drafts verified
         self.accepted = 0  # drafts kept
 
     def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
-        """Decode `prompts` one after another. `constraints`: each row's structured.Constraint
+        """Decode `prompts` (a batch sharing each forward; with the draft adapter or
+        `draft_threshold`, one after another). `constraints`: each row's structured.Constraint
         (None: unconstrained; default: the decoder's), `consumed` the tokens each row already
         returned (its grammar continues after them), as MaskedBlockDecoder.run takes them."""
         adapter = getattr(self.model, "has_draft_adapter", False)
         linear = adapter or self.s.get("draft_threshold") is not None
-        run_row = self._run_row_linear if linear else self._run_row
         constraints = self.constraints if constraints is None else constraints
+        rows = []
         for row, prompt in enumerate(prompts):
             c = None if constraints is None else constraints[row]
             done = () if consumed is None else consumed[row]
-            self.constraint = c and TokenSequenceConstraint(c, self.eos, self.s["max_tokens"], done)
-            yield from run_row(row, [int(t) for t in prompt])
+            c = c and TokenSequenceConstraint(c, self.eos, self.s["max_tokens"], done)
+            rows.append(_Row(row, [int(t) for t in prompt], c))
+        if not linear:
+            yield from self._run_rows(rows)
+            return
+        for r in rows:
+            self.constraint = r.constraint
+            yield from self._run_row_linear(r.index, r.ids)
 
     def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
         """`new`, the round's tokens (new tokens number len(out).. of a row that has produced
@@ -148,90 +183,138 @@ class SelfSpeculativeDecoder:
             return new
         return new[:at] + [marker]
 
+    def _logprobs(self, new: List[int], logits):
+        """With the logprobs setting, the entries of a row's newly confirmed tokens; `logits`: the
+        causal rows that gave them, in order (one more read)."""
+        if self.s.get("logprobs") is None:
+            return None
+        if len(new) > logits.shape[0]:
+            # Closing tokens the budget guard placed past the verified rows (structured
+            # output) had no forward of their own: the last verified row's distribution.
+            extra = mx.repeat(logits[-1:], len(new) - logits.shape[0], axis=0)
+            logits = mx.concatenate([logits, extra])
+        return entries(logits, new, self.s["logprobs"])
+
     def _confirmed(self, row: int, new: List[int], out: List[int], logits):
-        """The block event of a row's newly confirmed tokens, which join `out`; `logits`: the
-        causal rows that gave them, in order (their log-probabilities, with the logprobs
-        setting: one more read)."""
-        logprobs = None
-        if self.s.get("logprobs") is not None:
-            if len(new) > logits.shape[0]:
-                # Closing tokens the budget guard placed past the verified rows (structured
-                # output) had no forward of their own: the last verified row's distribution.
-                extra = mx.repeat(logits[-1:], len(new) - logits.shape[0], axis=0)
-                logits = mx.concatenate([logits, extra])
-            logprobs = [entries(logits, new, self.s["logprobs"])]
+        """The block event of a row's newly confirmed tokens, which join `out`."""
+        logprobs = self._logprobs(new, logits)
         out += new
         finished = len(out) >= self.s["max_tokens"]
+        logprobs = None if logprobs is None else [logprobs]
         return block_event([row], [new], [finished], self.eos, self.nfe, logprobs)
 
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
 
-    def _run_row(self, row, prompt):
-        s, spec = self.s, self.spec
-        mask_id, max_tokens, window = spec.mask_token_id, s["max_tokens"], s["block_length"]
-        x = mx.array([prompt + [mask_id] * max_tokens], dtype=mx.int32)
-        run = self.forwards(self.model, x.shape[1], None)
-        committed = 0  # columns before it have final K/V
-        known = len(prompt)  # columns before it hold confirmed tokens
-        drafts, q = [], None  # drafts of the columns from `known` on, and their distributions
-        out = []
-        while len(out) < max_tokens:
-            left = max_tokens - len(out)
-            drafts = drafts[: left - 1]  # a round returns the kept drafts and one token more
-            k = len(drafts)
-            w = min(window, left - k - 1)  # the next round's column of t, then its drafts
-            w = w if w >= 2 else 0
-            split, stop = known + k, known + k + w
-            if k:
-                x[:, known:split] = mx.array(drafts, dtype=mx.int32)
-            if w:
-                x[:, split:stop] = mask_id
-            self.nfe += 1
-            rows = (known - 1 - committed, stop - committed)
-            logits = run.mixed(x, committed, split, stop, head_span=rows)[0]
-            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
-                check_finite(logits, self.model)
-            verify, window_logits = logits[: k + 1], logits[k + 2 :]
-            new = self._accept(verify, drafts, q)
-            n = len(new) - 1
-            budgeted = self._end_thinking(new, out)
-            # A forced marker replaces the causal model's token: the window's drafts followed that.
-            kept_all = n == k and budgeted == new
-            new = budgeted
-            n = len(new) - 1
-            self.drafted += k
-            self.accepted += n
-            x[:, known + n] = new[-1]
-            committed, known = known + n, known + n + 1
-            run.keep(committed)
-            if kept_all and w:
-                drafts = self._tokens(window_logits, suppress=(mask_id,))
-                greedy = s["temperature"] == 0
-                q = None if greedy else _probs(window_logits, s, spec, suppress=(mask_id,))
-            else:
-                drafts, q = [], None
-            drafts, q = self._drafts(drafts, q)
-            event = self._confirmed(row, new, out, verify)
-            yield event
-            if event.finished[0]:
-                return
+    def _plan(self, r: _Row) -> _Plan:
+        """Row r's part of the next forward: its last confirmed token (whose K/V are not final),
+        its pending drafts to verify, then the window of masks whose first column is the next
+        round's confirmed token's and whose others draft the round after it."""
+        left = self.s["max_tokens"] - len(r.out)
+        r.drafts = r.drafts[: left - 1]  # a round returns the kept drafts and one token more
+        k = len(r.drafts)
+        w = min(self.s["block_length"], left - k - 1)
+        w = w if w >= 2 else 0
+        known = len(r.ids)
+        ids = r.ids + r.drafts + [self.spec.mask_token_id] * w
+        return _Plan(
+            ids, r.committed, known + k, (known - 1 - r.committed, len(ids) - r.committed), k
+        )
 
-    def _accept(self, verify, drafts, q):
+    def _greedy(self, rows, logits, plans):
+        """At temperature 0, each unconstrained row's causal tokens at its verified rows and its
+        window's drafts, read in one sync (None for a row that reads its own)."""
+        if self.s["temperature"] != 0:
+            return [None] * len(rows)
+        lazy = [
+            None
+            if r.constraint is not None
+            else (
+                sample_tokens(lg[: p.k + 1], self.s, self.spec, None),
+                sample_tokens(lg[p.k + 2 :], self.s, self.spec, None, (self.spec.mask_token_id,))
+                if lg.shape[0] > p.k + 2
+                else mx.zeros((0,), dtype=mx.int32),
+            )
+            for r, lg, p in zip(rows, logits, plans)
+        ]
+        mx.eval([pair for pair in lazy if pair is not None])
+        return [None if pair is None else (pair[0].tolist(), pair[1].tolist()) for pair in lazy]
+
+    def _run_rows(self, rows: List[_Row]):
+        """The rows' rounds, one forward a round for all of them (see the class docstring)."""
+        width = max(len(r.ids) for r in rows) + self.s["max_tokens"]
+        run = self.row_forwards(self.model, len(rows), width)
+        while rows:
+            plans = [self._plan(r) for r in rows]
+            self.nfe += 1
+            logits = run.mixed(*zip(*[(p.ids, p.start, p.split, p.head) for p in plans]))
+            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
+                check_finite(mx.concatenate(logits), self.model)
+            greedy = self._greedy(rows, logits, plans)
+            news, logprobs = [], []
+            for r, lg, p, g in zip(rows, logits, plans, greedy):
+                new = self._round(r, lg, p.k, g)
+                news.append(new)
+                logprobs.append(self._logprobs(new, lg[: p.k + 1]))
+                r.out += new
+            at_limit = [len(r.out) >= self.s["max_tokens"] for r in rows]
+            has_logprobs = self.s.get("logprobs") is not None
+            event = block_event(
+                [r.index for r in rows],
+                news,
+                at_limit,
+                self.eos,
+                self.nfe,
+                logprobs if has_logprobs else None,
+            )
+            yield event
+            keep = [i for i, done in enumerate(event.finished) if not done]
+            if len(keep) < len(rows):
+                rows = [rows[i] for i in keep]
+                run = run.select(keep) if rows else run
+
+    def _round(self, r: _Row, logits, k: int, greedy) -> List[int]:
+        """Row r's confirmed tokens of a round from its forward rows `logits` (the k + 1 verified
+        ones, the window's first, its drafts'); its next drafts and final columns are updated.
+        `greedy`: its precomputed (causal tokens, window drafts) at temperature 0, or None."""
+        mask_id = self.spec.mask_token_id
+        verify, window_logits = logits[: k + 1], logits[k + 2 :]
+        new = self._accept(
+            verify, r.drafts, r.q, r.constraint, None if greedy is None else greedy[0]
+        )
+        budgeted = self._end_thinking(new, r.out)
+        # A forced marker replaces the causal model's token: the window's drafts followed that.
+        kept_all = len(new) - 1 == k and budgeted == new
+        new = budgeted
+        n = len(new) - 1
+        self.drafted += k
+        self.accepted += n
+        known = len(r.ids)
+        r.ids = r.ids + new
+        r.committed = known + n
+        drafts, q = [], None
+        if kept_all and window_logits.shape[0]:
+            drafts = greedy[1] if greedy is not None else self._tokens(window_logits, (mask_id,))
+            if self.s["temperature"] != 0:
+                q = _probs(window_logits, self.s, self.spec, suppress=(mask_id,))
+        r.drafts, r.q = self._drafts(drafts, q, r.constraint)
+        return new
+
+    def _accept(self, verify, drafts, q, c, ar=None):
         """The kept drafts and the causal model's own next token (greedy match, or speculative
-        sampling above temperature 0); under a constraint, over the grammar's masked
-        distributions, the round's tokens then kept within the budget."""
-        c = self.constraint
+        sampling above temperature 0); under c, a row's TokenSequenceConstraint, over the
+        grammar's masked distributions, the round's tokens then kept within the budget. `ar`:
+        the causal tokens at the verified rows, when already read (temperature 0)."""
         if c is None:
-            return self._verified(verify, drafts, q)
+            return self._verified(verify, drafts, q, ar)
         allowed, j = c.masks(drafts, verify.shape[-1])
         verify = mask_logits(verify[: j + 1], allowed)
         return c.keep(self._verified(verify, drafts[:j], None if q is None else q[:j]))
 
-    def _drafts(self, drafts, q, limit=None):
-        """The next round's drafts with the grammar's forced tokens first (always kept), at most
-        `limit` of them."""
-        forced = [] if self.constraint is None else self.constraint.forced()[:limit]
+    def _drafts(self, drafts, q, c, limit=None):
+        """The next round's drafts with the grammar's (c's) forced tokens first (always kept), at
+        most `limit` of them."""
+        forced = [] if c is None else c.forced()[:limit]
         if not forced:
             return drafts, q
         n = len(forced)
@@ -241,9 +324,9 @@ class SelfSpeculativeDecoder:
             q = one_hot if q is None else mx.concatenate([one_hot, q[n:]])[: max(n, len(drafts))]
         return forced + drafts[n:], q
 
-    def _verified(self, verify, drafts, q):
+    def _verified(self, verify, drafts, q, ar=None):
         if self.s["temperature"] == 0:
-            ar = self._tokens(verify)
+            ar = self._tokens(verify) if ar is None else ar
             n = next((i for i in range(len(drafts)) if ar[i] != drafts[i]), len(drafts))
             return drafts[:n] + [ar[n]]
         return speculative_accept(_probs(verify, self.s, self.spec), q, drafts, next_key(self))
@@ -308,11 +391,11 @@ class SelfSpeculativeDecoder:
             x[:, start + 1 : stop] = mask_id
             drafts, q = self._draft(run, x, start, stop)
             if self.constraint is not None:
-                drafts, q = self._drafts(drafts, q, limit=len(drafts))
+                drafts, q = self._drafts(drafts, q, self.constraint, limit=len(drafts))
                 x[0, start + 1 : stop] = mx.array(drafts, dtype=mx.int32)
             self.nfe += 1
             verify = logits = run.mixed(x, start, stop, stop)[0]
-            new = self._end_thinking(self._accept(verify, drafts, q), out)
+            new = self._end_thinking(self._accept(verify, drafts, q, self.constraint), out)
             n = len(new) - 1
             self.drafted += len(drafts)
             self.accepted += n
