@@ -28,13 +28,19 @@ def padding_mask(
 
 
 def block_causal_mask(
-    length: int, block_length: int, offset: int = 0, left_padding: Optional[Sequence[int]] = None
+    length: int,
+    block_length: int,
+    offset: int = 0,
+    left_padding: Optional[Sequence[int]] = None,
+    on_columns: bool = False,
 ) -> mx.array:
     """Block-causal keep-mask for `length` queries at absolute positions offset..offset+length-1
     against keys 0..offset+length-1: a query in block b sees every key in blocks <= b.
 
     Blocks are aligned on absolute positions (0, B, 2B, ...), as SDAR and LLaDA2 are trained.
-    With left padding, positions are counted per row from the first real token.
+    With left padding, positions are counted per row from the first real token; `on_columns`
+    counts blocks on the columns instead (dllm's BD3LM sampler: padding fills the prompt up to
+    whole blocks, and is never attended).
     """
     q = mx.arange(offset, offset + length)
     k = mx.arange(offset + length)
@@ -42,9 +48,9 @@ def block_causal_mask(
         keep = (k[None, :] // block_length) <= (q[:, None] // block_length)
         return keep[None, None]
     pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
-    qp = q[None, :, None] - pad
-    kp = k[None, None, :] - pad
-    keep = ((kp // block_length) <= (qp // block_length)) & (kp >= 0)
+    qp = q[None, :, None] - (0 if on_columns else pad)
+    kp = k[None, None, :] - (0 if on_columns else pad)
+    keep = ((kp // block_length) <= (qp // block_length)) & (k[None, None, :] >= pad)
     keep = keep | (q[None, :, None] == k[None, None, :])
     return keep[:, None]
 

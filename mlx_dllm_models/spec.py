@@ -106,6 +106,11 @@ class DiffusionSpec:
     # Names of the end-of-turn token in the family's tokenizers (LLaDA's confidence_eos_eot_inf);
     # the id is the checkpoint tokenizer's, never hard-coded.
     eot_token_names: Tuple[str, ...] = ()
+    # Block-causal families whose blocks end at the prompt's end rather than start at position 0
+    # (dllm's BD3LMSampler: each prompt is left-padded to whole blocks, blocks are counted on those
+    # columns, so the prompt's first block holds its leading len % block_length tokens); the
+    # last block holds only the positions max_tokens leaves, not a whole block of masks.
+    blocks_end_at_prompt: bool = False
 
 
 def read_generation_config(generation_config: Mapping, keys: Mapping[str, str]) -> dict:

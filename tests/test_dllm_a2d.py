@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,8 +27,9 @@ from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
-from mlx_dllm_models.spec import BIDIRECTIONAL
+from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL
 from reference.dllm_a2d import (
+    bd3lm_sample,
     get_num_transfer_tokens,
     mdlm_sample,
     reference_forward,
@@ -290,3 +292,73 @@ def test_published_config_builds_the_full_model_lazily():
         40960,
     )
     assert (args.head_dim, args.num_key_value_heads, args.tie_word_embeddings) == (128, 8, True)
+
+
+# ------------------------------------------------------------------------ BD3LM (block diffusion)
+
+
+def bd3lm(model):
+    """The model with the BD3LM reading of its spec: block-causal attention whose blocks end at the
+    prompt's end (dllm's BD3LMSampler), as a BD3LM checkpoint declares it."""
+    spec = model.diffusion_spec
+    model.diffusion_spec = replace(spec, attention=BLOCK_CAUSAL, blocks_end_at_prompt=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bd3lm_model(ckpt):
+    return bd3lm(load_fixture(ckpt)[0])
+
+
+def bd3lm_reference(ckpt, prompts, max_tokens, block, steps_per_block):
+    total = steps_per_block * math.ceil(max_tokens / block)
+    seq, padded = bd3lm_sample(
+        ckpt, prompts, max_tokens, block, total, mask_id=MASK, pad_id=ENDOFTEXT, eos_id=IM_END
+    )
+    assert not (seq == MASK).any()
+    return [seq[i, padded:].tolist() for i in range(len(prompts))]
+
+
+# (prompt length, seed, max_tokens, block_length, steps per block)
+BD3LM_CASES = [
+    (6, 0, 16, 8, 8),  # the prompt's first block holds 6 tokens
+    (8, 1, 12, 4, 3),  # a prompt of whole blocks
+    (9, 2, 20, 8, 3),  # a short last block (4 masks), 9 = 8 + 1
+    (3, 3, 10, 10, 4),  # one block, [2, 3, 2, 3]
+    (13, 4, 8, 4, 20),  # more steps than masks
+]
+
+
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+@pytest.mark.parametrize("case", BD3LM_CASES)
+def test_bd3lm_greedy_tokens_match_the_block_sampler(bd3lm_model, ckpt, case, cache):
+    n, seed, max_tokens, block, steps = case
+    p = prompt(n, seed)
+    want = bd3lm_reference(ckpt, [p], max_tokens, block, steps)[0]
+    got, _ = ours(
+        bd3lm_model, [p], max_tokens=max_tokens, block_length=block, steps=steps, cache=cache
+    )
+    # The reference stops after a block holding EOS; the tokens before are the same.
+    assert got[0][: len(want)] == want and len(want) >= min(block, max_tokens)
+
+
+def test_bd3lm_blocks_end_at_the_prompt(bd3lm_model, ckpt):
+    """Blocks counted from position 0 (SDAR's alignment) give other tokens: the layout matters."""
+    p = prompt(6, 0)
+    want = bd3lm_reference(ckpt, [p], 16, 8, 8)[0]
+    sdar = replace(bd3lm_model.diffusion_spec, blocks_end_at_prompt=False)
+    model = load_fixture(ckpt)[0]
+    model.diffusion_spec = sdar
+    got, _ = ours(model, [p], max_tokens=16, block_length=8, steps=8)
+    assert got[0][: len(want)] != want
+
+
+def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(bd3lm_model, ckpt):
+    prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
+    kw = dict(max_tokens=12, block_length=4, steps=3)
+    got, _ = ours(bd3lm_model, prompts, **kw)
+    for p, row in zip(prompts, got):
+        assert row == ours(bd3lm_model, [p], **kw)[0][0]
+    want = bd3lm_reference(ckpt, prompts, 12, 4, 3)
+    for row, ref in zip(got, want):
+        assert row[: len(ref)] == ref[: len(row)]

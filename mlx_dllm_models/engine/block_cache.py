@@ -83,6 +83,7 @@ class PrefixCache:
         self.block = settings["block_length"]
         self.width = layout.width
         self.pads = list(layout.pads) if any(layout.pads) else None
+        self.on_columns = layout.prompt_end  # dllm's BD3LM: blocks end at the prompt's end
         self.cache = PrefixKVCache(len(model.layers), layout.width, self.pads)
         # The first column of the first block that holds a generated position of some row.
         self.prefix = (min(layout.starts) // self.block) * self.block
@@ -103,7 +104,9 @@ class PrefixCache:
             # its unmasked path (the usual denoising step).
             mask = None
         else:
-            mask = block_causal_mask(stop - start, self.block, offset=start, left_padding=self.pads)
+            mask = block_causal_mask(
+                stop - start, self.block, start, left_padding=self.pads, on_columns=self.on_columns
+            )
         return self.model(
             x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span
         )

@@ -52,6 +52,7 @@ class FullRecompute:
                 width,
                 settings["block_length"],
                 left_padding=layout.pads if any(layout.pads) else None,
+                on_columns=layout.prompt_end,
             )
         else:
             # Rows with different budgets (server.py): a row never attends past its own last

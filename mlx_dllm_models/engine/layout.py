@@ -24,6 +24,10 @@ class Layout:
     block_diffusion_generate and LLaDA2's generate do (their last block is a full block of masks,
     and its quota schedule and threshold steps count all of them), so tokens match the references
     whatever max_tokens is.
+
+    `prompt_end` (block-causal, dllm's BD3LM): every row's prompt ends on the same block boundary
+    (its padding is what fills the longest prompt up to whole blocks) and blocks are counted on
+    columns; the array ends at the last generated column and rows decode their max_tokens only.
     """
 
     def __init__(
@@ -35,10 +39,14 @@ class Layout:
         mask_id: int,
         pad_id: int = 0,
         suffix: Sequence[int] = (),
+        prompt_end: bool = False,
     ):
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        if aligned:
+        self.prompt_end = prompt_end = aligned and prompt_end
+        if prompt_end:
+            self.pads = [block_length * -(-longest // block_length) - n for n in lengths]
+        elif aligned:
             self.pads = [block_length * -(-(longest - n) // block_length) for n in lengths]
         else:
             self.pads = [longest - n for n in lengths]
@@ -52,7 +60,7 @@ class Layout:
         suffix = list(suffix)
         self.suffix_length = len(suffix)
         width = max(s + n for s, n in zip(self.starts, n_gens)) + len(suffix)
-        if aligned:
+        if aligned and not prompt_end:
             width = block_length * -(-width // block_length)
         self.width = width
         self.aligned = aligned
@@ -70,7 +78,7 @@ class Layout:
         starts = mx.array(self.starts)[:, None]
         self.ends = [s + n for s, n in zip(self.starts, n_gens)]  # past each row's last column
         self.generated = (cols >= starts) & (cols < mx.array(self.ends)[:, None])  # (B, W)
-        if aligned:
+        if aligned and not prompt_end:
             ends = mx.array([block_length * -(-e // block_length) for e in self.ends])
             self.decoded = (cols >= starts) & (cols < ends[:, None])
         else:

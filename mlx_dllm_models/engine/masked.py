@@ -238,6 +238,7 @@ class MaskedBlockDecoder:
             spec.attention == BLOCK_CAUSAL,
             spec.mask_token_id,
             suffix=self.suffix,
+            prompt_end=spec.blocks_end_at_prompt,
         )
         x = layout.tokens
         backend = self.backend = self.backend_cls(self.model, spec, layout, s)

@@ -153,3 +153,90 @@ def mdlm_sample(forward, prompts, max_new_tokens, block_size, steps, *, mask_id,
                 transfer_index[j, select_index] = True
             x[transfer_index] = x0[transfer_index]
     return x
+
+
+# --- dllm/core/samplers/bd3lm.py: BD3LMSampler.sample ----------------------------------------
+
+
+def _prepare_for_sampling(x, block_size, pad_id):
+    """Block-causal keep-mask [B, 1, T, T] on columns (padding neither query nor key) and the
+    logical positions (padding skipped), as bd3lm.py's `_prepare_for_sampling`."""
+    B, T = x.shape
+    valid = x != pad_id
+    logical = torch.cumsum(valid.long(), dim=-1) - 1
+    position_ids = torch.where(valid, logical, torch.zeros_like(logical))
+    block_ids = (torch.arange(T) // block_size).view(1, T).expand(B, -1)
+    block_ids = torch.where(valid, block_ids, torch.full_like(block_ids, -1))
+    bid_q, bid_k = block_ids.view(B, 1, T, 1), block_ids.view(B, 1, 1, T)
+    return (bid_k <= bid_q) & (bid_q >= 0) & (bid_k >= 0), position_ids
+
+
+def _additive(keep):
+    # The checkpoint runs sdpa with this boolean mask; eager attention adds its mask, so the same
+    # mask is given additively (a fully hidden padding query row comes out uniform; unread).
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+def bd3lm_sample(ckpt, prompts, max_new_tokens, block_size, steps, *, mask_id, pad_id, eos_id):
+    """-> (B, T) int64: left-padded prompts (pad_id, to whole blocks) and the generated blocks;
+    stops once every row has an EOS in a finished block. `steps` is dllm's total. remasking
+    "low_confidence", temperature 0, no guidance, right_shift_logits off."""
+    import copy
+
+    model = load_reference(str(ckpt))
+    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+    prompt_lens = [p.shape[0] for p in prompts]
+    B = len(prompts)
+    padded = (max(prompt_lens) + block_size - 1) // block_size * block_size
+    x = torch.full((B, padded), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        x[b, padded - prompt_lens[b] :] = p
+    done = torch.zeros(B, dtype=torch.bool)
+    num_blocks = math.ceil(max_new_tokens / block_size)
+    steps_per_block = math.ceil(steps / num_blocks)
+    generated = 0
+    for _ in range(num_blocks):
+        if done.all():
+            break
+        cur = min(block_size, max_new_tokens - generated)
+        t_prefix = x.shape[1]
+        keep, pos = _prepare_for_sampling(x, block_size, pad_id)
+        with torch.no_grad():
+            past = model(
+                x, attention_mask=_additive(keep), position_ids=pos, use_cache=True
+            ).past_key_values
+        x = torch.cat([x, torch.full((B, cur), mask_id, dtype=torch.long)], dim=1)
+        num_transfer = get_num_transfer_tokens(x[:, -cur:] == mask_id, steps_per_block)
+        keep, pos = _prepare_for_sampling(x, block_size, pad_id)
+        attn_block, pos_block = _additive(keep[:, :, t_prefix:]), pos[:, t_prefix:]
+        for i in range(num_transfer.size(1)):
+            x_block = x[:, t_prefix:]
+            mask_block = x_block == mask_id
+            if not mask_block.any():
+                break
+            with torch.no_grad():
+                logits = model(
+                    x_block,
+                    attention_mask=attn_block,
+                    position_ids=pos_block,
+                    past_key_values=copy.deepcopy(past),
+                    use_cache=False,
+                ).logits.float()
+            x0 = torch.argmax(logits, dim=-1)
+            x0_p = torch.gather(F.softmax(logits, dim=-1), -1, x0[..., None]).squeeze(-1)
+            x0 = torch.where(mask_block, x0, x_block)
+            confidence = torch.where(mask_block, x0_p, torch.full_like(x0_p, -float("inf")))
+            transfer = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(B):
+                k = int(num_transfer[j, i])
+                valid = int((confidence[j] > -float("inf")).sum())
+                if k <= 0 or valid == 0:
+                    continue
+                _, sel = torch.topk(confidence[j], min(k, valid))
+                transfer[j, sel] = True
+            x_block = x_block.clone()
+            x_block[transfer] = x0[transfer]
+            x[:, t_prefix:] = x_block
+        done = done | (x[:, t_prefix:] == eos_id).any(dim=1)
+        generated += cur
+    return x, padded
