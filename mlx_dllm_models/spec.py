@@ -43,6 +43,10 @@ class DiffusionSpec:
     # insert/delete semantics this package does not implement, so that 2.2 decodes with
     # substitution edits only.
     suppressed_token_ids: Tuple[int, ...] = ()
+    # Ids whose logits are -inf before any statistic, so their probability mass goes to the others
+    # (LLaDA-V's generate_with_embeds: <|endoftext|>, <|startoftext|>, the header ids); the
+    # masked decoder applies them as logits_eos_inf does the EOS.
+    logit_suppressed_token_ids: Tuple[int, ...] = ()
     # 1 for Dream: the prediction for position i comes from hidden state i-1.
     logit_shift: int = 0
     # Block-causal families with logit_shift=1 whose block starts from the token the previous

@@ -157,6 +157,7 @@ class MaskedBlockDecoder:
         # (config.json's eos_token_id, upstream's 126081), confidence_eos_eot_inf its end of turn
         # (upstream's 126348, <|eot_id|>), resolved from the tokenizer by the caller.
         self.logits_suppressed = self.spec.eos_token_ids if settings.get("logits_eos_inf") else ()
+        self.logits_suppressed += self.spec.logit_suppressed_token_ids
         self.confidence_suppressed = ()
         if settings.get("confidence_eos_eot_inf"):
             if eot_token_id is None:
