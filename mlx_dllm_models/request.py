@@ -252,7 +252,14 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
             )
     vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
     if vocab is not None:
-        bad = [t for p in ids for t in p if not 0 <= t < vocab]
+        # LLaDA-V's image feature ids lie past the vocabulary; the model checks them itself.
+        is_image_id = getattr(model, "is_image_id", None)
+        bad = [
+            t
+            for p in ids
+            for t in p
+            if not 0 <= t < vocab and not (is_image_id is not None and is_image_id(t))
+        ]
         if bad:
             raise SettingsError(
                 f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
@@ -300,6 +307,10 @@ def encode_with_images(model, processor, prompts, images):
         )
         ids.append(row_ids)
         pixel_values.append(row_pixels)
+    if all(p is None for p in pixel_values):
+        # LLaDA-V's processor puts the image features into the ids themselves
+        # (models/llava_llada.py): nothing is left for the decoder to read.
+        return ids, None
     return ids, pixel_values
 
 

@@ -87,7 +87,7 @@ def test_image_ids_index_the_stored_features(model):
 def test_defaults_are_the_reference_recipe(model):
     spec = model.diffusion_spec
     assert spec.mask_token_id == MASK
-    assert set(spec.suppressed_token_ids) == set(SUPPRESSED)
+    assert set(spec.logit_suppressed_token_ids) == set(SUPPRESSED)
     d = spec.defaults
     assert (d["max_tokens"], d["block_length"], d["steps"], d["temperature"]) == (
         128,
@@ -114,3 +114,85 @@ def test_bad_config_is_a_clear_error():
         llava_llada.ModelArgs.from_dict({"mm_projector_type": "linear"})
     with pytest.raises(ValueError, match="mm_hidden_size 99 differs"):
         llava_llada.ModelArgs.from_dict({"mm_hidden_size": 99})
+
+
+def tokens(model, tok, ids, **settings):
+    from conftest import stream_tokens
+
+    return stream_tokens(model, tok, ids, **settings)
+
+
+# (max_tokens, block_length, the reference's total steps)
+CASES = [(32, 32, 32), (32, 8, 16), (24, 8, 24), (16, 16, 4)]
+
+
+@pytest.fixture(scope="module")
+def eot_ckpt(fixture_dir):
+    """The fixture with <|eot_id|> winning where token 32 would: its answers stop early."""
+    return build_once(fixture_dir / "llada_v_eot", build_llada_v, eot_like=32)
+
+
+@pytest.fixture(scope="module")
+def eot_loaded(eot_ckpt):
+    from mlx_dllm_models import load
+
+    return load(eot_ckpt)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_match_generate_with_embeds(loaded, ckpt, case):
+    check_greedy(loaded, ckpt, case)
+
+
+@pytest.mark.parametrize("case", CASES[1:3])
+def test_answers_stop_at_eot_as_the_reference(eot_loaded, eot_ckpt, case):
+    want = check_greedy(eot_loaded, eot_ckpt, case)
+    assert len(want) < case[0]
+
+
+def check_greedy(loaded, ckpt, case):
+    from conftest import cut_at_eos
+
+    model, tok = loaded
+    gen, block, steps = case
+    before, slots, after = prompt_with_image(model, seed=4)
+    got = tokens(
+        model,
+        tok,
+        before + slots + after,
+        max_tokens=gen,
+        block_length=block,
+        steps=steps // (gen // block),
+    )
+    _, _, image = ref.image_features(ckpt, pixels(4))
+    want = ref.generate_with_embeds(
+        ckpt,
+        ref.embed_prompt(ckpt, before, image, after),
+        steps=steps,
+        gen_length=gen,
+        block_length=block,
+        mask_id=MASK,
+        suppressed=SUPPRESSED,
+        stop_ids={EOT},
+    )
+    assert cut_at_eos(got, {EOT}) == want
+    assert len(want) > 0
+    return want
+
+
+def test_suppressed_ids_are_never_proposed(loaded, ckpt):
+    """Without the reference's suppression the fixture's answer would be another (its head favours
+    the suppressed ids), so the greedy parity above checks it."""
+    gen, block, steps = CASES[0]
+    before, _, after = prompt_with_image(loaded[0], seed=4)
+    _, _, image = ref.image_features(ckpt, pixels(4))
+    embeds = ref.embed_prompt(ckpt, before, image, after)
+    kw = dict(steps=steps, gen_length=gen, block_length=block, mask_id=MASK, stop_ids={EOT})
+    plain = ref.generate_with_embeds(ckpt, embeds, suppressed=[], **kw)
+    assert any(t in SUPPRESSED for t in plain)
+    assert plain != ref.generate_with_embeds(ckpt, embeds, suppressed=SUPPRESSED, **kw)
+
+
+def test_ids_past_the_vocabulary_without_an_image_are_refused(model):
+    with pytest.raises(llava_llada.ImageSlotError, match="stand for no stored image"):
+        model(mx.array([[300, model.args.vocab_size + 10**6]]))

@@ -269,7 +269,13 @@ class Model(nn.Module):
                 f"{NAME}: the prompt holds image ids whose features were dropped (more than "
                 f"{MAX_STORED_FEATURES} image features were stored since); encode its images again"
             )
-        table = mx.concatenate(slots["features"], axis=0).astype(h.dtype)
+        table = mx.concatenate(slots["features"], axis=0) if slots["features"] else None
+        if table is None or bool((is_image & (index >= table.shape[0])).any().item()):
+            raise ImageSlotError(
+                f"{NAME}: the prompt holds token ids past the vocabulary ({vocab}) that stand for "
+                "no stored image; give images through the processor (image=...), not as ids"
+            )
+        table = table.astype(h.dtype)
         feats = table[mx.where(is_image, index, 0)]
         return mx.where(is_image[..., None], feats, h)
 
@@ -330,7 +336,7 @@ class Model(nn.Module):
             threshold_keeps_lowest=True,
             eot_token_names=llada.EOT_TOKENS,
             eos_token_names=EOS_TOKEN_NAMES,
-            suppressed_token_ids=suppressed,
+            logit_suppressed_token_ids=suppressed,
             vocab_size=a.vocab_size,
         )
 
