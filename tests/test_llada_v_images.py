@@ -1,0 +1,93 @@
+"""LLaDA-V's images through the public API: the processor (SigLIP preprocessing against the
+reference's, `<image>` placement), generate_diffusion(image=) and batch_generate_diffusion(images=)
+(a different image, several, or none per row: each row equals its run alone)."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import stream_tokens
+from fixtures import build_once
+from fixtures.llada_v import TILE, build_llada_v
+from mlx_dllm_models import batch_generate_diffusion, load
+from mlx_dllm_models.settings import SettingsError
+from mlx_dllm_models.vision import ImageError
+
+SETTINGS = dict(max_tokens=16, block_length=8, steps=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(fixture_dir):
+    return load(build_once(fixture_dir / "llada_v", build_llada_v))
+
+
+def picture(seed, size=(40, 70)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+
+
+def reference_preprocess(image, size):
+    """SigLipImageProcessor.preprocess (LLaDA-V's siglip_encoder.py): RGB, bicubic resize to
+    size x size, x / 255, (x - 0.5) / 0.5, channels first; written with PIL and numpy alone."""
+    x = np.asarray(image.convert("RGB").resize((size, size), Image.BICUBIC), dtype=np.float64)
+    x = (x / 255 - 0.5) / 0.5
+    return x.transpose(2, 0, 1)[None]
+
+
+def test_preprocessing_matches_the_reference_on_a_real_photo(loaded):
+    datasets = pytest.importorskip("sklearn.datasets")
+    photo = Image.fromarray(datasets.load_sample_image("china.jpg"))  # 640 x 427
+    _, processor = loaded
+    for size in (TILE, 384):
+        processor.size = size
+        got = processor.preprocess(photo)
+        assert got.shape == (1, 3, size, size) and got.dtype == np.float32
+        np.testing.assert_allclose(got, reference_preprocess(photo, size), atol=1e-5)
+    processor.size = TILE
+
+
+def test_processor_puts_each_images_features_at_its_placeholder(loaded):
+    model, processor = loaded
+    out = processor(text=["ab<image>cd<image>e"], images=[picture(0), picture(1)])
+    ids = out["input_ids"][0]
+    assert out["pixel_values"] is None
+    tok = processor.tokenizer
+    n = (TILE // 14) ** 2 + 1
+    image_ids = [t for t in ids if model.is_image_id(t)]
+    assert len(image_ids) == 2 * n
+    text = [t for t in ids if not model.is_image_id(t)]
+    assert text == tok.encode("ab") + tok.encode("cd", add_special_tokens=False) + tok.encode(
+        "e", add_special_tokens=False
+    )
+    first = ids.index(image_ids[0])
+    assert ids[first + n : first + n + 2] == tok.encode("cd", add_special_tokens=False)
+    with pytest.raises(ValueError, match="1 <image> placeholders for 2 images"):
+        processor(text=["a<image>b"], images=[picture(0), picture(1)])
+
+
+def test_generate_with_an_image_equals_the_prompt_of_feature_ids(loaded):
+    model, processor = loaded
+    image = picture(2)
+    got = stream_tokens(model, processor, "<image>What is it?", image=image, **SETTINGS)
+    ids = processor(text=["<image>What is it?"], images=[image])["input_ids"][0]
+    assert got == stream_tokens(model, processor, ids, **SETTINGS)
+    other = stream_tokens(model, processor, "<image>What is it?", image=picture(3), **SETTINGS)
+    assert other != got  # the image is read
+
+
+def test_batch_rows_with_other_several_or_no_images_equal_single_runs(loaded):
+    model, processor = loaded
+    prompts = ["<image>What is it?", "<image> and <image>: which?", "No picture here", "<image>?"]
+    images = [picture(4), [picture(5), picture(6)], None, picture(7, size=(90, 30))]
+    batch = batch_generate_diffusion(model, processor, prompts, images=images, **SETTINGS)
+    for prompt, image, tokens in zip(prompts, images, batch.tokens):
+        single = stream_tokens(model, processor, prompt, image=image, **SETTINGS)
+        assert tokens == single
+
+
+def test_bad_images_are_clear_errors(loaded, tmp_path):
+    model, processor = loaded
+    with pytest.raises(ImageError, match="does not exist"):
+        stream_tokens(model, processor, "<image>hi", image=str(tmp_path / "none.png"), **SETTINGS)
+    with pytest.raises(SettingsError, match="outside the vocabulary"):
+        stream_tokens(model, processor, [1, 2, -5], **SETTINGS)
