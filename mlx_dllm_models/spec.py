@@ -7,7 +7,7 @@ settings exist and whom they belong to is the settings table's (settings.SETTING
 layout offers is the backend table's (engine.registry.BACKENDS).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Tuple
 
 # Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
@@ -115,6 +115,16 @@ class DiffusionSpec:
     # columns, so the prompt's first block holds its leading len % block_length tokens); the
     # last block holds only the positions max_tokens leaves, not a whole block of masks.
     blocks_end_at_prompt: bool = False
+    # Spec fields a sampler brings (sampler -> {field: value}), where the checkpoint cannot tell
+    # how it was trained: dllm's A2D conversions are one model_type whether MDLM- or BD3LM-trained,
+    # and its BD3LM sampler reads them block-causally (for_settings applies them).
+    sampler_spec: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def for_settings(spec: DiffusionSpec, settings: Mapping) -> DiffusionSpec:
+    """The spec a run of these settings decodes under: `spec` with the fields its sampler brings."""
+    fields = spec.sampler_spec.get(settings.get("sampler"))
+    return replace(spec, **fields) if fields else spec
 
 
 def read_generation_config(generation_config: Mapping, keys: Mapping[str, str]) -> dict:

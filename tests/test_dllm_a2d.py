@@ -23,11 +23,11 @@ from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import BlockEvent, make_decoder, select_backend
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
-from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL
+from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, for_settings
 from reference.dllm_a2d import (
     bd3lm_sample,
     get_num_transfer_tokens,
@@ -97,7 +97,7 @@ def test_spec_and_defaults_are_the_sample_script_recipe(loaded):
     # Qwen3's generation_config (temperature 0.6, top_p, top_k) is never read by dllm's sampler.
     assert model.generation_config["temperature"] == 0.6
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-    want = dict(sampler="dllm", block_length=32, steps=32, max_tokens=128, temperature=0.0)
+    want = dict(sampler="mdlm", block_length=32, steps=32, max_tokens=128, temperature=0.0)
     assert {k: s[k] for k in want} == want
     assert s["top_p"] is None and s["top_k"] is None
 
@@ -130,7 +130,7 @@ def test_schedule_equals_dllms_get_num_transfer_tokens(steps):
     # Not LLaDA's even split: 10 masks over 4 steps is [2, 3, 2, 3] (round half to even), not
     # [3, 3, 2, 2].
     assert linear_alpha_quotas(10, 4) == [2, 3, 2, 3]
-    assert COMMIT_RULES["dllm"].schedule is dllm_schedule
+    assert COMMIT_RULES["mdlm"].schedule is COMMIT_RULES["bd3lm"].schedule is dllm_schedule
 
 
 # --------------------------------------------------------------------------------- decoding
@@ -297,19 +297,6 @@ def test_published_config_builds_the_full_model_lazily():
 # ------------------------------------------------------------------------ BD3LM (block diffusion)
 
 
-def bd3lm(model):
-    """The model with the BD3LM reading of its spec: block-causal attention whose blocks end at the
-    prompt's end (dllm's BD3LMSampler), as a BD3LM checkpoint declares it."""
-    spec = model.diffusion_spec
-    model.diffusion_spec = replace(spec, attention=BLOCK_CAUSAL, blocks_end_at_prompt=True)
-    return model
-
-
-@pytest.fixture(scope="module")
-def bd3lm_model(ckpt):
-    return bd3lm(load_fixture(ckpt)[0])
-
-
 def bd3lm_reference(ckpt, prompts, max_tokens, block, steps_per_block):
     total = steps_per_block * math.ceil(max_tokens / block)
     seq, padded = bd3lm_sample(
@@ -329,36 +316,75 @@ BD3LM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cache", ["prefix", "none"])
+@pytest.mark.parametrize("cache", ["auto", "none"])
 @pytest.mark.parametrize("case", BD3LM_CASES)
-def test_bd3lm_greedy_tokens_match_the_block_sampler(bd3lm_model, ckpt, case, cache):
+def test_bd3lm_greedy_tokens_match_the_block_sampler(loaded, ckpt, case, cache):
     n, seed, max_tokens, block, steps = case
+    model, _ = loaded
     p = prompt(n, seed)
     want = bd3lm_reference(ckpt, [p], max_tokens, block, steps)[0]
-    got, _ = ours(
-        bd3lm_model, [p], max_tokens=max_tokens, block_length=block, steps=steps, cache=cache
-    )
+    kw = dict(max_tokens=max_tokens, block_length=block, steps=steps, cache=cache)
+    got, nfe = ours(model, [p], sampler="bd3lm", **kw)
     # The reference stops after a block holding EOS; the tokens before are the same.
     assert got[0][: len(want)] == want and len(want) >= min(block, max_tokens)
+    # MDLM's bidirectional reading of the same checkpoint gives other tokens.
+    assert ours(model, [p], sampler="mdlm", **kw)[0][0] != got[0]
 
 
-def test_bd3lm_blocks_end_at_the_prompt(bd3lm_model, ckpt):
+def test_bd3lm_runs_on_the_exact_prefix_cache(loaded):
+    model, _ = loaded
+    spec = for_settings(model.diffusion_spec, {"sampler": "bd3lm"})
+    assert (spec.attention, spec.blocks_end_at_prompt) == (BLOCK_CAUSAL, True)
+    assert model.diffusion_spec.attention == BIDIRECTIONAL  # the model's own spec is MDLM's
+    assert select_backend(model.diffusion_spec, {"sampler": "bd3lm"}).__name__ == "PrefixCache"
+    assert select_backend(model.diffusion_spec, {"sampler": "mdlm"}).__name__ == "FullRecompute"
+
+
+def test_bd3lm_blocks_end_at_the_prompt(loaded, ckpt):
     """Blocks counted from position 0 (SDAR's alignment) give other tokens: the layout matters."""
+    model, _ = loaded
     p = prompt(6, 0)
     want = bd3lm_reference(ckpt, [p], 16, 8, 8)[0]
-    sdar = replace(bd3lm_model.diffusion_spec, blocks_end_at_prompt=False)
-    model = load_fixture(ckpt)[0]
-    model.diffusion_spec = sdar
-    got, _ = ours(model, [p], max_tokens=16, block_length=8, steps=8)
+    sdar = load_fixture(ckpt)[0]
+    sdar.diffusion_spec = replace(
+        sdar.diffusion_spec, sampler_spec={"bd3lm": {"attention": BLOCK_CAUSAL}}
+    )
+    got, _ = ours(sdar, [p], sampler="bd3lm", max_tokens=16, block_length=8, steps=8)
     assert got[0][: len(want)] != want
 
 
-def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(bd3lm_model, ckpt):
+def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(loaded, ckpt):
+    model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
-    kw = dict(max_tokens=12, block_length=4, steps=3)
-    got, _ = ours(bd3lm_model, prompts, **kw)
-    for p, row in zip(prompts, got):
-        assert row == ours(bd3lm_model, [p], **kw)[0][0]
-    want = bd3lm_reference(ckpt, prompts, 12, 4, 3)
-    for row, ref in zip(got, want):
+    kw = dict(sampler="bd3lm", max_tokens=12, block_length=4, steps=3)
+    batch = batch_generate_diffusion(model, tok, prompts, **kw)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    got, _ = ours(model, prompts, **kw)
+    for row, ref in zip(got, bd3lm_reference(ckpt, prompts, 12, 4, 3)):
         assert row[: len(ref)] == ref[: len(row)]
+
+
+def test_bd3lm_request_through_serve(loaded, ckpt):
+    from openai import OpenAI
+
+    from mlx_dllm_models.server import make_server, shutdown
+
+    model, tok = loaded
+    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+        answer = client.completions.create(
+            model="a2d",
+            prompt="hello",
+            max_tokens=8,
+            seed=3,
+            temperature=0,
+            extra_body={"sampler": "bd3lm", "block_length": 4},
+        )
+        kw = dict(sampler="bd3lm", block_length=4, max_tokens=8, seed=3)
+        want = "".join(r.text for r in stream(model, tok, "hello", **kw))
+        assert answer.choices[0].text == want
+    finally:
+        shutdown(server)

@@ -1,7 +1,7 @@
 """dllm's A2D Qwen3 over two ranks of MLX's ring backend (mlx.launch on loopback, through
 tests/distributed_worker.py, as tests/test_rnd1_coda_sharded.py runs RND1 and CoDA): each rank's
 logits are bitwise the same, within reduction noise of one process, and the generated tokens at the
-family's defaults (sampler dllm) are one process's."""
+family's defaults (sampler mdlm) are one process's."""
 
 import json
 import socket

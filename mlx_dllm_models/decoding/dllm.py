@@ -1,6 +1,8 @@
 """dllm's masked-diffusion samplers (ZHZisZZ/dllm, dllm/core/samplers): the per-step quota schedule
 of `get_num_transfer_tokens` (samplers/utils.py) under its default LinearAlphaScheduler, and the
-low_confidence remasking of MDLMSampler (samplers/mdlm.py), the `dllm` sampler.
+low_confidence remasking of MDLMSampler (samplers/mdlm.py) and BD3LMSampler (samplers/bd3lm.py):
+the `mdlm` and `bd3lm` samplers (one rule; what differs is the attention, which the family's spec
+says).
 
 The schedule differs from LLaDA's (decoding.schedule.transfer_schedule, an even split with the
 remainder first): each step takes round(remaining x (1 - (1 - alpha(s)) / (1 - alpha(t)))) of the
@@ -47,7 +49,7 @@ def dllm_schedule(masks: mx.array, steps: int, settings=None) -> mx.array:
 
 
 def dllm_commit(stats, cand, ctx):
-    """Sampler "dllm" (MDLMSampler, remasking="low_confidence"): the schedule's quota of the block's
+    """Samplers "mdlm" / "bd3lm" (remasking="low_confidence"): the schedule's quota of the block's
     most confident masks."""
     return quota_commit(stats.confidence, cand, ctx.floor)
 

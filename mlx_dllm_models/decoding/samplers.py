@@ -97,5 +97,6 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "sub_block": sub_block_commit,  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
     "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
     "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
-    "dllm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule
+    "mdlm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule
+    "bd3lm": dllm_commit,  # dllm's BD3LMSampler: the same rule; its spec brings block-causal blocks
 }

@@ -136,6 +136,10 @@ class PrefixCache:
         self.prefill(x, first=keep)
 
     def kv_prefix(self, x) -> PriorKV:
+        if self.on_columns:
+            # Blocks that end at the prompt's end move with its length: a longer prompt that
+            # continues this one puts the shared tokens on other blocks, so no K/V carry over.
+            return None
         committed = self.cache.committed
         return PriorKV(x[0, :committed].tolist(), self.cache, self._kind())
 

@@ -35,7 +35,7 @@ from ..decoding.d3llm import fill_after_eos
 from ..decoding.llada import confidence_suppressed_ids, suppress_logits
 from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..settings import SettingsError
-from ..spec import BLOCK_CAUSAL
+from ..spec import BLOCK_CAUSAL, for_settings
 from .base import BlockEvent, StepEvent, block_event, check_finite
 from .constrained import RowConstraints, make_row_constraints
 from .editing import BlockEditing
@@ -143,7 +143,7 @@ class MaskedBlockDecoder:
         self.model = model
         # Structured output: each row's structured.Constraint (None: unconstrained), or None.
         self.constraints = constraints
-        self.spec = model.diffusion_spec
+        self.spec = for_settings(model.diffusion_spec, settings)
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
         self.suffix = list(suffix)  # infilling: the tokens after every row's canvas

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from ..settings import SettingsError
-from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_PREFIX, CAUSAL_WINDOW, ENCODER_CANVAS
+from ..spec import (
+    BIDIRECTIONAL,
+    BLOCK_CAUSAL,
+    CAUSAL_PREFIX,
+    CAUSAL_WINDOW,
+    ENCODER_CANVAS,
+    for_settings,
+)
 from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
@@ -52,6 +59,7 @@ def cache_choices(attention: str) -> Tuple[str, ...]:
 def select_backend(spec, settings):
     """The backend class for the spec's layout and the `cache` setting (None for a layout whose
     decoder keeps its own cache)."""
+    spec = for_settings(spec, settings)  # a sampler may bring its layout (dllm's bd3lm)
     table = BACKENDS[spec.attention]
     cache = settings.get("cache") or "auto"
     if cache == "auto":

@@ -1,5 +1,6 @@
-"""dllm's A2D Qwen3 (model_type "a2d-qwen3"): a Qwen3 body read bidirectionally, the MDLM checkpoints
-of ZHZisZZ/dllm (dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1, converted from Qwen/Qwen3-0.6B).
+"""dllm's A2D Qwen3 (model_type "a2d-qwen3"): a Qwen3 body without its causal mask, the MDLM and
+BD3LM checkpoints of ZHZisZZ/dllm (dllm-hub/Qwen3-0.6B-diffusion-mdlm-v0.1 and -bd3lm-v0.1, both
+converted from Qwen/Qwen3-0.6B by the same script).
 
 Reproduces `dllm/pipelines/a2d/models/qwen3/modeling_qwen3.py` (A2DQwen3LMHeadModel): transformers'
 Qwen3 layers and weights unchanged, with the causal mask replaced by a padding-only one, so every
@@ -11,7 +12,11 @@ ids (EOS <|im_end|>, pad / BOS <|endoftext|>) carry over. The mask token is the 
 
 Decoding is dllm's MDLMSampler (dllm/core/samplers/mdlm.py, LLaDA's generate.py reworked): blocks
 from the prompt's end, each step commits the block's most confident masks (softmax of the raw
-logits at the argmax), as many as dllm's linear-alpha schedule gives (decoding.dllm).
+logits at the argmax), as many as dllm's linear-alpha schedule gives (decoding.dllm): sampler
+"mdlm", the default. Sampler "bd3lm" is BD3LMSampler (dllm/core/samplers/bd3lm.py), the same rule
+under block-causal attention whose blocks end at the prompt's end, for the BD3LM checkpoints: their
+config.json is the MDLM one's, so only the sampler tells them apart. Both samplers' example
+recipes (examples/a2d/{mdlm,bd3lm}/sample.py) are the same numbers.
 """
 
 from dataclasses import dataclass
@@ -21,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from . import sharding
 from .common import (
     build_spec,
@@ -39,12 +44,12 @@ from .common import (
 A2D_MASK_TOKEN_ID = 151669
 QWEN3_EOS_TOKEN_ID = 151645  # <|im_end|>, Qwen3-0.6B's eos_token_id and dllm's eot_token
 
-# examples/a2d/mdlm/sample.py's SamplerConfig (the Tiny-A2D checkpoints' example): 128 new tokens
+# examples/a2d/mdlm/sample.py's SamplerConfig (bd3lm/sample.py's is the same): 128 new tokens
 # in blocks of 32, 128 steps in all (dllm's steps are total: ceil(128 / 4) = 32 per block, this
 # package's `steps` is per block), temperature 0, remasking "low_confidence". Its cfg_scale 0 (no
 # guidance) is the only value here: guidance is not offered for this family.
 REFERENCE_DEFAULTS = {
-    "sampler": "dllm",
+    "sampler": "mdlm",
     "block_length": 32,
     "steps": 32,
     "max_tokens": 128,
@@ -118,9 +123,12 @@ class Model(nn.Module):
             BIDIRECTIONAL,
             confidence="raw",  # MDLMSampler: softmax of the unprocessed logits at the argmax
             quota_base="masks",
-            # "dllm" is MDLMSampler's low_confidence remasking on its own schedule; the shared
-            # samplers run on the same forward.
-            samplers=("dllm",) + SHARED_SAMPLERS,
+            # "mdlm" is MDLMSampler's low_confidence remasking on dllm's schedule, "bd3lm" the
+            # same rule as BD3LMSampler runs it; the shared samplers read the MDLM way.
+            samplers=("mdlm", "bd3lm") + SHARED_SAMPLERS,
+            # config.json is the same for dllm's MDLM and BD3LM conversions: the sampler says
+            # which it is. BD3LMSampler attends block-causally, blocks ending at the prompt.
+            sampler_spec={"bd3lm": {"attention": BLOCK_CAUSAL, "blocks_end_at_prompt": True}},
             defaults=dict(REFERENCE_DEFAULTS),
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             vocab_size=self.args.vocab_size,
