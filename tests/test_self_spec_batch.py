@@ -185,6 +185,34 @@ def test_concurrent_server_requests_share_forwards(loaded):
     assert len(calls) < sum(n for _, n in alone)
 
 
+@pytest.fixture(scope="module")
+def with_adapter(tmp_path_factory):
+    return load_fixture(fx.build_with_draft_adapter(tmp_path_factory.mktemp("lora") / "ckpt"))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(cache="auto"), dict(cache="none"), dict(draft_threshold=0.99)],
+    ids=["adapter", "adapter-recompute", "adapter-threshold"],
+)
+def test_draft_adapter_rows_equal_their_single_runs(with_adapter, kw):
+    """The draft adapter's rounds (linear_spec_generate: a drafting forward with the adapter on,
+    a verifying one with it off) batched; with draft_threshold, a round drafts until every row's
+    block is filled (a filled row is left as it is)."""
+    model, tok = with_adapter
+    batch, decoder = decode(model, tok, PROMPTS, max_tokens=24, **kw)
+    singles = [decode(model, tok, [p], max_tokens=24, **kw) for p in PROMPTS]
+    for p, got, (alone, _) in zip(PROMPTS, batch, singles):
+        assert got == alone[0] == fx.ar_greedy(model, p, 24)
+    nfes = [d.nfe for _, d in singles]
+    if "draft_threshold" in kw:
+        # A round's draft forwards are the most any row needs.
+        assert max(nfes) <= decoder.nfe < sum(nfes), (decoder.nfe, nfes)
+    else:
+        assert decoder.nfe == max(nfes) < sum(nfes), (decoder.nfe, nfes)
+    assert decoder.drafted == sum(d.drafted for _, d in singles)
+
+
 def test_rows_prefix_mask():
     # One row: causal_prefix_mask's rows from the forward's first column.
     got = rows_prefix_mask([3], [5], [9], 6)

@@ -143,7 +143,11 @@ class _RowKVForwards:
         news = [row[start:] for row, start in zip(ids, starts)]
         x, stops = _padded(news), [len(row) for row in ids]
         cache = self.cache.place(starts, stops, x.shape[1])
-        mask = rows_prefix_mask(starts, splits, stops, x.shape[1])
+        if len(ids) == 1 and splits[0] in (starts[0], stops[0]):
+            # One row reads no padding: SDPA's own modes, no mask to build (as _KVForwards).
+            mask = None if splits[0] == starts[0] else "causal"
+        else:
+            mask = rows_prefix_mask(starts, splits, stops, x.shape[1])
         span = (min(lo for lo, _ in heads), max(hi for _, hi in heads))
         return _rows_of(self.model(x, cache=cache, mask=mask, head_span=span), heads, span[0])
 

@@ -123,7 +123,7 @@ class SelfSpeculativeDecoder:
     forward's K/V after its own final ones, RoPE at its own columns, and the batch mask hides from
     it every column it has not written), and a row that finishes leaves the batch. At temperature
     0 a row's tokens are those it gets alone; above it, its draws depend on its batch-mates (the
-    decoder's one key stream). The draft adapter's rounds (`_run_row_linear`) run row by row.
+    decoder's one key stream). The draft adapter's rounds batch the same way (`_run_rows_linear`).
     """
 
     # Structured output: each verified position's distribution masked by the grammar
@@ -140,7 +140,6 @@ class SelfSpeculativeDecoder:
     ):
         self.model = model
         self.constraints = constraints  # one structured.Constraint (or None) per prompt
-        self.constraint = None  # the row being decoded's TokenSequenceConstraint (linear rounds)
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
@@ -154,8 +153,7 @@ class SelfSpeculativeDecoder:
         self.accepted = 0  # drafts kept
 
     def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
-        """Decode `prompts` (a batch sharing each forward; with the draft adapter or
-        `draft_threshold`, one after another). `constraints`: each row's structured.Constraint
+        """Decode `prompts`, a batch sharing each forward. `constraints`: each row's structured.Constraint
         (None: unconstrained; default: the decoder's), `consumed` the tokens each row already
         returned (its grammar continues after them), as MaskedBlockDecoder.run takes them."""
         adapter = getattr(self.model, "has_draft_adapter", False)
@@ -167,12 +165,7 @@ class SelfSpeculativeDecoder:
             done = () if consumed is None else consumed[row]
             c = c and TokenSequenceConstraint(c, self.eos, self.s["max_tokens"], done)
             rows.append(_Row(row, [int(t) for t in prompt], c))
-        if not linear:
-            yield from self._run_rows(rows)
-            return
-        for r in rows:
-            self.constraint = r.constraint
-            yield from self._run_row_linear(r.index, r.ids)
+        yield from (self._run_rows_linear if linear else self._run_rows)(rows)
 
     def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
         """`new`, the round's tokens (new tokens number len(out).. of a row that has produced
@@ -195,13 +188,25 @@ class SelfSpeculativeDecoder:
             logits = mx.concatenate([logits, extra])
         return entries(logits, new, self.s["logprobs"])
 
-    def _confirmed(self, row: int, new: List[int], out: List[int], logits):
-        """The block event of a row's newly confirmed tokens, which join `out`."""
-        logprobs = self._logprobs(new, logits)
-        out += new
-        finished = len(out) >= self.s["max_tokens"]
-        logprobs = None if logprobs is None else [logprobs]
-        return block_event([row], [new], [finished], self.eos, self.nfe, logprobs)
+    def _emit(self, rows: List[_Row], news, logits):
+        """The block event of the rows' newly confirmed tokens `news`, which join their outputs;
+        `logits[i]`: the causal rows that gave row i's, in order (their log-probabilities, with
+        the logprobs setting: one more read)."""
+        logprobs = [self._logprobs(new, lg) for new, lg in zip(news, logits)]
+        for r, new in zip(rows, news):
+            r.out += new
+        at_limit = [len(r.out) >= self.s["max_tokens"] for r in rows]
+        if self.s.get("logprobs") is None:
+            logprobs = None
+        return block_event([r.index for r in rows], news, at_limit, self.eos, self.nfe, logprobs)
+
+    @staticmethod
+    def _leave(rows: List[_Row], run, event):
+        """The rows that go on after `event`, and their forwards (finished rows leave)."""
+        keep = [i for i, done in enumerate(event.finished) if not done]
+        if len(keep) == len(rows) or not keep:
+            return [rows[i] for i in keep], run
+        return [rows[i] for i in keep], run.select(keep)
 
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
@@ -251,33 +256,16 @@ class SelfSpeculativeDecoder:
             if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
                 check_finite(mx.concatenate(logits), self.model)
             greedy = self._greedy(rows, logits, plans)
-            news, logprobs = [], []
-            for r, lg, p, g in zip(rows, logits, plans, greedy):
-                new = self._round(r, lg, p.k, g)
-                news.append(new)
-                logprobs.append(self._logprobs(new, lg[: p.k + 1]))
-                r.out += new
-            at_limit = [len(r.out) >= self.s["max_tokens"] for r in rows]
-            has_logprobs = self.s.get("logprobs") is not None
-            event = block_event(
-                [r.index for r in rows],
-                news,
-                at_limit,
-                self.eos,
-                self.nfe,
-                logprobs if has_logprobs else None,
-            )
+            news = [self._round(*args) for args in zip(rows, logits, plans, greedy)]
+            event = self._emit(rows, news, [lg[: p.k + 1] for lg, p in zip(logits, plans)])
             yield event
-            keep = [i for i, done in enumerate(event.finished) if not done]
-            if len(keep) < len(rows):
-                rows = [rows[i] for i in keep]
-                run = run.select(keep) if rows else run
+            rows, run = self._leave(rows, run, event)
 
-    def _round(self, r: _Row, logits, k: int, greedy) -> List[int]:
+    def _round(self, r: _Row, logits, plan: _Plan, greedy) -> List[int]:
         """Row r's confirmed tokens of a round from its forward rows `logits` (the k + 1 verified
         ones, the window's first, its drafts'); its next drafts and final columns are updated.
         `greedy`: its precomputed (causal tokens, window drafts) at temperature 0, or None."""
-        mask_id = self.spec.mask_token_id
+        mask_id, k = self.spec.mask_token_id, plan.k
         verify, window_logits = logits[: k + 1], logits[k + 2 :]
         new = self._accept(
             verify, r.drafts, r.q, r.constraint, None if greedy is None else greedy[0]
@@ -331,75 +319,86 @@ class SelfSpeculativeDecoder:
             return drafts[:n] + [ar[n]]
         return speculative_accept(_probs(verify, self.s, self.spec), q, drafts, next_key(self))
 
-    def _draft(self, run, x, start, stop):
-        """The block's drafts (columns start+1..stop-1) and, above temperature 0, the distributions
-        they were drawn from. One forward fills every mask; with `draft_threshold`, forwards repeat
-        and each reveals the masks whose confidence (the softmax probability of the proposal)
-        reaches it, at least the most confident one (linear_spec_generate's threshold > 0)."""
+    def _draft(self, run, rows: List[_Row]):
+        """Each row's block drafts (the columns after its last confirmed token's, block_length - 1
+        of them) and, above temperature 0, the distributions they were drawn from (else None).
+        One forward fills every mask; with `draft_threshold`, forwards repeat until every row's
+        masks are filled, each revealing a row's masks whose confidence (the softmax probability
+        of the proposal) reaches it, at least its most confident one (linear_spec_generate's
+        threshold > 0); a row already filled is left as it is."""
         s, spec, model = self.s, self.spec, self.model
         mask_id, threshold = spec.mask_token_id, s.get("draft_threshold")
-        sampled = s["temperature"] != 0
-        masked = mx.ones((stop - start - 1,), dtype=mx.bool_)
+        width, b = s["block_length"] - 1, len(rows)
+        starts = [len(r.ids) - 1 for r in rows]
+        drafts = mx.full((b, width), mask_id, dtype=mx.int32)
+        masked = mx.ones((b, width), dtype=mx.bool_)
         q = None
         while True:
+            ids = [r.ids + d for r, d in zip(rows, drafts.tolist())]
             _set_draft_adapter(model, True)
             try:
                 self.nfe += 1
-                logits = run.bidirectional(x, start, stop)[0, 1:]
+                logits = mx.stack(run.mixed(ids, starts, starts, [(1, width + 1)] * b))
             finally:
                 _set_draft_adapter(model, False)
             tokens = mx.array(self._tokens(logits, suppress=(mask_id,)), dtype=mx.int32)
-            if threshold is None:
-                reveal = masked
-            else:
+            reveal = masked
+            if threshold is not None:
                 p = mx.softmax(logits.astype(mx.float32), axis=-1)
-                confidence = mx.take_along_axis(p, tokens[:, None], axis=-1)[:, 0]
-                reveal = threshold_commit(confidence[None], masked[None], threshold)[0]
-            if sampled:
+                confidence = mx.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
+                reveal = threshold_commit(confidence, masked, threshold) & masked
+            if s["temperature"] != 0:
                 probs = _probs(logits, s, spec, suppress=(mask_id,))
-                q = probs if q is None else mx.where(reveal[:, None], probs, q)
-            x[0, start + 1 : stop] = mx.where(reveal, tokens, x[0, start + 1 : stop])
+                q = probs if q is None else mx.where(reveal[..., None], probs, q)
+            drafts = mx.where(reveal, tokens, drafts)
             masked = masked & ~reveal
             if not masked.any().item():
-                return x[0, start + 1 : stop].tolist(), q
+                return drafts.tolist(), [None] * b if q is None else list(q)
 
-    def _run_row_linear(self, row, prompt):
-        """One prompt, rounds of the reference's `linear_spec_generate` (used with the draft
-        adapter, or with `draft_threshold`): the block [t, masks] at columns start..stop-1 (t the
-        last confirmed token, whose K/V are not computed yet) is drafted with the adapter on,
-        attending to the final K/V before it and to itself; a causal forward over the block with
-        the adapter off verifies the drafts; the kept ones and the causal next token are returned,
-        and the cache keeps the K/V of t and of the kept drafts."""
-        s, spec, model = self.s, self.spec, self.model
-        mask_id, max_tokens, window = spec.mask_token_id, s["max_tokens"], s["block_length"]
-        start = len(prompt)
-        x = mx.array([prompt + [mask_id] * (max_tokens + window)], dtype=mx.int32)
-        run = self.forwards(model, x.shape[1], None)
+    def _verify_linear(self, rows: List[_Row], run):
+        """A round after the first: the rows' blocks drafted, then verified by one causal
+        forward over them with the adapter off; each row's kept drafts and the causal next token
+        (and the verify forward's rows, for their log-probabilities). The K/V of each row's last
+        confirmed token and of its kept drafts are final; the next token's are not."""
+        drafts, qs = self._draft(run, rows)
+        for i, r in enumerate(rows):
+            if r.constraint is not None:
+                drafts[i], qs[i] = self._drafts(drafts[i], qs[i], r.constraint, len(drafts[i]))
+        ids = [r.ids + d for r, d in zip(rows, drafts)]
+        starts = [len(r.ids) - 1 for r in rows]
+        self.nfe += 1
+        window = self.s["block_length"]
+        logits = run.mixed(ids, starts, [len(x) for x in ids], [(0, window)] * len(rows))
+        news = []
+        for r, verify, d, q in zip(rows, logits, drafts, qs):
+            new = self._end_thinking(self._accept(verify, d, q, r.constraint), r.out)
+            self.drafted += len(d)
+            self.accepted += len(new) - 1
+            r.ids = r.ids + new
+            news.append(new[: self.s["max_tokens"] - len(r.out)])
+        return news, logits
+
+    def _run_rows_linear(self, rows: List[_Row]):
+        """Rounds of the reference's `linear_spec_generate` (used with the draft adapter, or with
+        `draft_threshold`), the rows sharing each forward: a row's block [t, masks] (t its last
+        confirmed token, whose K/V are not computed yet) is drafted with the adapter on, attending
+        to the final K/V before it and to itself; a causal forward over the block with the
+        adapter off verifies the drafts; the kept ones and the causal next token are returned.
+        The first round is the prompts' causal prefill and its next token."""
+        model, window = self.model, self.s["block_length"]
+        width = max(len(r.ids) for r in rows) + self.s["max_tokens"] + window
+        run = self.row_forwards(model, len(rows), width)
         _set_draft_adapter(model, False)
         self.nfe += 1
-        logits = run.causal(x, 0, start, head_span=(start - 1, start))[0]
-        check_finite(logits, model)
-        out = []
-        new = self._end_thinking(self._tokens(logits), out)
-        while True:
-            x[:, start] = new[-1]
-            event = self._confirmed(row, new, out, logits)
+        ends = [len(r.ids) for r in rows]
+        logits = run.mixed([r.ids for r in rows], [0] * len(rows), ends, [(e - 1, e) for e in ends])
+        check_finite(mx.concatenate(logits), model)
+        news = [self._end_thinking(self._tokens(lg), r.out) for r, lg in zip(rows, logits)]
+        for r, new in zip(rows, news):
+            r.ids = r.ids + new
+        while rows:
+            event = self._emit(rows, news, logits)
             yield event
-            if event.finished[0]:
-                return
-            stop = start + window
-            x[:, start + 1 : stop] = mask_id
-            drafts, q = self._draft(run, x, start, stop)
-            if self.constraint is not None:
-                drafts, q = self._drafts(drafts, q, self.constraint, limit=len(drafts))
-                x[0, start + 1 : stop] = mx.array(drafts, dtype=mx.int32)
-            self.nfe += 1
-            verify = logits = run.mixed(x, start, stop, stop)[0]
-            new = self._end_thinking(self._accept(verify, drafts, q, self.constraint), out)
-            n = len(new) - 1
-            self.drafted += len(drafts)
-            self.accepted += n
-            # t and the kept drafts have final K/V; the causal next token goes at start + 1 + n.
-            run.keep(start + 1 + n)
-            new = new[: max_tokens - len(out)]
-            start += 1 + n
+            rows, run = self._leave(rows, run, event)
+            if rows:
+                news, logits = self._verify_linear(rows, run)
