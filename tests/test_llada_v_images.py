@@ -9,7 +9,7 @@ from PIL import Image
 from conftest import stream_tokens
 from fixtures import build_once
 from fixtures.llada_v import TILE, build_llada_v
-from mlx_dllm_models import batch_generate_diffusion, load
+from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError
 
@@ -91,3 +91,63 @@ def test_bad_images_are_clear_errors(loaded, tmp_path):
         stream_tokens(model, processor, "<image>hi", image=str(tmp_path / "none.png"), **SETTINGS)
     with pytest.raises(SettingsError, match="outside the vocabulary"):
         stream_tokens(model, processor, [1, 2, -5], **SETTINGS)
+
+
+def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_dir):
+    """The chat endpoint with an image_url data URL answers the tokens of one generate call on the
+    chat prompt with the image where the part was; the scheduler batches image and text rows, each
+    equal to its run alone."""
+    import base64
+    import io
+    import json
+    import threading
+    import urllib.request
+
+    from mlx_dllm_models.server import Job, Scheduler, make_server, shutdown
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, processor = loaded
+
+    def chat(content):
+        messages = [{"role": "user", "content": content}]
+        tok = text_tokenizer(processor)
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    scheduler = Scheduler(model, processor)
+    cases = [
+        (chat("<image>describe"), [picture(8)]),
+        (chat("describe"), None),
+        (chat("<image>describe"), [picture(9)]),
+    ]
+    jobs = [scheduler.submit(Job(p, dict(SETTINGS), images=im)) for p, im in cases]
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        assert steps < 50
+    assert scheduler.max_rows == 3 and all(j.done for j in jobs)
+    for job, (p, im) in zip(jobs, cases):
+        assert job.tokens == stream_tokens(model, processor, p, image=im, **SETTINGS)
+
+    path = fixture_dir / "llada_v"
+    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id="llada-v")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        buf = io.BytesIO()
+        picture(8).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
+        body = dict(SETTINGS, messages=[{"role": "user", "content": content}])
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = json.loads(r.read())["choices"][0]["message"]["content"]
+    finally:
+        shutdown(server)
+    runs = stream_generate_diffusion(
+        model, processor, chat("<image>x"), image=[picture(8)], **SETTINGS
+    )
+    want = "".join(r.text for r in runs)
+    assert want and text == want
