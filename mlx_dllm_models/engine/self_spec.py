@@ -143,9 +143,8 @@ class SelfSpeculativeDecoder:
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
-        # The causal-prefix backend the registry picked for the `cache` setting brings its forwards
-        # (a KV cache, or full recompute): one row's, and a batch's whose rows keep apart.
-        self.forwards = backend.forwards
+        # The causal-prefix backend the registry picked for the `cache` setting brings the
+        # batch's forwards, each row at columns of its own (a KV cache, or full recompute).
         self.row_forwards = backend.row_forwards
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
