@@ -12,6 +12,7 @@ import pytest
 from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
 from mlx_dllm_models.cache import RowKVCache
+from mlx_dllm_models.engine import join_policy
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.masks import causal_prefix_mask, rows_prefix_mask
 from mlx_dllm_models.server.scheduler import Job, Scheduler
@@ -183,6 +184,60 @@ def test_concurrent_server_requests_share_forwards(loaded):
     assert scheduler.max_rows == 3
     assert len(calls) == scheduler.forwards == max(n for _, n in alone)
     assert len(calls) < sum(n for _, n in alone)
+
+
+class GoneAfterLooks(Job):
+    """A job whose client goes away once the scheduler has looked `looks` times."""
+
+    def __init__(self, *args, looks: int, **kwargs):
+        self.looks, self.limit = 0, looks
+        super().__init__(*args, **kwargs)
+
+    @property
+    def cancelled(self):
+        self.looks += 1
+        return self.looks > self.limit
+
+    @cancelled.setter
+    def cancelled(self, value):
+        pass
+
+
+def _serve(scheduler):
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        assert steps < 200
+
+
+def test_a_later_request_joins_a_running_batch_and_a_cancelled_one_leaves(loaded):
+    """Self-speculation's rows are AR decoding: a request that arrives while a run decodes joins
+    it at the next round (the run restarts over [prompt ; returned tokens], each row with what is
+    left of its own max_tokens), and a cancelled row leaves at its next round; every other row's
+    tokens are its single call's. Not with a thinking budget (counted from the request's start)."""
+    model, tok = loaded
+    alone = [decode(model, tok, [p], max_tokens=n)[0][0] for p, n in zip(PROMPTS, (30, 20, 30))]
+    assert all(len(a) > 8 for a in alone)
+    scheduler = Scheduler(model, tok, max_batch=4)
+    first = scheduler.submit(Job(PROMPTS[0], dict(mode="self_spec", max_tokens=30)))
+    for _ in range(4):
+        scheduler.step()
+    assert 0 < len(first.tokens) < len(alone[0])
+    later = scheduler.submit(Job(PROMPTS[1], dict(mode="self_spec", max_tokens=20)))
+    gone = scheduler.submit(
+        GoneAfterLooks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
+    )
+    _serve(scheduler)
+    assert scheduler.joins == 1 and scheduler.max_rows == 3
+    assert first.tokens == alone[0] and later.tokens == alone[1]
+    assert gone.done and len(gone.tokens) < len(alone[2])
+    assert gone.tokens == alone[2][: len(gone.tokens)]
+    spec = model.diffusion_spec
+    settings = stream_events(model, tok, PROMPTS[:1], mode="self_spec", max_tokens=16)[0]
+    assert join_policy(spec, settings).joins and join_policy(spec, settings).drops_rows
+    think = dict(max_thinking_tokens=4, end_think_token_id=5, max_tokens=16)
+    settings = stream_events(model, tok, PROMPTS[:1], mode="self_spec", **think)[0]
+    assert not join_policy(spec, settings).joins
 
 
 @pytest.fixture(scope="module")

@@ -94,16 +94,19 @@ class Batching:
 def join_policy(spec, settings) -> Batching:
     """What the decoder and backend of these (resolved) settings declare: a decoder that restarts
     rows with per-row budgets says `drops_cancelled_rows`, a backend whose restart over [prompt ;
-    committed] reproduces the run says `joins_exactly(settings)`."""
+    committed] reproduces the run says `joins_exactly(settings)` (a decoder may say it itself)."""
     decoder = select_decoder(spec, settings)
     drops = getattr(decoder, "drops_cancelled_rows", False)
     backend = select_backend(spec, settings) if drops else None
-    exact = getattr(backend, "joins_exactly", None)
+    # A decoder that judges its own restarts says so (self-speculation's rows are AR decoding,
+    # whatever the backend's blocks); else its backend does.
+    judge = decoder if hasattr(decoder, "joins_exactly") else backend
+    exact = getattr(judge, "joins_exactly", None)
     joins = bool(exact is not None and exact(settings))
-    kind = getattr(backend, "kv_kind", None)
+    kind = getattr(judge, "kv_kind", None)
     kind = kind(settings) if kind is not None else None
     own_streams = getattr(decoder, "row_seeds", False)
-    return Batching(joins, joins and not backend.join_reencodes, drops, kind, own_streams)
+    return Batching(joins, joins and not judge.join_reencodes, drops, kind, own_streams)
 
 
 def select_decoder(spec, settings):

@@ -23,7 +23,7 @@ place of the last accepted token, which stays in its output: its output never sh
 no longer is what the model was conditioned on.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -82,12 +82,12 @@ def speculative_accept(p, q, drafts, key) -> List[int]:
 
 
 class _Row:
-    """A prompt's state in a batched run: its confirmed tokens (the prompt first), the columns
-    whose K/V are final, the drafts pending verification (and, sampled, their distributions), and
+    """A prompt's state in a batched run: its confirmed tokens (the prompt first), its max_tokens,
+    the columns whose K/V are final, the drafts pending verification (and, sampled, their distributions), and
     its new tokens."""
 
-    def __init__(self, index: int, prompt: List[int], constraint):
-        self.index, self.ids, self.constraint = index, prompt, constraint
+    def __init__(self, index: int, prompt: List[int], budget: int, constraint):
+        self.index, self.ids, self.budget, self.constraint = index, prompt, budget, constraint
         self.committed = 0
         self.drafts, self.q = [], None
         self.out: List[int] = []
@@ -129,6 +129,22 @@ class SelfSpeculativeDecoder:
     # Structured output: each verified position's distribution masked by the grammar
     # (engine/constrained.TokenSequenceConstraint).
     takes_constraints = True
+    # `run(cancelled=)` drops a cancelled row at its next round, and `run(budgets=)` restarts rows
+    # over [prompt ; returned tokens] with what is left of their max_tokens (the server's joins).
+    drops_cancelled_rows = True
+    join_reencodes = True  # a restart runs the rows' prefill again
+
+    @classmethod
+    def joins_exactly(cls, settings) -> bool:
+        """Whether a restart over [prompt ; returned tokens] reproduces the run (engine.join_policy
+        asks the decoder first): each row is AR decoding, whose next tokens depend on the tokens
+        so far only, whatever forwards produced them and whichever rows share them; except that
+        the thinking budget counts new tokens from the request's start, not the restart's."""
+        return settings.get("end_think_token_id") is None
+
+    @classmethod
+    def kv_kind(cls, settings):
+        return None  # a run takes no cache.PriorKV (nor leaves one)
 
     def __init__(
         self,
@@ -151,20 +167,30 @@ class SelfSpeculativeDecoder:
         self.drafted = 0  # drafts verified
         self.accepted = 0  # drafts kept
 
-    def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
-        """Decode `prompts`, a batch sharing each forward. `constraints`: each row's structured.Constraint
-        (None: unconstrained; default: the decoder's), `consumed` the tokens each row already
-        returned (its grammar continues after them), as MaskedBlockDecoder.run takes them."""
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        constraints=None,
+        consumed=None,
+        budgets: Optional[Sequence[int]] = None,
+        cancelled: AbstractSet[int] = frozenset(),
+    ):
+        """Decode `prompts`, a batch sharing each forward. `constraints`: each row's
+        structured.Constraint (None: unconstrained; default: the decoder's), `consumed` the tokens
+        each row already returned (its grammar continues after them), `budgets` each row's
+        max_tokens (default: the setting's), `cancelled` a set the caller may grow while the run
+        goes on (a row in it leaves at its next round), as MaskedBlockDecoder.run takes them."""
         adapter = getattr(self.model, "has_draft_adapter", False)
         linear = adapter or self.s.get("draft_threshold") is not None
         constraints = self.constraints if constraints is None else constraints
+        budgets = [self.s["max_tokens"]] * len(prompts) if budgets is None else budgets
         rows = []
-        for row, prompt in enumerate(prompts):
+        for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
             c = None if constraints is None else constraints[row]
             done = () if consumed is None else consumed[row]
-            c = c and TokenSequenceConstraint(c, self.eos, self.s["max_tokens"], done)
-            rows.append(_Row(row, [int(t) for t in prompt], c))
-        yield from (self._run_rows_linear if linear else self._run_rows)(rows)
+            c = c and TokenSequenceConstraint(c, self.eos, budget, done)
+            rows.append(_Row(row, [int(t) for t in prompt], budget, c))
+        yield from (self._run_rows_linear if linear else self._run_rows)(rows, cancelled)
 
     def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
         """`new`, the round's tokens (new tokens number len(out).. of a row that has produced
@@ -194,15 +220,20 @@ class SelfSpeculativeDecoder:
         logprobs = [self._logprobs(new, lg) for new, lg in zip(news, logits)]
         for r, new in zip(rows, news):
             r.out += new
-        at_limit = [len(r.out) >= self.s["max_tokens"] for r in rows]
+        at_limit = [len(r.out) >= r.budget for r in rows]
         if self.s.get("logprobs") is None:
             logprobs = None
         return block_event([r.index for r in rows], news, at_limit, self.eos, self.nfe, logprobs)
 
     @staticmethod
-    def _leave(rows: List[_Row], run, event):
-        """The rows that go on after `event`, and their forwards (finished rows leave)."""
-        keep = [i for i, done in enumerate(event.finished) if not done]
+    def _leave(rows: List[_Row], run, event, cancelled):
+        """The rows that go on after `event`, and their forwards (finished and cancelled rows
+        leave)."""
+        keep = [
+            i
+            for i, done in enumerate(event.finished)
+            if not done and rows[i].index not in cancelled
+        ]
         if len(keep) == len(rows) or not keep:
             return [rows[i] for i in keep], run
         return [rows[i] for i in keep], run.select(keep)
@@ -214,7 +245,7 @@ class SelfSpeculativeDecoder:
         """Row r's part of the next forward: its last confirmed token (whose K/V are not final),
         its pending drafts to verify, then the window of masks whose first column is the next
         round's confirmed token's and whose others draft the round after it."""
-        left = self.s["max_tokens"] - len(r.out)
+        left = r.budget - len(r.out)
         r.drafts = r.drafts[: left - 1]  # a round returns the kept drafts and one token more
         k = len(r.drafts)
         w = min(self.s["block_length"], left - k - 1)
@@ -244,9 +275,9 @@ class SelfSpeculativeDecoder:
         mx.eval([pair for pair in lazy if pair is not None])
         return [None if pair is None else (pair[0].tolist(), pair[1].tolist()) for pair in lazy]
 
-    def _run_rows(self, rows: List[_Row]):
+    def _run_rows(self, rows: List[_Row], cancelled):
         """The rows' rounds, one forward a round for all of them (see the class docstring)."""
-        width = max(len(r.ids) for r in rows) + self.s["max_tokens"]
+        width = max(len(r.ids) + r.budget for r in rows)
         run = self.row_forwards(self.model, len(rows), width)
         while rows:
             plans = [self._plan(r) for r in rows]
@@ -258,7 +289,7 @@ class SelfSpeculativeDecoder:
             news = [self._round(*args) for args in zip(rows, logits, plans, greedy)]
             event = self._emit(rows, news, [lg[: p.k + 1] for lg, p in zip(logits, plans)])
             yield event
-            rows, run = self._leave(rows, run, event)
+            rows, run = self._leave(rows, run, event, cancelled)
 
     def _round(self, r: _Row, logits, plan: _Plan, greedy) -> List[int]:
         """Row r's confirmed tokens of a round from its forward rows `logits` (the k + 1 verified
@@ -374,10 +405,10 @@ class SelfSpeculativeDecoder:
             self.drafted += len(d)
             self.accepted += len(new) - 1
             r.ids = r.ids + new
-            news.append(new[: self.s["max_tokens"] - len(r.out)])
+            news.append(new[: r.budget - len(r.out)])
         return news, logits
 
-    def _run_rows_linear(self, rows: List[_Row]):
+    def _run_rows_linear(self, rows: List[_Row], cancelled):
         """Rounds of the reference's `linear_spec_generate` (used with the draft adapter, or with
         `draft_threshold`), the rows sharing each forward: a row's block [t, masks] (t its last
         confirmed token, whose K/V are not computed yet) is drafted with the adapter on, attending
@@ -385,7 +416,7 @@ class SelfSpeculativeDecoder:
         adapter off verifies the drafts; the kept ones and the causal next token are returned.
         The first round is the prompts' causal prefill and its next token."""
         model, window = self.model, self.s["block_length"]
-        width = max(len(r.ids) for r in rows) + self.s["max_tokens"] + window
+        width = max(len(r.ids) + r.budget for r in rows) + window
         run = self.row_forwards(model, len(rows), width)
         _set_draft_adapter(model, False)
         self.nfe += 1
@@ -398,6 +429,6 @@ class SelfSpeculativeDecoder:
         while rows:
             event = self._emit(rows, news, logits)
             yield event
-            rows, run = self._leave(rows, run, event)
+            rows, run = self._leave(rows, run, event, cancelled)
             if rows:
                 news, logits = self._verify_linear(rows, run)

@@ -23,12 +23,15 @@ group:
   the block length, so blocks stay on their absolute positions); the prefix cache re-encodes the
   survivors' committed blocks, K/V that equal those it had cached. Causal-prefix blocks (Nemotron)
   join the same way when max_tokens is a whole number of blocks, with causal context and no
-  thinking budget (engine/causal_prefix.py says why). So at temperature 0 each request's tokens
+  thinking budget (engine/causal_prefix.py says why). Self-speculation's rows (Nemotron's
+  mode="self_spec", which share each forward) join at the next round without a thinking budget:
+  each row is AR decoding, which a restart over [prompt ; returned tokens] continues token for
+  token (the decoder declares `joins_exactly` itself). So at temperature 0 each request's tokens
   equal a single `generate_diffusion` call with the same prompt and settings. Fast-dLLM's
   approximate caches refresh their K/V on their own schedule, which a restart would move.
 * Other runs batch at arrival: the requests waiting when a group's run starts share it, later ones
   wait for the next run (DiffusionGemma's canvases, which draw each row's noise from its own seeded
-  stream that a restart would start over; self-speculation, which decodes row by row; the cases
+  stream that a restart would start over; self-speculation with a thinking budget; the cases
   above). For these groups `max_tokens` is part of the settings that must agree, and a cancelled
   row of a decoder that cannot drop rows keeps its place until the run ends.
 
