@@ -23,7 +23,7 @@ from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, make_decoder, select_backend
+from mlx_dllm_models.engine import BlockEvent, join_policy, make_decoder, select_backend
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
@@ -338,6 +338,14 @@ def test_bd3lm_runs_on_the_exact_prefix_cache(loaded):
     assert model.diffusion_spec.attention == BIDIRECTIONAL  # the model's own spec is MDLM's
     assert select_backend(model.diffusion_spec, {"sampler": "bd3lm"}).__name__ == "PrefixCache"
     assert select_backend(model.diffusion_spec, {"sampler": "mdlm"}).__name__ == "FullRecompute"
+    # The server joins rows at block boundaries only where the restart is exact: a short last
+    # block would see a longer row's masks.
+    for max_tokens, joins in ((8, True), (10, False)):
+        kw = {"sampler": "bd3lm", "max_tokens": max_tokens, "block_length": 4}
+        s = resolve_settings(model.diffusion_spec, kw, {})
+        assert join_policy(model.diffusion_spec, s).joins is joins
+    s = resolve_settings(model.diffusion_spec, {"max_tokens": 10, "block_length": 4}, {})
+    assert join_policy(model.diffusion_spec, s).joins  # MDLM: full recompute, always exact
 
 
 def test_bd3lm_blocks_end_at_the_prompt(loaded, ckpt):

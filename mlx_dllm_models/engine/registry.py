@@ -103,6 +103,11 @@ def join_policy(spec, settings) -> Batching:
     judge = decoder if hasattr(decoder, "joins_exactly") else backend
     exact = getattr(judge, "joins_exactly", None)
     joins = bool(exact is not None and exact(settings))
+    if for_settings(spec, settings).blocks_end_at_prompt:
+        # A joined row restarts with what is left of its max_tokens; when that is not whole
+        # blocks, its short last block would share columns with a longer row's masks, which it
+        # attends to (block-causal within the block) and which a run of its own does not have.
+        joins = joins and settings["max_tokens"] % settings["block_length"] == 0
     kind = getattr(judge, "kv_kind", None)
     kind = kind(settings) if kind is not None else None
     own_streams = getattr(decoder, "row_seeds", False)
