@@ -52,7 +52,9 @@ def test_processor_puts_each_images_features_at_its_placeholder(loaded):
     ids = out["input_ids"][0]
     assert out["pixel_values"] is None
     tok = processor.tokenizer
-    n = (TILE // 14) ** 2 + 1
+    # anyres: the base tile's 16 features, then the unpadded tiles' rows, each closed by a newline.
+    n = model.image_features(*processor.tiles(picture(0))).shape[0]
+    assert n > (TILE // 14) ** 2 + 1
     image_ids = [t for t in ids if model.is_image_id(t)]
     assert len(image_ids) == 2 * n
     text = [t for t in ids if not model.is_image_id(t)]
@@ -151,3 +153,54 @@ def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_di
     )
     want = "".join(r.text for r in runs)
     assert want and text == want
+
+
+def photo():
+    datasets = pytest.importorskip("sklearn.datasets")
+    return Image.fromarray(datasets.load_sample_image("china.jpg"))  # 640 x 427
+
+
+@pytest.mark.parametrize("size", [TILE, 384])
+def test_anyres_tiles_match_process_anyres_image_on_a_real_photo(size):
+    """LLaDA-V's pinpoints (1x1 ... 6x6 tiles) at the real tile (384) and the fixture's."""
+    from mlx_dllm_models.models.llava_llada import anyres_tiles
+    from reference.llada_v_torch import process_anyres_image
+
+    pins = [[size * i, size * j] for i in range(1, 7) for j in range(1, 7)]
+    for image in (photo(), photo().transpose(Image.Transpose.ROTATE_90), picture(1, (50, 300))):
+        got, hw = anyres_tiles(image, size, pins)
+        want = process_anyres_image(image, size, pins)
+        assert hw == (image.size[1], image.size[0])
+        assert got.shape == want.shape
+        assert got.shape[0] > 2 or max(image.size) <= size  # a photo takes several tiles
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(40, 70), (150, 60), (160, 160), (427, 640)])
+def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, shape):
+    """Tiles through the tower, unpadded, downsampled past anyres_max_4 and closed by
+    image_newline per row, after the base tile: mlx-vlm's packing against llava_arch's."""
+    from conftest import assert_close
+    from reference.llada_v_torch import anyres_image_features
+
+    model, processor = loaded
+    image = photo().resize((shape[1], shape[0])) if shape == (427, 640) else picture(2, shape)
+    pixels, hw = processor.tiles(image)
+    got = np.array(model.image_features(pixels, hw))
+    want = anyres_image_features(fixture_dir / "llada_v", pixels, image.size)
+    assert got.shape == want.shape
+    assert_close(got, want)
+
+
+def test_plain_mlx_lm_convert_keeps_the_vision_path(loaded, fixture_dir, tmp_path):
+    """python -m mlx_lm convert of the HF checkpoint loads back (its vision weights already in
+    mlx's layout) and answers an image prompt with the same tokens."""
+    from conftest import mlx_lm_convert
+
+    model, processor = loaded
+    out = mlx_lm_convert(fixture_dir / "llada_v", tmp_path / "converted")
+    converted, converted_processor = load(out)
+    image = picture(6)
+    want = stream_tokens(model, processor, "<image>hi", image=image, **SETTINGS)
+    got = stream_tokens(converted, converted_processor, "<image>hi", image=image, **SETTINGS)
+    assert got == want

@@ -27,6 +27,7 @@ tokens in one block of 128, 128 steps, greedy, low-confidence remasking); the lo
 positions (never proposed), and the answer ends at <|eot_id|> (its stopping_criteria).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -112,8 +113,9 @@ class ModelArgs(BaseModelArgs):
     mm_vision_select_layer: int = -2
     image_aspect_ratio: str = "anyres_max_4"
     image_grid_pinpoints: Optional[List[List[int]]] = None
-    # Not in LLaDA-V's config either (SIGLIP_SO400M is its tower); a fixture's smaller tower.
-    vision_config: Optional[Dict[str, Any]] = None
+    # Not in LLaDA-V's config either (SIGLIP_SO400M is its tower): a fixture's smaller tower. Not
+    # named vision_config, which mlx-lm's save drops for a model without model.vision_tower.
+    vision_tower_config: Optional[Dict[str, Any]] = None
 
     def __post_init__(self):
         if self.mask_token_id is None:
@@ -132,7 +134,7 @@ class ModelArgs(BaseModelArgs):
                 f"{NAME}: mm_patch_merge_type {self.mm_patch_merge_type!r} is not supported (only "
                 "LLaDA-V's spatial_unpad)"
             )
-        tower = dict(SIGLIP_SO400M, **(self.vision_config or {}))
+        tower = dict(SIGLIP_SO400M, **(self.vision_tower_config or {}))
         if self.mm_hidden_size is not None and self.mm_hidden_size != tower["hidden_size"]:
             raise ValueError(
                 f"{NAME}: mm_hidden_size {self.mm_hidden_size} differs from the vision tower's "
@@ -166,7 +168,9 @@ def _onevision_config(args: ModelArgs):
     return ModelConfig(
         text_config=TextConfig(hidden_size=args.hidden_size),
         vision_config=VisionConfig(**tower, vision_use_head=False),
-        image_grid_pinpoints=args.image_grid_pinpoints,
+        # LLaVA-NeXT lists pinpoints as (width, height), mlx-vlm (as transformers) as (height,
+        # width): transposed, the same candidates come in the same order (ties pick the same).
+        image_grid_pinpoints=[[p[1], p[0]] for p in args.image_grid_pinpoints or ()] or None,
         vision_aspect_ratio=args.image_aspect_ratio,
         vision_feature_select_strategy="full",
         vision_feature_layer=-1,
@@ -293,12 +297,17 @@ class Model(nn.Module):
         for key, value in weights.items():
             if key.endswith(("rotary_emb.inv_freq", "position_ids")):
                 continue
+            old = ""
             for old, new in _VISION_RENAMES:
                 if key.startswith(old):
                     key = new + key[len(old) :]
                     break
-            if key.endswith("patch_embedding.weight") and value.shape[1] == 3:
-                value = value.transpose(0, 2, 3, 1)  # torch OIHW -> mlx OHWI
+            else:
+                old = ""
+            # torch's OIHW -> mlx's OHWI, under the checkpoint's names only (a converted
+            # checkpoint's `vision.*` is already OHWI).
+            if key.endswith("patch_embedding.weight") and "vision_tower.vision_tower" in old:
+                value = value.transpose(0, 2, 3, 1)
             out[key] = value
         layout = (
             "LLaDA-V's LlavaLLaDAModelLM layout (model.layers.N.self_attn.q_proj, "
@@ -349,9 +358,11 @@ class Processor:
     DEFAULT_IMAGE_TOKEN, not a token of LLaDA's vocabulary: tokenizer_image_token splits the text
     there) replaced by the ids of that image's features (`Model.image_slots`).
 
-    Images are preprocessed as SigLipImageProcessor.preprocess does (resize to the tower's
-    image_size, bicubic; rescale 1/255; normalize with mean = std = 0.5), each as one tile: the
-    anyres tiling of image_aspect_ratio "anyres_max_N" (process_anyres_image) is not done here."""
+    Images are preprocessed as process_images does: with image_aspect_ratio "anyres..." (LLaDA-V's
+    anyres_max_N) by process_anyres_image (the image resized to one tile first, then the tiles of
+    it resized and padded to the best of image_grid_pinpoints), otherwise as one tile; each tile
+    as SigLipImageProcessor.preprocess does (resize to the tower's image_size, bicubic; rescale
+    1/255; normalize with mean = std = 0.5)."""
 
     image_token = "<image>"
 
@@ -368,21 +379,15 @@ class Processor:
 
     def preprocess(self, image) -> np.ndarray:
         """(1, 3, S, S) float32 pixel values of one PIL image."""
-        from transformers.image_transforms import normalize, rescale, resize
-        from transformers.image_utils import ChannelDimension, PILImageResampling
+        return siglip_preprocess(image, self.size)
 
-        first = ChannelDimension.FIRST
-        x = np.array(image.convert("RGB"))
-        x = resize(
-            x,
-            (self.size, self.size),
-            resample=PILImageResampling.BICUBIC,
-            data_format=first,
-            input_data_format=ChannelDimension.LAST,
-        )
-        x = rescale(x, 1 / 255, data_format=first, input_data_format=first)
-        x = normalize(x, (0.5,) * 3, (0.5,) * 3, data_format=first, input_data_format=first)
-        return x[None].astype(np.float32)
+    def tiles(self, image):
+        """(tiles, 3, S, S) pixel values of one image and its (height, width)."""
+        image = image.convert("RGB")
+        args = self.model.args
+        if "anyres" not in args.image_aspect_ratio or not args.image_grid_pinpoints:
+            return self.preprocess(image), None
+        return anyres_tiles(image, self.size, args.image_grid_pinpoints)
 
     def __call__(self, text, images=(), add_special_tokens=True):
         (prompt,) = text
@@ -394,6 +399,69 @@ class Processor:
             )
         ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
         for image, chunk in zip(images, chunks[1:]):
-            ids += self.model.image_slots(self.preprocess(image))
+            ids += self.model.image_slots(*self.tiles(image))
             ids += self.tokenizer.encode(chunk, add_special_tokens=False)
         return {"input_ids": [ids], "pixel_values": None}
+
+
+def best_resolution(size, pinpoints):
+    """mm_utils.select_best_resolution: the (width, height) of `pinpoints` that keeps most of the
+    image `size` (width, height) when fitted inside, then wastes least; the first on ties."""
+    width, height = size
+    best, most, least = None, 0, float("inf")
+    for w, h in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - kept
+        if kept > most or (kept == most and wasted < least):
+            best, most, least = (w, h), kept, wasted
+    return best
+
+
+def resize_and_pad(image, target):
+    """mm_utils.resize_and_pad_image: fitted inside `target` (width, height), centred on black."""
+    from PIL import Image
+
+    width, height = image.size
+    tw, th = target
+    if tw / width < th / height:
+        nw, nh = tw, min(math.ceil(height * tw / width), th)
+    else:
+        nw, nh = min(math.ceil(width * th / height), tw), th
+    out = Image.new("RGB", (tw, th), (0, 0, 0))
+    out.paste(image.resize((nw, nh)), ((tw - nw) // 2, (th - nh) // 2))
+    return out
+
+
+def siglip_preprocess(image, size: int) -> np.ndarray:
+    """SigLipImageProcessor.preprocess of one PIL image: (1, 3, size, size) float32."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import ChannelDimension, PILImageResampling
+
+    first = ChannelDimension.FIRST
+    x = np.array(image.convert("RGB"))
+    x = resize(
+        x,
+        (size, size),
+        resample=PILImageResampling.BICUBIC,
+        data_format=first,
+        input_data_format=ChannelDimension.LAST,
+    )
+    x = rescale(x, 1 / 255, data_format=first, input_data_format=first)
+    x = normalize(x, (0.5,) * 3, (0.5,) * 3, data_format=first, input_data_format=first)
+    return x[None].astype(np.float32)
+
+
+def anyres_tiles(image, size: int, pinpoints):
+    """mm_utils.process_anyres_image: the image resized to one tile (its "FIXME" resize, kept),
+    then the tiles, row by row, of it resized and padded to the best pinpoint; with its
+    (height, width)."""
+    best = best_resolution(image.size, pinpoints)
+    padded = resize_and_pad(image, best)
+    parts = [image.resize((size, size))] + [
+        padded.crop((x, y, x + size, y + size))
+        for y in range(0, padded.size[1], size)
+        for x in range(0, padded.size[0], size)
+    ]
+    pixels = np.concatenate([siglip_preprocess(p, size) for p in parts], axis=0)
+    return pixels, (image.size[1], image.size[0])

@@ -42,7 +42,7 @@ def _build(ckpt):
     from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
     config, w = _read(ckpt)
-    v = config["vision_config"]
+    v = config["vision_tower_config"]
     vcfg = SiglipVisionConfig(
         hidden_size=v["hidden_size"],
         intermediate_size=v["intermediate_size"],
@@ -202,3 +202,93 @@ def generate_with_embeds(
                         stop_position, found = P + s, True
                     break
     return x[0, P:stop_position].tolist()
+
+
+# --- anyres (mm_utils.process_anyres_image, llava_arch's spatial_unpad / anyres_max packing) ---
+
+
+def _preprocess(image, size):
+    """SigLipImageProcessor.preprocess with PIL and numpy: bicubic resize, /255, (x - .5) / .5."""
+    from PIL import Image
+
+    x = np.asarray(image.convert("RGB").resize((size, size), Image.BICUBIC), dtype=np.float64)
+    return ((x / 255 - 0.5) / 0.5).transpose(2, 0, 1)
+
+
+def _select_best_resolution(original_size, possible_resolutions):
+    original_width, original_height = original_size
+    best_fit, max_effective, min_wasted = None, 0, float("inf")
+    for width, height in possible_resolutions:
+        scale = min(width / original_width, height / original_height)
+        dw, dh = int(original_width * scale), int(original_height * scale)
+        effective = min(dw * dh, original_width * original_height)
+        wasted = width * height - effective
+        if effective > max_effective or (effective == max_effective and wasted < min_wasted):
+            max_effective, min_wasted, best_fit = effective, wasted, (width, height)
+    return best_fit
+
+
+def process_anyres_image(image, size, grid_pinpoints):
+    """(tiles, 3, size, size) float64: the resized image, then the padded image's tiles."""
+    import math
+
+    from PIL import Image
+
+    best = _select_best_resolution(image.size, grid_pinpoints)
+    ow, oh = image.size
+    tw, th = best
+    if tw / ow < th / oh:
+        nw, nh = tw, min(math.ceil(oh * tw / ow), th)
+    else:
+        nh, nw = th, min(math.ceil(ow * th / oh), tw)
+    padded = Image.new("RGB", (tw, th), (0, 0, 0))
+    padded.paste(image.resize((nw, nh)), ((tw - nw) // 2, (th - nh) // 2))
+    patches = []
+    for i in range(0, th, size):
+        for j in range(0, tw, size):
+            patches.append(padded.crop((j, i, j + size, i + size)))
+    tiles = [image.resize((size, size))] + patches
+    return np.stack([_preprocess(t, size) for t in tiles])
+
+
+def _unpad_image(tensor, original_size):
+    original_width, original_height = original_size
+    current_height, current_width = tensor.shape[1:]
+    if original_width / original_height > current_width / current_height:
+        new_height = int(original_height * (current_width / original_width))
+        padding = (current_height - new_height) // 2
+        return tensor[:, padding : current_height - padding, :]
+    new_width = int(original_width * (current_height / original_height))
+    padding = (current_width - new_width) // 2
+    return tensor[:, :, padding : current_width - padding]
+
+
+@torch.no_grad()
+def anyres_image_features(ckpt, pixel_values, image_size_wh):
+    """The features prepare_inputs_labels_for_multimodal builds for one anyres image (base tile
+    first), with config.json's image_aspect_ratio anyres_max_N and spatial_unpad."""
+    import math
+    import re
+
+    config, tower, projector, newline, _ = load(ckpt)
+    x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
+    feats = projector(tower(x, output_hidden_states=True).hidden_states[-1])
+    base, tiles = feats[0], feats[1:]
+    side = (
+        config["vision_tower_config"]["image_size"] // config["vision_tower_config"]["patch_size"]
+    )
+    tile = config["vision_tower_config"]["image_size"]
+    w, h = _select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
+    npw, nph = w // tile, h // tile
+    max_num = int(re.match(r"anyres_max_(\d+)", config["image_aspect_ratio"]).group(1))
+    t = tiles.view(nph, npw, side, side, -1)
+    unit = t.shape[2]
+    t = t.permute(4, 0, 2, 1, 3).contiguous().flatten(1, 2).flatten(2, 3)
+    t = _unpad_image(t, image_size_wh)
+    c, hh, ww = t.shape
+    times = math.sqrt(hh * ww / (max_num * unit**2))
+    if times > 1.1:
+        t = F.interpolate(t[None], [int(hh // times), int(ww // times)], mode="bilinear")[0]
+    t = torch.cat((t, newline[:, None, None].expand(*t.shape[:-1], 1)), dim=-1)
+    t = t.flatten(1, 2).transpose(0, 1)
+    return torch.cat((base, t), dim=0).numpy()
