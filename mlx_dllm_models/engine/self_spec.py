@@ -21,6 +21,11 @@ precedes it and the marker, and drops the rest (the next round drafts after the 
 `linear_spec_generate` takes the same two arguments but only feeds the marker to the next round in
 place of the last accepted token, which stays in its output: its output never shows the marker, and
 no longer is what the model was conditioned on.
+
+The rows of a batch share every forward, in both kinds of round: their accepted lengths differ
+every round, so each row's tokens and K/V sit at columns of its own (SelfSpeculativeDecoder). A row
+leaves when it finishes or is cancelled, and the server restarts a run over [prompt ; returned
+tokens] to take in rows that arrive meanwhile (`joins_exactly`).
 """
 
 from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
