@@ -204,3 +204,26 @@ def test_plain_mlx_lm_convert_keeps_the_vision_path(loaded, fixture_dir, tmp_pat
     want = stream_tokens(model, processor, "<image>hi", image=image, **SETTINGS)
     got = stream_tokens(converted, converted_processor, "<image>hi", image=image, **SETTINGS)
     assert got == want
+
+
+def test_cli_generate_with_an_image(loaded, fixture_dir, tmp_path, capsys):
+    """mlx_dllm generate --image prints the text of generate_diffusion on the chat prompt."""
+    from mlx_dllm_models import generate_diffusion
+    from mlx_dllm_models.cli import main as cli_main
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, processor = loaded
+    path = tmp_path / "picture.png"
+    picture(10).save(path)
+    args = ["generate", "--model", str(fixture_dir / "llada_v"), "--prompt", "<image>describe"]
+    flags = ["--max-tokens", "16", "--block-length", "8", "--steps", "4", "--no-live"]
+    assert cli_main(args + ["--image", str(path)] + flags) == 0
+    out = capsys.readouterr().out
+    messages = [{"role": "user", "content": "<image>describe"}]
+    prompt = text_tokenizer(processor).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    want = generate_diffusion(model, processor, prompt, image=str(path), **SETTINGS)
+    assert want.strip() and want in out
+    with pytest.raises(SystemExit, match="does not exist"):
+        cli_main(args + ["--image", str(tmp_path / "missing.png")] + flags)
