@@ -188,6 +188,56 @@ def test_the_recipe_matches_the_sampler(loaded, ckpt):
     assert got[0] == reference(ckpt, [p], 128, 32, 32)[0] and nfe == 128
 
 
+class _Draws:
+    """One table of uniform draws for both sides: the engine's k-th draw (over its block's
+    columns) is table[k]; the reference's k-th forward reads it at the same columns (its other
+    columns are never committed)."""
+
+    def __init__(self, n, width, vocab, seed):
+        rng = np.random.default_rng(seed)
+        self.table = np.clip(rng.random((n, 1, width, vocab)), 1e-20, 1.0).astype(np.float32)
+        self.i = 0
+
+    def ours(self, low=0.0, high=1.0, shape=None, key=None, **_):
+        assert tuple(shape)[1:] == self.table.shape[2:], shape
+        self.i += 1
+        return mx.array(self.table[self.i - 1])
+
+    def reference(self, start, block):
+        def uniform(k, b, shape):
+            u = torch.full(tuple(shape), 0.5, dtype=torch.float32)
+            lo = start + b * block
+            u[:, lo : lo + block] = torch.from_numpy(self.table[k])
+            return u
+
+        return uniform
+
+
+def test_sampled_tokens_match_the_sampler_with_the_same_draws(loaded, ckpt, monkeypatch):
+    """Temperature 0.7 (the chat examples' value): the Gumbel-max draw over the same uniforms
+    (add_gumbel_noise's float64 form on the reference side) commits the same tokens."""
+    model, _ = loaded
+    p, max_tokens, block, steps = prompt(5, 21), 12, 4, 4
+    draws = _Draws(12, block, model.args.vocab_size, seed=7)
+    want = mdlm_sample(
+        reference_forward(ckpt),
+        [p],
+        max_tokens,
+        block,
+        steps * 3,
+        mask_id=MASK,
+        eos_id=IM_END,
+        temperature=0.7,
+        uniform=draws.reference(len(p), block),
+    )[0, len(p) :].tolist()
+    monkeypatch.setattr(mx.random, "uniform", draws.ours)
+    kw = dict(max_tokens=max_tokens, block_length=block, steps=steps, temperature=0.7)
+    got, nfe = ours(model, [p], **kw)
+    assert got[0] == want and draws.i == nfe == 12
+    monkeypatch.undo()
+    assert ours(model, [p], **{**kw, "temperature": 0.0})[0][0] != want  # the draws matter
+
+
 def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loaded, ckpt):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]

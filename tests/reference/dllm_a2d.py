@@ -11,8 +11,9 @@
 * `mdlm_sample`: MDLMSampler.sample (dllm/core/samplers/mdlm.py) transcribed for remasking
   "low_confidence", no guidance, no suppressed tokens, right_shift_logits off: the canvas filled
   with EOS, each row's prompt then max_new_tokens masks, attention over those only; blocks counted
-  from each row's prompt end; steps per block = ceil(steps / num_blocks); add_gumbel_noise at
-  temperature 0 is the identity.
+  from each row's prompt end; steps per block = ceil(steps / num_blocks); add_gumbel_noise
+  (samplers/utils.py: exp(logits) / (-log u) ** temperature in float64) at temperature > 0, whose
+  uniform draws `uniform(forward, block, shape)` supplies (the seam a test fills with the engine's).
 """
 
 import functools
@@ -115,7 +116,25 @@ def get_num_transfer_tokens(mask_index, steps):
 # --- dllm/core/samplers/mdlm.py: MDLMSampler.sample ------------------------------------------
 
 
-def mdlm_sample(forward, prompts, max_new_tokens, block_size, steps, *, mask_id, eos_id):
+def add_gumbel_noise(logits, temperature, u):
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    return logits.exp() / (-torch.log(u.to(torch.float64))) ** temperature
+
+
+def mdlm_sample(
+    forward,
+    prompts,
+    max_new_tokens,
+    block_size,
+    steps,
+    *,
+    mask_id,
+    eos_id,
+    temperature=0.0,
+    uniform=None,
+):
     """-> (B, T) int64: each row's prompt, its max_new_tokens decoded, EOS after. `steps` is dllm's
     total; `forward(x, attention_mask)` returns logits."""
     prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
@@ -129,6 +148,7 @@ def mdlm_sample(forward, prompts, max_new_tokens, block_size, steps, *, mask_id,
         attention_mask[i, : min(prompt_lens[i] + max_new_tokens, T)] = 1
     num_blocks = math.ceil(max_new_tokens / block_size)
     steps = math.ceil(steps / num_blocks)
+    n_forward = 0
     for b in range(num_blocks):
         block_mask_index = torch.zeros((B, block_size), dtype=torch.bool)
         for j in range(B):
@@ -140,7 +160,9 @@ def mdlm_sample(forward, prompts, max_new_tokens, block_size, steps, *, mask_id,
         for i in range(num_transfer_tokens.size(1)):
             mask_index = x == mask_id
             logits = forward(x, attention_mask)
-            x0 = torch.argmax(logits, dim=-1)
+            u = uniform(n_forward, b, logits.shape) if temperature > 0 else None
+            n_forward += 1
+            x0 = torch.argmax(add_gumbel_noise(logits, temperature, u), dim=-1)
             p = F.softmax(logits, dim=-1)
             x0_p = torch.gather(p, dim=-1, index=x0[..., None]).squeeze(-1)
             for j in range(B):
