@@ -19,7 +19,13 @@ from .engine import make_decoder
 from .engine.registry import check_constraints
 from .errors import CheckpointError
 from .settings import SettingsError, resolve_settings
-from .spec import BIDIRECTIONAL, GENERATION_CONFIG_KEYS, DiffusionSpec, read_generation_config
+from .spec import (
+    BIDIRECTIONAL,
+    GENERATION_CONFIG_KEYS,
+    DiffusionSpec,
+    for_settings,
+    read_generation_config,
+)
 from .structured import CONSTRAINT_KEYS, compile_rows
 from .vision import encode_prompt, is_processor, text_tokenizer
 
@@ -350,6 +356,7 @@ def check_infill(model, spec, s, ids, suffix):
     """Infilling (a suffix, or mask tokens inside a prompt) needs attention that sees every
     position: LLaDA, LLaDA-MoE and Dream. Refused clearly elsewhere, where masks would otherwise
     stay in the output or a suffix be ignored."""
+    spec = for_settings(spec, s)  # a sampler may bring block-causal attention (dllm's bd3lm)
     mask_id = spec.mask_token_id
     with_masks = [i for i, p in enumerate(ids) if mask_id is not None and mask_id in p]
     if not suffix and not with_masks:

@@ -398,6 +398,16 @@ def test_bd3lm_runs_on_the_exact_prefix_cache(loaded):
     assert join_policy(model.diffusion_spec, s).joins  # MDLM: full recompute, always exact
 
 
+def test_bd3lm_refuses_infilling_which_mdlm_takes(loaded):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="block_causal attention cannot see a suffix"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, suffix=[42], sampler="bd3lm")
+    with pytest.raises(SettingsError, match="infilling"):
+        batch_generate_diffusion(model, tok, [[40, MASK, 41]], max_tokens=4, sampler="bd3lm")
+    out = batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, suffix=[42])
+    assert len(out.tokens[0]) > 0
+
+
 def test_bd3lm_blocks_end_at_the_prompt(loaded, ckpt):
     """Blocks counted from position 0 (SDAR's alignment) give other tokens: the layout matters."""
     model, _ = loaded

@@ -133,7 +133,7 @@ def test_constrained_rows_joining_a_running_batch_get_their_single_calls(fixture
 
 def test_self_speculation_requests_with_constraints(fixture_dir):
     """Nemotron's self-speculation through the scheduler: each request's constraint reaches its
-    row (rows decode one after another in one run)."""
+    row (the rows share each forward)."""
     from fixtures import nemotron
 
     model, tok = load(nemotron.shared_checkpoint(fixture_dir))
