@@ -27,13 +27,15 @@ import importlib.util
 import sys
 
 _PREFIX = "mlx_lm.models."
+# mlx-vlm resolves a checkpoint's model_type the same way, under its own package.
+_VLM_PREFIX = "mlx_vlm.models."
 
 
-def _model_types():
+def _model_types(prefix=_PREFIX):
     # registry.py is plain data; load it without importing the package's heavy parts.
-    from mlx_dllm_models.registry import MODEL_TYPES
+    from mlx_dllm_models.registry import MODEL_TYPES, VLM_MODEL_TYPES
 
-    return MODEL_TYPES
+    return VLM_MODEL_TYPES if prefix == _VLM_PREFIX else MODEL_TYPES
 
 
 class _Loader(importlib.abc.Loader):
@@ -49,12 +51,13 @@ class _Loader(importlib.abc.Loader):
 
 class DiffusionModelFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if not fullname.startswith(_PREFIX):
+        prefix = next((p for p in (_PREFIX, _VLM_PREFIX) if fullname.startswith(p)), None)
+        if prefix is None:
             return None
-        name = fullname[len(_PREFIX) :]
+        name = fullname[len(prefix) :]
         if "." in name:
             return None
-        module = _model_types().get(name)
+        module = _model_types(prefix).get(name)
         if module is None:
             return None
         target_name = f"mlx_dllm_models.models.{module}"

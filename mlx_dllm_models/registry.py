@@ -32,3 +32,9 @@ MODEL_TYPES = {
     # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
     "llava_llada": "llava_llada",
 }
+
+# Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
+# vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).
+VLM_MODEL_TYPES = {
+    "llava_llada": "llava_llada",
+}

@@ -286,6 +286,9 @@ def encode_with_images(model, processor, prompts, images):
             "this checkpoint has no vision tower (its config.json has no vision_config), so it "
             "cannot read images; drop image= or use a multimodal checkpoint"
         )
+    if not is_processor(processor) and hasattr(model, "load_processor"):
+        # mlx_lm.load gives LLaDA-V's bare tokenizer: its processor is built on it here.
+        processor = model.load_processor(processor)
     if not is_processor(processor):
         raise SettingsError(
             "images need the processor that mlx_dllm_models.load returns for this checkpoint, "

@@ -227,3 +227,40 @@ def test_cli_generate_with_an_image(loaded, fixture_dir, tmp_path, capsys):
     assert want.strip() and want in out
     with pytest.raises(SystemExit, match="does not exist"):
         cli_main(args + ["--image", str(tmp_path / "missing.png")] + flags)
+
+
+def test_mlx_lm_and_mlx_vlm_load_and_mlx_vlm_convert_handle_the_checkpoint(
+    loaded, fixture_dir, tmp_path
+):
+    """mlx_vlm.models.llava_llada resolves to this package's module (the import hook), so
+    mlx_vlm.load builds the same model and mlx_vlm.convert writes a checkpoint that decodes the same
+    tokens; mlx_lm.load's bare tokenizer takes images too (the processor is built on it)."""
+    import mlx.core as mx
+    import mlx_lm
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    from mlx_dllm_models.models.llava_llada import Model
+
+    model, processor = loaded
+    path = fixture_dir / "llada_v"
+    image = picture(11)
+    want = stream_tokens(model, processor, "<image>hi", image=image, **SETTINGS)
+
+    lm_model, tokenizer = mlx_lm.load(str(path))
+    assert stream_tokens(lm_model, tokenizer, "<image>hi", image=image, **SETTINGS) == want
+
+    vlm_model, _ = mlx_vlm.load(str(path))
+    assert isinstance(vlm_model, Model)
+    # Each model keeps its own image features: each prompt holds its own model's image ids.
+    logits = [
+        np.array(m(mx.array([[300, 72] + m.image_slots(*processor.tiles(image)) + [310, 310]])))
+        for m in (vlm_model, model)
+    ]
+    assert np.array_equal(*logits)
+
+    convert(str(path), mlx_path=str(tmp_path / "vlm"))
+    converted, converted_processor = load(tmp_path / "vlm")
+    assert stream_tokens(converted, converted_processor, "<image>hi", image=image, **SETTINGS) == (
+        want
+    )

@@ -158,6 +158,10 @@ class ModelArgs(BaseModelArgs):
         )
 
 
+# mlx-vlm's loader builds `ModelConfig.from_dict(config)` and `Model(config)`.
+ModelConfig = ModelArgs
+
+
 def _onevision_config(args: ModelArgs):
     """mlx-vlm's LLaVA-OneVision config for LLaDA-V's vision path: the tower without its last
     layer, features from the last kept layer ("full": SigLIP has no CLS token), anyres packing."""
@@ -207,6 +211,7 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.config = args  # mlx-vlm's name for it
         self.model_type = args.model_type
         self.model = llada.LLaDABody(args.llada_args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
