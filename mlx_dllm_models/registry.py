@@ -27,8 +27,10 @@ MODEL_TYPES = {
     # Tencent's WeDLM (a Qwen2.5 / Qwen3 body, model_type "wedlm"; plain Qwen checkpoints write
     # qwen2 / qwen3 and stay mlx-lm's).
     "wedlm": "wedlm",
-    # dllm's A2D Qwen3 (ZHZisZZ/dllm: Qwen3 converted to bidirectional attention, MDLM-trained).
+    # dllm's A2D conversions (ZHZisZZ/dllm: Qwen3 / Qwen2.5 without the causal mask, MDLM- or
+    # BD3LM-trained; the sampler says which).
     "a2d-qwen3": "a2d_qwen3",
+    "a2d-qwen2": "a2d_qwen2",
     # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
     "llava_llada": "llava_llada",
 }

@@ -95,13 +95,14 @@ class Model(nn.Module):
 
     def sanitize(self, weights):
         weights = drop_unused_buffers(weights)
-        drop_tied_head(weights, "A2D-Qwen3", tied=self.args.tie_word_embeddings)
-        layout = "Qwen3's layout (e.g. 'model.layers.0.self_attn.q_norm.weight')"
+        name = self.args.model_type  # a2d-qwen3, or a2d-qwen2 (models.a2d_qwen2)
+        drop_tied_head(weights, name, tied=self.args.tie_word_embeddings)
+        layout = "Qwen's layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
         keys = (
             "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, "
             "vocab_size, tie_word_embeddings"
         )
-        return check_weights(self, weights, "A2D-Qwen3", layout, keys)
+        return check_weights(self, weights, name, layout, keys)
 
     @property
     def layers(self):

@@ -1,4 +1,4 @@
-"""Independent torch reference for dllm's A2D Qwen3 MDLM checkpoints (ZHZisZZ/dllm @ ca17675).
+"""Independent torch reference for dllm's A2D Qwen3 / Qwen2 checkpoints (ZHZisZZ/dllm @ ca17675).
 
 * `reference_logits`: transformers' Qwen3ForCausalLM (eager attention) on the checkpoint's weights,
   its config relabelled qwen3, under the mask A2DQwen3Model.forward builds
@@ -36,7 +36,10 @@ def load_reference(ckpt):
     ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.pop("mask_token_id", None)
-    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    # a2d-qwen3 / a2d-qwen2: transformers' own class of the source model.
+    base = cfg["model_type"].removeprefix("a2d-")
+    cls = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[base]
+    cfg.update(model_type=base, architectures=[cls])
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         for f in ckpt.glob("*.safetensors"):
