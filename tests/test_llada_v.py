@@ -196,3 +196,32 @@ def test_suppressed_ids_are_never_proposed(loaded, ckpt):
 def test_ids_past_the_vocabulary_without_an_image_are_refused(model):
     with pytest.raises(llava_llada.ImageSlotError, match="stand for no stored image"):
         model(mx.array([[300, model.args.vocab_size + 10**6]]))
+
+
+def test_greedy_tokens_over_an_anyres_image_match_generate_with_embeds(loaded, ckpt):
+    """An oblong image in several tiles (the processor's anyres tiling): the features the
+    reference packs, then its greedy decoding."""
+    from PIL import Image
+
+    from conftest import cut_at_eos
+
+    model, processor = loaded
+    rng = np.random.default_rng(12)
+    image = Image.fromarray((rng.random((100, 60, 3)) * 255).astype(np.uint8))
+    tiles, hw = processor.tiles(image)
+    assert tiles.shape[0] > 2
+    before, after = [300, 72, 105], [33, 313]
+    ids = before + model.image_slots(tiles, hw) + after
+    got = tokens(model, processor, ids, max_tokens=32, block_length=8, steps=4)
+    features = ref.anyres_image_features(ckpt, tiles, image.size)
+    want = ref.generate_with_embeds(
+        ckpt,
+        ref.embed_prompt(ckpt, before, features, after),
+        steps=16,
+        gen_length=32,
+        block_length=8,
+        mask_id=MASK,
+        suppressed=SUPPRESSED,
+        stop_ids={EOT},
+    )
+    assert want and cut_at_eos(got, {EOT}) == want
