@@ -225,3 +225,22 @@ def test_greedy_tokens_over_an_anyres_image_match_generate_with_embeds(loaded, c
         stop_ids={EOT},
     )
     assert want and cut_at_eos(got, {EOT}) == want
+
+
+def test_forgotten_image_features_are_a_clear_error(ckpt, monkeypatch):
+    """Past MAX_STORED_FEATURES rows the oldest image's features go; its ids then say so."""
+    from mlx_dllm_models import load
+
+    model, _ = load(ckpt)  # its own store
+    n = model.image_features(pixels(0)).shape[0]
+    monkeypatch.setattr(llava_llada, "MAX_STORED_FEATURES", 2 * n)
+    first = model.image_slots(pixels(0))
+    second = model.image_slots(pixels(1))
+    model(mx.array([[300] + first + second]))  # both kept
+    third = model.image_slots(pixels(2))
+    assert third[0] == second[-1] + 1
+    assert_close(
+        np.array(model.embed(mx.array([third])))[0], np.array(model.image_features(pixels(2)))
+    )
+    with pytest.raises(llava_llada.ImageSlotError, match="features were dropped"):
+        model(mx.array([[300] + first]))

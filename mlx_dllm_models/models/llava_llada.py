@@ -81,8 +81,9 @@ SIGLIP_SO400M = {
     "layer_norm_eps": 1e-6,
 }
 
-# How many stored feature rows image ids may index before the oldest images are forgotten.
-MAX_STORED_FEATURES = 1 << 16
+# How many stored feature rows image ids may index before the oldest images are forgotten: about
+# eight anyres_max_4 images of LLaDA-V (up to ~3,700 rows each), 256 MB in bfloat16.
+MAX_STORED_FEATURES = 1 << 15
 
 
 class ImageSlotError(ValueError):
@@ -217,7 +218,8 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.vision = _vision_module(args)
         # Image features by slot (id - vocab_size), outside the parameter tree.
-        self.__dict__["_slots"] = {"features": [], "base": 0}
+        # "table": the features concatenated, built once per change rather than every forward.
+        self.__dict__["_slots"] = {"features": [], "base": 0, "table": None}
 
     make_cache = refuse_autoregressive_tools
 
@@ -259,6 +261,7 @@ class Model(nn.Module):
             stored -= dropped.shape[0]
         first = self.args.vocab_size + slots["base"] + stored
         slots["features"].append(feats)
+        slots["table"] = None
         return list(range(first, first + feats.shape[0]))
 
     def is_image_id(self, token_id: int) -> bool:
@@ -278,7 +281,9 @@ class Model(nn.Module):
                 f"{NAME}: the prompt holds image ids whose features were dropped (more than "
                 f"{MAX_STORED_FEATURES} image features were stored since); encode its images again"
             )
-        table = mx.concatenate(slots["features"], axis=0) if slots["features"] else None
+        if slots["table"] is None and slots["features"]:
+            slots["table"] = mx.concatenate(slots["features"], axis=0)
+        table = slots["table"]
         if table is None or bool((is_image & (index >= table.shape[0])).any().item()):
             raise ImageSlotError(
                 f"{NAME}: the prompt holds token ids past the vocabulary ({vocab}) that stand for "
