@@ -244,3 +244,27 @@ def test_forgotten_image_features_are_a_clear_error(ckpt, monkeypatch):
     )
     with pytest.raises(llava_llada.ImageSlotError, match="features were dropped"):
         model(mx.array([[300] + first]))
+
+
+def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
+    from mlx.utils import tree_flatten
+
+    from mlx_dllm_models import SettingsError, load
+
+    model, _ = load(ckpt)
+    ids = mx.array([[300] + model.image_slots(pixels(5)) + [72, MASK, MASK]])
+    before = np.array(model(ids))
+
+    class Ranks:
+        def size(self):
+            return 3
+
+        def rank(self):
+            return 0
+
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        model.shard(Ranks())
+    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
+    model.shard(mx.distributed.init())  # the single-process group
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

@@ -34,10 +34,11 @@ from typing import Any, Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs
 
 from ..spec import BIDIRECTIONAL
-from . import llada
+from . import llada, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -326,6 +327,20 @@ class Model(nn.Module):
         )
         keys = "hidden_size, num_hidden_layers, head counts, intermediate_size, vocab_size"
         return check_weights(self, out, NAME, layout, keys)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group` as LLaDA 8B's (mlx-lm's llama.Model.shard: heads and
+        the MLP split); the vision tower, projector and image newline stay replicated, so every
+        rank computes the same image features."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {
+            "num_attention_heads": a.num_attention_heads,
+            "intermediate_size": a.intermediate_size,
+        }
+        kv = {"num_key_value_heads": a.num_key_value_heads}
+        sharding.check_divisible(NAME, group, sizes, kv, model=self)
+        return llama.Model.shard(self, group)
 
     @property
     def quant_predicate(self):
