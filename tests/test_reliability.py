@@ -255,6 +255,7 @@ def test_nan_weights_canvas_decoder(monkeypatch, loaded):
 
     decoder = canvas.CanvasDecoder.__new__(canvas.CanvasDecoder)
     decoder.model, decoder.nfe = Model(), 0
+    decoder.rules = {}  # no structured-output constraint (run() sets it)
     decoder.s = dict(
         max_denoising_steps=4,
         sampler="entropy",
