@@ -114,6 +114,8 @@ def test_bad_config_is_a_clear_error():
         llava_llada.ModelArgs.from_dict({"mm_projector_type": "linear"})
     with pytest.raises(ValueError, match="mm_hidden_size 99 differs"):
         llava_llada.ModelArgs.from_dict({"mm_hidden_size": 99})
+    with pytest.raises(ValueError, match="image_aspect_ratio 'pad' is not supported"):
+        llava_llada.ModelArgs.from_dict({"image_aspect_ratio": "pad"})
 
 
 def tokens(model, tok, ids, **settings):

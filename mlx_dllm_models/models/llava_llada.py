@@ -24,7 +24,13 @@ decoder of the LLaDA family applies unchanged.
 Decoding: LLaDA's engine with the reference's `generate_with_embeds` recipe (generate_demo.py: 128
 tokens in one block of 128, 128 steps, greedy, low-confidence remasking); the logits of
 <|endoftext|>, <|startoftext|>, <|start_header_id|> and <|end_header_id|> are -inf at masked
-positions (never proposed), and the answer ends at <|eot_id|> (its stopping_criteria).
+positions (never proposed, their probability mass removed: the spec's logit_suppressed_token_ids),
+and the answer ends at <|eot_id|> (its stopping_criteria).
+
+mlx-vlm: the import hook answers `mlx_vlm.models.llava_llada` with this module (`ModelConfig`,
+`Model`, `model.config`), so mlx_vlm.load builds this model and mlx_vlm.convert converts the
+checkpoint; the processor that decodes images is this module's `Processor` (what
+mlx_dllm_models.load returns), since LLaDA-V ships no processor config.
 """
 
 import math
@@ -130,6 +136,11 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(
                 f"{NAME}: mm_projector_type {self.mm_projector_type!r} is not supported (only "
                 "LLaDA-V's mlp2x_gelu)"
+            )
+        if self.image_aspect_ratio in ("pad", "highres", "crop_split"):
+            raise ValueError(
+                f"{NAME}: image_aspect_ratio {self.image_aspect_ratio!r} is not supported (LLaDA-V's "
+                "anyres_max_N, or one resized tile)"
             )
         if self.mm_patch_merge_type != "spatial_unpad":
             raise ValueError(
