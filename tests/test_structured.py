@@ -30,6 +30,7 @@ from conftest import load_fixture, run_cli
 from fixtures import (
     build_once,
     coda,
+    dllm,
     dream,
     fast_dllm_v2,
     llada,
@@ -40,6 +41,7 @@ from fixtures import (
     wedlm,
 )
 from fixtures import diffusion_gemma as dgfx
+from fixtures.llada_v import build_llada_v
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cli import main
 from mlx_dllm_models.decoding.constrained import allowed_tokens, commit_prefix
@@ -70,10 +72,20 @@ FAMILIES = {
     "dream d3llm": (dream.build, dict(sampler="d3llm")),
     "rnd1": (rnd1.build, {}),
     "coda": (coda.build, {}),
+    # WeDLM's window: a constrained row fills a grammar-valid prefix of it; its K/V kept or not.
+    "wedlm": (wedlm.build, {}),
+    "wedlm recompute": (wedlm.build, dict(cache="none")),
+    # dllm's A2D conversions, under both of their samplers.
+    "a2d mdlm": (dllm.build, dict(sampler="mdlm")),
+    "a2d bd3lm": (dllm.build, dict(sampler="bd3lm")),
+    # LLaDA-V on a text prompt (its language model is LLaDA's, loaded through mlx-vlm).
+    "llada_v": (build_llada_v, {}),
     # The canvas: its readout follows the grammar. Its temperature is a schedule of its own.
     "diffusion_gemma": (dgfx.CHECKPOINTS["diffusion_gemma"], {}),
 }
 NO_TEMPERATURE = {"diffusion_gemma"}
+# Loaded by the package's loader (mlx-vlm's, with their processors).
+VLM = {"diffusion_gemma", "llada_v"}
 
 
 def examples(name):
@@ -92,7 +104,7 @@ def models(fixture_dir):
         if key not in _LOADED:
             path = build_once(fixture_dir / f"structured_{key}", build)
             # DiffusionGemma's processor comes from the package's loader (mlx-vlm's).
-            _LOADED[key] = load(path) if name in NO_TEMPERATURE else load_fixture(path)
+            _LOADED[key] = load(path) if name in VLM else load_fixture(path)
         return _LOADED[key]
 
     return get
@@ -357,8 +369,9 @@ def test_infilling_suffix_with_a_constraint(models):
     assert re.fullmatch(pattern, text) and reason == "stop"
 
 
-def test_logprobs_with_a_constraint(models):
-    model, tok = models("sdar")
+@pytest.mark.parametrize("name", ["sdar", "wedlm"])
+def test_logprobs_with_a_constraint(models, name):
+    model, tok = models(name)
     last = None
     for last in stream_generate_diffusion(
         model, tok, "Hello", regex="[a-c]{3}", logprobs=2, max_tokens=8
@@ -367,10 +380,50 @@ def test_logprobs_with_a_constraint(models):
     assert [e.token for e in last.logprobs] == last.tokens[: len(last.logprobs)]
 
 
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_wedlm_first_token_is_the_best_allowed_of_a_direct_forward(models, cache):
+    """WeDLM: the first step's window is all masks after the prompt, which the reordered causal
+    mask leaves plain causal; the first committed token is the best the grammar allows under that
+    forward's logits at the window's first column (not the best overall, which it forbids), and
+    the grammar's forced tail costs no forward."""
+    model, tok = models("wedlm")
+    prompt = tok.encode("Hello")
+    mask = model.diffusion_spec.mask_token_id
+    logits = model(mx.array([prompt + [mask] * 8]), mask="causal")[0, len(prompt)]
+    best_overall = max(range(logits.shape[0]), key=lambda t: logits[t].item())
+    allowed = [t for t in range(ord("a"), ord("z") + 1) if t != best_overall][:6]
+    pattern = "[" + "".join(chr(t) for t in allowed) + "]-end"
+    text, tokens, reason, nfe = run(
+        model, tok, prompt, regex=pattern, max_tokens=8, block_length=8, temperature=0, cache=cache
+    )
+    assert tokens[0] == max(allowed, key=lambda t: logits[t].item())
+    assert text[1:] == "-end" and reason == "stop"
+    # one forward chooses the letter (its fill, "-end" and EOS come after it in that step), one
+    # more commits the window's prefix
+    assert nfe == 2, nfe
+
+
+def test_wedlm_sampled_constrained_row_beside_an_unconstrained_one(models):
+    """Above temperature 0 the rows of a step share one draw; the constrained row's first column
+    takes a draw of its own from its masked logits: its text is valid, its neighbour's is
+    returned in full."""
+    model, tok = models("wedlm")
+    kw = dict(max_tokens=16, block_length=8, temperature=0.9)
+    texts = set()
+    for seed in range(3):
+        mixed = batch_generate_diffusion(
+            model, tok, ["Hello", "x"], regex=["[0-9]{2,4}", None], seed=seed, **kw
+        )
+        assert re.fullmatch("[0-9]{2,4}", mixed.texts[0]) and mixed.finish_reasons[0] == "stop"
+        assert mixed.finish_reasons[1] in ("stop", "length") and mixed.tokens[1]
+        texts.add(mixed.texts[0])
+    assert len(texts) > 1, texts  # the draws are sampled, not the argmax every time
+
+
 # ---------------------------------------------------------------------------------- batch rows
 
 
-@pytest.mark.parametrize("name", ["llada", "sdar", "nemotron"])
+@pytest.mark.parametrize("name", ["llada", "sdar", "nemotron", "wedlm", "wedlm recompute"])
 def test_batch_rows_with_different_constraints_get_what_they_get_alone(models, name):
     model, tok = models(name)
     prompts = ["Hello", "Another prompt", "Third", "x"]
@@ -383,7 +436,7 @@ def test_batch_rows_with_different_constraints_get_what_they_get_alone(models, n
             None,
         ],
     )
-    kw = dict(max_tokens=24, block_length=8, temperature=0)
+    kw = dict(FAMILIES[name][1], max_tokens=24, block_length=8, temperature=0)
     batch = batch_generate_diffusion(model, tok, prompts, **kinds, **kw)
     assert re.fullmatch("[a-c]{2,5}", batch.texts[0])
     assert json.loads(batch.texts[1]) in ({"n": True}, {"n": False})
@@ -416,10 +469,15 @@ def test_bad_constraints_are_one_line_errors(models):
         assert "\n" not in str(e.value), str(e.value)
 
 
-def test_wedlm_refuses_constraints(fixture_dir):
-    """WeDLM's window decoder takes none: a one-line error before any forward."""
-    model, tok = load_fixture(build_once(fixture_dir / "structured_wedlm", wedlm.build))
-    with pytest.raises(SettingsError, match="not supported by the wedlm family") as e:
+def test_a_decoder_without_constraints_is_refused(models, monkeypatch):
+    """registry.check_constraints refuses a decoder that does not declare `takes_constraints`
+    (every decoder now does; this is the path a new one takes): a one-line error, before any
+    forward."""
+    from mlx_dllm_models.engine.wedlm import WeDLMDecoder
+
+    model, tok = models("wedlm")
+    monkeypatch.setattr(WeDLMDecoder, "takes_constraints", False)
+    with pytest.raises(SettingsError, match="not supported by the wedlm family.*drop the") as e:
         run(model, tok, "Hello", regex="[a-c]", max_tokens=8)
     assert "\n" not in str(e.value)
 
@@ -547,7 +605,9 @@ def test_canvas_readout_is_the_best_allowed_token_of_its_last_step(models, monke
     assert batch.tokens[1] == alone.tokens[0]
 
 
-@pytest.mark.parametrize("name", ["llada", "sdar", "nemotron self_spec", "diffusion_gemma"])
+@pytest.mark.parametrize(
+    "name", ["llada", "sdar", "nemotron self_spec", "diffusion_gemma", "wedlm", "wedlm recompute"]
+)
 def test_budget_guard_closes_unbounded_values_in_time(models, name):
     """An unbounded string and integer under a tight budget, blocks of 4: the random fixtures
     run the integer's digits on until the guard closes the object (its closing then spans
@@ -559,7 +619,7 @@ def test_budget_guard_closes_unbounded_values_in_time(models, name):
         "required": ["alpha", "beta"],
     }
     kw = dict(FAMILIES[name][1], max_tokens=34)
-    if name in ("llada", "sdar"):
+    if name in ("llada", "sdar") or name.startswith("wedlm"):
         kw["block_length"] = 4
     lengths = []
     for seed, temperature in [(0, 0.0), (1, 1.5), (2, 1.5)]:

@@ -12,8 +12,9 @@ what each decoder commits under it; the rule is decoding/constrained.py's.
 - TokenSequenceConstraint, self-speculation (engine/self_spec.py): verified positions' logits
   masked by the grammar, forced tokens as the next round's first drafts.
 - CanvasConstraint, DiffusionGemma's canvas (engine/canvas.py): the canvas's readout.
+- WindowConstraint, WeDLM's window (engine/wedlm.py): the window's left-to-right fill.
 
-All three keep a row's text closable within its budget (BudgetGuard, decoding.constrained's
+All four keep a row's text closable within its budget (BudgetGuard, decoding.constrained's
 `completion`).
 """
 
@@ -262,15 +263,19 @@ class RowConstraints:
         return commit_prefix(token, proposals[1:], passes[1:], consume, lambda t: t in self.eos)
 
     def _first(self, matcher, token: int, words) -> int:
-        """The first open column's token, consumed: the masked draw, or (when every allowed
-        token's logit was -inf, e.g. EOS suppressed by logits_eos_inf) the lowest allowed id."""
-        if self._consume(matcher, token):
-            return token
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        for t in np.flatnonzero(bits).tolist():
-            if self._consume(matcher, t):
-                return t
-        raise RuntimeError(f"the grammar allows no token here: {matcher.get_error()}")
+        return take_first(matcher, token, words, self.eos)
+
+
+def take_first(matcher, token: int, words, eos: Sequence[int]) -> int:
+    """The first open column's token, consumed: the masked draw, or (when every allowed token's
+    logit was -inf, e.g. EOS suppressed by logits_eos_inf) the lowest allowed id."""
+    if consume(matcher, token, eos):
+        return token
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    for t in np.flatnonzero(bits).tolist():
+        if consume(matcher, t, eos):
+            return t
+    raise RuntimeError(f"the grammar allows no token here: {matcher.get_error()}")
 
 
 def make_row_constraints(
@@ -423,3 +428,85 @@ class CanvasConstraint:
         out += [self.eos[0]] * (wanted - len(out))
         self.room -= wanted
         return out
+
+
+class WindowConstraint:
+    """One row's constraint in WeDLM's window decoding (engine/wedlm.py), whose window commits
+    its filled prefix at each step. A constrained row fills only a prefix of its window, so every
+    step starts from a window of masks after its committed tokens: the first column takes the
+    best token the grammar allows (the caller's masked draw), each following column its proposal
+    while WeDLM's rule fills it and the grammar allows it after the tokens before it
+    (commit_prefix), then the forced tokens and EOS fill the window's rest without a forward;
+    the budget guard as in the masked decoder."""
+
+    def __init__(self, constraint, eos: Sequence[int], max_tokens: int, consumed=()):
+        self.matcher = constraint.matcher(consumed)
+        self.candidates = constraint.candidates
+        self.guard = BudgetGuard(self.matcher, self.candidates)
+        self.eos = sorted(eos)
+        self.room = max_tokens  # positions left for text and EOS
+        self.words = None  # the packed allowed set at the window's first column, this step
+
+    def mask(self) -> np.ndarray:
+        """The packed allowed set (llguidance's 32-bit words) at the next position, kept for
+        `step`; none once the grammar has stopped (EOS comes next, no draw needed)."""
+        if self.matcher.is_stopped():
+            self.words = None
+        else:
+            self.words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        return self.words
+
+    def step(self, first: int, proposals: List[int], passes: List[bool]) -> List[int]:
+        """The tokens the row fills at its window's first columns this step, consumed:
+        `first` the masked draw at column 0, `proposals` / `passes` the model's proposals at the
+        columns after it and whether WeDLM's rule fills each; at most 1 + len(proposals)."""
+        width = 1 + len(proposals)
+        if self.matcher.is_stopped():
+            out = [self.eos[0]]
+        else:
+            out = self._prefix(first, proposals, passes, width)
+        out += self._forced(out, min(width, self.room) - len(out))
+        self.room -= len(out)
+        return out
+
+    def _prefix(self, first, proposals, passes, width) -> List[int]:
+        guarded = self.guard.fits(self.room)  # else no closing fits at all: nothing to guard
+        token = take_first(self.matcher, first, self.words, self.eos)
+        if guarded and token not in self.eos and not self.guard.fits(self.room - 1):
+            self.matcher.rollback(1)
+            close = completion(self.matcher, self.room - 1, self.candidates)
+            if close is None:  # no closing found after all: the model's token, unguarded
+                self.matcher.try_consume_tokens([token])
+                return [token]
+            close = close[:width]
+            self.matcher.try_consume_tokens(close)  # the rest in the next steps
+            if len(close) < width and consume(self.matcher, self.eos[0], self.eos):
+                close.append(self.eos[0])
+            return close
+        used = [1]
+
+        def take(t):
+            if not consume(self.matcher, t, self.eos):
+                return False
+            if guarded and t not in self.eos and not self.guard.fits(self.room - used[0] - 1):
+                self.matcher.rollback(1)
+                return False
+            used[0] += 1
+            return True
+
+        return commit_prefix(token, proposals, passes, take, lambda t: t in self.eos)
+
+    def _forced(self, out: List[int], n: int) -> List[int]:
+        """Up to `n` tokens after `out` that need no forward: the grammar's forced ones, then EOS
+        once it takes nothing else."""
+        added: List[int] = []
+        while len(added) < n and not (out + added and (out + added)[-1] in self.eos):
+            if self.matcher.is_stopped():
+                added.append(self.eos[0])
+                break
+            forced = self.matcher.compute_ff_tokens()[: n - len(added)]
+            taken = self.matcher.try_consume_tokens(forced) if forced else 0
+            if not taken:
+                break
+            added += forced[:taken]
+        return added

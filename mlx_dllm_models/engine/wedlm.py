@@ -25,16 +25,26 @@ The rows of a batch step together, one forward a step: each row's K/V sit in its
 its own committed ones (`RowKVCache`), and the mask hides from each row the columns it has not
 written. At temperature 0 a row's tokens are those it gets alone; above it, its draws depend on the
 rows it decodes with (one draw over the batch's windows per step).
+
+Structured output (constrained.WindowConstraint): a constrained row fills only a prefix of its
+window, so each of its steps starts from a window of masks right after its committed tokens. Its
+first column takes the best token the grammar allows (the logits masked by the allowed set, then
+the same draw), the following columns their proposals while the rule above fills them and the
+grammar allows each after the tokens before it, then the grammar's forced tokens and EOS fill
+the rest of the window without a forward. Rows without a constraint decode as above; above
+temperature 0 the constrained rows' draws take a key of their own.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..decoding import token_stats
+from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.wedlm import committed_prefix, reordered_causal_mask, wedlm_commit
 from .base import StepEvent, block_event, check_finite, next_key
+from .constrained import WindowConstraint
 from .logprobs import entries
 
 
@@ -207,10 +217,21 @@ class WeDLMDecoder:
 
     # The `sampler` setting's names this loop has a rule for (tests/test_sampler_rules.py).
     samplers = ("wedlm",)
-    constraint_alternative = "WeDLM's window decoding does not take structured-output constraints"
+    # Structured output: a constrained row fills a grammar-valid prefix of its window
+    # (constrained.WindowConstraint).
+    takes_constraints = True
 
-    def __init__(self, model, settings: dict, eos_token_ids: Sequence[int], backend=None):
+    def __init__(
+        self,
+        model,
+        settings: dict,
+        eos_token_ids: Sequence[int],
+        backend=None,
+        constraints: Optional[Sequence] = None,
+    ):
         self.model = model
+        self.constraints = constraints  # one structured.Constraint (or None) per prompt
+        self.rules = {}  # row -> WindowConstraint, for the constrained rows of a run
         self.spec = model.diffusion_spec
         self.s = settings
         self.eos = set(int(e) for e in eos_token_ids)
@@ -218,9 +239,10 @@ class WeDLMDecoder:
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
 
-    def _fill(self, logits: List[mx.array], windows: List[_Window]):
+    def _fill(self, logits: List[mx.array], windows: List[_Window], rows: List[int]):
         """Step 4: fill the masks the rule picks in each row's window, from its step's logits
-        (one (n, V) array a row, n its window's length)."""
+        (one (n, V) array a row, n its window's length); a constrained row (of `rows`, the
+        windows' row indices) fills the grammar's prefix instead."""
         s = self.s
         greedy = s["temperature"] == 0
         width = max(len(w.tokens) for w in windows)
@@ -240,17 +262,55 @@ class WeDLMDecoder:
         pick = wedlm_commit(
             stats.entropy, mx.array(masked), s["entropy_threshold"], s["pos_penalty_factor"]
         )
-        for window, row_pick, proposals, x in zip(
-            windows, pick.tolist(), stats.x0.tolist(), logits
+        ruled = [i for i, r in enumerate(rows) if r in self.rules]
+        firsts = self._first_draws([logits[i] for i in ruled], [self.rules[rows[i]] for i in ruled])
+        firsts = dict(zip(ruled, firsts))
+        for i, (window, row_pick, proposals, x) in enumerate(
+            zip(windows, pick.tolist(), stats.x0.tolist(), logits)
         ):
-            chosen = [k for k, p in enumerate(row_pick) if p]
+            if i in firsts:
+                # Its window is all masks (it fills prefixes only, each committed the next step).
+                size = len(window.tokens)
+                tokens = self.rules[rows[i]].step(firsts[i], proposals[1:size], row_pick[1:size])
+                chosen = list(range(len(tokens)))
+            else:
+                chosen = [k for k, p in enumerate(row_pick) if p]
+                tokens = [proposals[k] for k in chosen]
             lps = None
             if s.get("logprobs") is not None:
-                lps = entries(x[mx.array(chosen)], [proposals[k] for k in chosen], s["logprobs"])
+                lps = entries(x[mx.array(chosen)], tokens, s["logprobs"])
             for n, k in enumerate(chosen):
-                window.tokens[k] = proposals[k]
+                window.tokens[k] = tokens[n]
                 window.filled[k] = True
                 window.logprobs[k] = None if lps is None else lps[n]
+
+    def _first_draws(self, logits: List[mx.array], rules: List[WindowConstraint]) -> List[int]:
+        """Each constrained row's draw at its window's first column: the family's own draw from
+        the logits masked by the grammar's allowed set (a stopped grammar's row: any, EOS comes
+        without one)."""
+        if not logits:
+            return []
+        s, vocab = self.s, logits[0].shape[-1]
+        words = [r.mask() for r in rules]
+        size = next((len(w) for w in words if w is not None), 1)
+        words = np.stack([np.zeros(size, np.uint32) if w is None else w for w in words])
+        greedy = s["temperature"] == 0
+        masked = mask_logits(
+            mx.stack([x[0] for x in logits]), allowed_tokens(mx.array(words), vocab)
+        )
+        return (
+            token_stats(
+                masked[:, None, :],
+                temperature=s["temperature"],
+                top_k=None if greedy else s["top_k"],
+                top_p=None if greedy else s["top_p"],
+                key=None if greedy else next_key(self),
+                suppress_ids=(self.spec.mask_token_id,),
+                order=self.spec.sampling_order,
+            )
+            .x0[:, 0]
+            .tolist()
+        )
 
     def _step_event(self, rows, outs, windows) -> StepEvent:
         limit, mask_id = self.s["max_tokens"], self.spec.mask_token_id
@@ -261,8 +321,17 @@ class WeDLMDecoder:
         block = (min(len(outs[r]) for r in rows), limit)
         return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe)
 
-    def run(self, prompts: Sequence[Sequence[int]]):
+    def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
+        """Decode `prompts`, one forward a step. `constraints` / `consumed`: each row's
+        structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it
+        already returned, as MaskedBlockDecoder.run takes them."""
         s = self.s
+        constraints = self.constraints if constraints is None else constraints
+        self.rules = {
+            row: WindowConstraint(c, self.eos, s["max_tokens"], consumed[row] if consumed else ())
+            for row, c in enumerate(constraints or ())
+            if c is not None
+        }
         size, limit = s["block_length"], s["max_tokens"]
         prompts = [[int(t) for t in p] for p in prompts]
         # A row's window reaches at most 2 * size columns past its committed ones (size, then as
@@ -297,7 +366,7 @@ class WeDLMDecoder:
                     run = run.select(keep)
                     rows = [rows[i] for i in keep]
                     logits, pruned = [logits[i] for i in keep], [pruned[i] for i in keep]
-            self._fill([x[n:] for x, n in zip(logits, pruned)], [windows[r] for r in rows])
+            self._fill([x[n:] for x, n in zip(logits, pruned)], [windows[r] for r in rows], rows)
             yield self._step_event(rows, outs, windows)
 
     def _commit(self, run, rows, windows, contexts, outs):
