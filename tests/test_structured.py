@@ -403,6 +403,19 @@ def test_wedlm_first_token_is_the_best_allowed_of_a_direct_forward(models, cache
     assert nfe == 2, nfe
 
 
+def test_wedlm_allowed_proposals_commit_in_the_same_step(models):
+    """At entropy_threshold 2 the fixture fills its whole window in one forward; under a regex
+    that allows every proposal (printable ASCII) the constrained row keeps all of them in that
+    step: the same text (the regex's 15 characters), the same two forwards."""
+    model, tok = models("wedlm")
+    kw = dict(max_tokens=16, block_length=16, temperature=0, entropy_threshold=2.0)
+    free = run(model, tok, "Hello", **kw)
+    assert free[3] == 2 and re.fullmatch("[ -~]{16}", free[0]), free  # the premise
+    text, tokens, reason, nfe = run(model, tok, "Hello", regex="[ -~]{15}", **kw)
+    assert text == free[0][:15] and reason == "stop"
+    assert nfe == 2, nfe
+
+
 def test_wedlm_sampled_constrained_row_beside_an_unconstrained_one(models):
     """Above temperature 0 the rows of a step share one draw; the constrained row's first column
     takes a draw of its own from its masked logits: its text is valid, its neighbour's is
