@@ -6,6 +6,7 @@ one process and serve."""
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -443,6 +444,17 @@ def test_one_completion_request_through_serve(loaded, ckpt):
         answer = client.completions.create(model="wedlm", prompt=text, max_tokens=10, temperature=0)
         want = "".join(r.text for r in stream(model, tok, text, max_tokens=10, temperature=0))
         assert answer.choices[0].text == want and want
+        # Structured output through the server's scheduler (constraints and consumed reach run).
+        pattern = "[a-c]{2,4}"
+        answer = client.completions.create(
+            model="wedlm", prompt=text, max_tokens=10, temperature=0, extra_body={"regex": pattern}
+        )
+        want = "".join(
+            r.text for r in stream(model, tok, text, max_tokens=10, temperature=0, regex=pattern)
+        )
+        assert re.fullmatch(pattern, want)
+        assert answer.choices[0].text == want
+        assert answer.choices[0].finish_reason == "stop"
     finally:
         shutdown(server)
 
