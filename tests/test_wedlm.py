@@ -491,3 +491,27 @@ def test_training_is_refused_with_why(loaded):
     model, _ = loaded
     with pytest.raises(ValueError, match="training objective .* is not implemented"):
         family_loss(model.diffusion_spec)
+
+
+def test_a_restarted_constrained_row_continues_its_grammar(loaded):
+    """The server restarts a row with what it returned appended to its prompt and passed as
+    `consumed`: the grammar goes on from there (it does not start over), and the whole text
+    matches."""
+    from mlx_dllm_models.structured import compile_rows
+
+    model, tok = loaded
+    spec = model.diffusion_spec
+    vocab = model(mx.array([[1]]), mask="causal").shape[-1]
+    pattern = "abc-[0-9]{2,3}"
+    (constraint,) = compile_rows(dict(regex=pattern), 1, tok, vocab, [IM_END])
+    settings = resolve_settings(spec, dict(max_tokens=8, temperature=0), {})
+    done = tok.encode("abc")
+    decoder = make_decoder(model, settings, [IM_END], constraints=[constraint])
+    out, ended = [], False
+    for event in decoder.run([tok.encode("Hello") + done], consumed=[done]):
+        if isinstance(event, BlockEvent):
+            out += event.tokens[0]
+            ended = ended or event.eos[0]
+    text = tok.decode(done + out)
+    assert re.fullmatch(pattern, text), text
+    assert ended  # EOS, where the grammar accepts, before max_tokens
