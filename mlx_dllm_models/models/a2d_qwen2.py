@@ -48,7 +48,5 @@ class Model(A2DQwen3Model):
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("A2D-Qwen2", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "A2D-Qwen2", "intermediate_size")
         qwen2.Model.shard(self, group)

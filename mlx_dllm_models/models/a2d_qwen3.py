@@ -111,9 +111,7 @@ class Model(nn.Module):
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """Tensor parallelism over `group`, as mlx-lm's qwen3.Model.shard (attention heads and
         MLP split; embeddings and head replicated)."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("A2D-Qwen3", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "A2D-Qwen3", "intermediate_size")
         qwen3.Model.shard(self, group)
 
     @cached_spec

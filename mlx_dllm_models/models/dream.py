@@ -136,9 +136,7 @@ class Model(nn.Module):
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard (attention heads and
         MLP split; embeddings and head replicated)."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("dream", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "dream", "intermediate_size")
         qwen2.Model.shard(self, group)
 
     @cached_spec

@@ -130,9 +130,7 @@ class Model(qwen2.Model):
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """mlx-lm's qwen2.Model.shard (attention heads with their biases, and the MLP, split over
         `group`), after a readable check that the group divides them."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("fast_dllm_v2", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "fast_dllm_v2", "intermediate_size")
         super().shard(group)
 
     @cached_spec

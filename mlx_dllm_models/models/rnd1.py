@@ -96,11 +96,9 @@ class Model(qwen3_moe.Model):
         """mlx-lm's qwen3_moe.Model.shard (attention heads split over `group`, the experts over
         their intermediate dimension, the router replicated), after a readable check that the
         group divides them."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(
-            self.args, *sharding.HEADS, "moe_intermediate_size", "intermediate_size"
+        group = sharding.checked_group(
+            self, group, "rnd1", "moe_intermediate_size", "intermediate_size"
         )
-        sharding.check_divisible("rnd1", group, sizes, model=self)
         super().shard(group)
 
     @cached_spec

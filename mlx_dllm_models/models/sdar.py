@@ -104,9 +104,7 @@ class Model(qwen3.Model):
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """mlx-lm's qwen3.Model.shard (attention heads and MLP split over `group`), after a
         readable check that the group divides them."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("sdar", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "sdar", "intermediate_size")
         super().shard(group)
 
     @cached_spec

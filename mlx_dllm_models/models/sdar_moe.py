@@ -58,11 +58,9 @@ class Model(qwen3_moe.Model):
         """mlx-lm's qwen3_moe.Model.shard (attention heads and dense MLPs split over `group`, the
         experts split over their intermediate dimension, the router replicated), after a readable
         check that the group divides them."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(
-            self.args, *sharding.HEADS, "moe_intermediate_size", "intermediate_size"
+        group = sharding.checked_group(
+            self, group, "sdar_moe", "moe_intermediate_size", "intermediate_size"
         )
-        sharding.check_divisible("sdar_moe", group, sizes, model=self)
         super().shard(group)
 
     @cached_spec

@@ -67,6 +67,15 @@ def check_divisible(family: str, group, sizes: dict, kv_heads: dict = (), model=
         )
 
 
+def checked_group(model, group, family: str, *widths: str) -> mx.distributed.Group:
+    """The group of `model.shard(group)` (group_of), once check_divisible has found that it splits
+    the attention heads and the config's `widths` (e.g. "intermediate_size") evenly: what a family
+    built on an mlx-lm body runs before handing the split to that body's own `shard`."""
+    group = group_of(group)
+    check_divisible(family, group, config_sizes(model.args, *HEADS, *widths), model=model)
+    return group
+
+
 def shard_attention(
     attn,
     group,

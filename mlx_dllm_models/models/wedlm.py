@@ -185,9 +185,7 @@ class Model(nn.Module):
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """mlx-lm's Qwen shard (attention heads with their biases or q/k norms, and the MLP, split
         over `group`; embeddings and head replicated), after a readable divisibility check."""
-        group = sharding.group_of(group)
-        sizes = sharding.config_sizes(self.args, *sharding.HEADS, "intermediate_size")
-        sharding.check_divisible("wedlm", group, sizes, model=self)
+        group = sharding.checked_group(self, group, "wedlm", "intermediate_size")
         qwen3.Model.shard(self, group)
 
     @cached_spec
