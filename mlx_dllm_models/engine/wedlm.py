@@ -40,70 +40,13 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..cache import RowKVCache
 from ..decoding import token_stats
 from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.wedlm import committed_prefix, reordered_causal_mask, wedlm_commit
 from .base import StepEvent, block_event, check_finite, next_key
 from .constrained import WindowConstraint
 from .logprobs import entries
-
-
-class _RowLayerKV:
-    """One layer's K/V of `RowKVCache`: (B, kv_heads, width, head_dim), written in place."""
-
-    def __init__(self, owner: "RowKVCache"):
-        self.owner = owner
-        self.keys = None
-        self.values = None
-
-    @property
-    def offset(self):
-        return self.owner.offset
-
-    def update_and_fetch(self, keys, values):
-        starts, width = self.owner.starts, self.owner.width
-        n = keys.shape[2]
-        if self.keys is None:
-            b, h, _, d = keys.shape
-            self.keys = mx.zeros((b, h, width, d), keys.dtype)
-            self.values = mx.zeros((b, values.shape[1], width, values.shape[3]), values.dtype)
-        for row, start in enumerate(starts):
-            self.keys[row, :, start : start + n, :] = keys[row]
-            self.values[row, :, start : start + n, :] = values[row]
-        end = max(starts) + n
-        return self.keys[..., :end, :], self.values[..., :end, :]
-
-
-class RowKVCache:
-    """Per-layer K/V of a batch whose rows write at columns of their own: a forward's input row b
-    goes to columns starts[b].., and RoPE reads the same columns (`offset`, a (B,) array)."""
-
-    def __init__(self, num_layers: int, rows: int, width: int):
-        self.width = width
-        self.starts = [0] * rows
-        self.layers = [_RowLayerKV(self) for _ in range(num_layers)]
-
-    @property
-    def offset(self):
-        return mx.array(self.starts, dtype=mx.int32)
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def select(self, idx: Sequence[int]) -> "RowKVCache":
-        out = RowKVCache(len(self.layers), len(idx), self.width)
-        out.starts = [self.starts[i] for i in idx]
-        rows = mx.array(list(idx))
-        for new, old in zip(out.layers, self.layers):
-            if old.keys is not None:
-                new.keys, new.values = old.keys[rows], old.values[rows]
-        return out
 
 
 def _batch_mask(keeps, widths, length: int, columns: int) -> mx.array:
@@ -146,7 +89,9 @@ class WindowKV:
         mask = _batch_mask(keeps, widths, length, columns)
         spans = [(start - lo, len(ids) - lo) for (ids, _, start), lo in zip(batch, self.committed)]
         first = min(lo for lo, _ in spans)
-        self.cache.starts = list(self.committed)
+        # Every input row's `length` columns go to its own columns from its committed ones on
+        # (padding included: those columns are rewritten before any mask lets them be read).
+        self.cache.place(self.committed, [lo + length for lo in self.committed], length)
         out = self.model(x, cache=self.cache, mask=mask, head_span=(first, length))
         return _rows_of(out, [(lo - first, hi - first) for lo, hi in spans])
 
