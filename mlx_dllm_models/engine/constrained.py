@@ -301,14 +301,10 @@ def consume(matcher, token: int, eos: Sequence[int]) -> bool:
     return matcher.try_consume_tokens([int(token)]) == 1
 
 
-class TokenSequenceConstraint:
-    """One row's constraint in self-speculation (engine/self_spec.py), whose rounds keep a prefix
-    of drafts that a causal forward verifies, then the causal model's own next token. Under a
-    grammar each verified position's distribution is masked by what the grammar allows after the
-    kept tokens before it, so a draft is kept only where the constrained causal model agrees, and
-    the output is constrained autoregressive decoding's (greedy: exactly; sampled: in
-    distribution). Forced tokens replace the next round's first drafts (they are always kept),
-    and the budget guard of the masked decoder applies to the round's tokens."""
+class _OneRow:
+    """What each single-row constraint keeps (self-speculation's, the canvas's, WeDLM's window's):
+    the row's llguidance matcher (after the tokens `consumed` before a restart), its budget guard,
+    the EOS ids, and the positions left for its text and EOS."""
 
     def __init__(self, constraint, eos: Sequence[int], max_tokens: int, consumed=()):
         self.matcher = constraint.matcher(consumed)
@@ -316,6 +312,16 @@ class TokenSequenceConstraint:
         self.guard = BudgetGuard(self.matcher, self.candidates)
         self.eos = sorted(eos)
         self.room = max_tokens  # positions left for text and EOS
+
+
+class TokenSequenceConstraint(_OneRow):
+    """One row's constraint in self-speculation (engine/self_spec.py), whose rounds keep a prefix
+    of drafts that a causal forward verifies, then the causal model's own next token. Under a
+    grammar each verified position's distribution is masked by what the grammar allows after the
+    kept tokens before it, so a draft is kept only where the constrained causal model agrees, and
+    the output is constrained autoregressive decoding's (greedy: exactly; sampled: in
+    distribution). Forced tokens replace the next round's first drafts (they are always kept),
+    and the budget guard of the masked decoder applies to the round's tokens."""
 
     def masks(self, drafts: List[int], vocab: int):
         """(allowed (j + 1, vocab) bool, j): the grammar's allowed tokens at each verified
@@ -366,20 +372,13 @@ class TokenSequenceConstraint:
         return self.matcher.compute_ff_tokens()[: max(self.room - 1, 0)]
 
 
-class CanvasConstraint:
+class CanvasConstraint(_OneRow):
     """One row's constraint in canvas decoding (engine/canvas.py). A canvas re-draws every
     position at each step, so no prefix is final before its last step; the constraint acts on
     the readout: the canvas returned (and encoded for the next one) is, position by position, the
     best token the grammar allows after the ones before it under the last step's logits (the
     unconstrained readout takes the argmax everywhere), with forced tokens, EOS and the budget
     guard as in the masked decoder."""
-
-    def __init__(self, constraint, eos: Sequence[int], max_tokens: int):
-        self.matcher = constraint.matcher()
-        self.candidates = constraint.candidates
-        self.guard = BudgetGuard(self.matcher, self.candidates)
-        self.eos = sorted(eos)
-        self.room = max_tokens  # positions left for text and EOS
 
     def _fits(self, left: int) -> bool:
         return self.guard.fits(left)
@@ -430,7 +429,7 @@ class CanvasConstraint:
         return out
 
 
-class WindowConstraint:
+class WindowConstraint(_OneRow):
     """One row's constraint in WeDLM's window decoding (engine/wedlm.py), whose window commits
     its filled prefix at each step. A constrained row fills only a prefix of its window, so every
     step starts from a window of masks after its committed tokens: the first column takes the
@@ -440,11 +439,7 @@ class WindowConstraint:
     the budget guard as in the masked decoder."""
 
     def __init__(self, constraint, eos: Sequence[int], max_tokens: int, consumed=()):
-        self.matcher = constraint.matcher(consumed)
-        self.candidates = constraint.candidates
-        self.guard = BudgetGuard(self.matcher, self.candidates)
-        self.eos = sorted(eos)
-        self.room = max_tokens  # positions left for text and EOS
+        super().__init__(constraint, eos, max_tokens, consumed)
         self.words = None  # the packed allowed set at the window's first column, this step
 
     def mask(self) -> np.ndarray:
