@@ -11,6 +11,7 @@ OUT/serve_rank<r>.code.
     python tests/distributed_worker.py PLAN.json OUT
 """
 
+import gc
 import json
 import os
 import signal
@@ -33,6 +34,10 @@ def run(plan: dict, out: Path) -> None:
     rank = 0 if group is None else group.rank()
     results = {}
     for name, entry in plan["checkpoints"].items():
+        # The previous checkpoint's arrays must be gone before `before` is read: freed during
+        # this load they would make its weights look smaller (a model is freed by the garbage
+        # collector, its logits when the name is rebound).
+        gc.collect()
         mx.synchronize()
         mx.reset_peak_memory()
         before = mx.get_active_memory()
@@ -48,7 +53,7 @@ def run(plan: dict, out: Path) -> None:
         results[f"{name}/logits"] = np.array(logits.astype(mx.float32))
         r = batch_generate_diffusion(model, tokenizer, [entry["prompt"]], **entry["settings"])
         results[f"{name}/tokens"] = np.array(r.tokens[0], dtype=np.int64)
-        del model, tokenizer
+        del model, tokenizer, logits, r
     # What a server does with a request: rank 0's object on every rank.
     results["share/from_rank"] = np.array(share({"from_rank": rank}, group)["from_rank"])
     out.mkdir(parents=True, exist_ok=True)
