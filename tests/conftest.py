@@ -164,3 +164,47 @@ def read_pty(fd, pid, timeout=120):
         out += data
     os.waitpid(pid, 0)
     return out.decode("utf-8", "replace")
+
+
+MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_ranks(script, *args, out, timeout=300):
+    """`python script *args` on two ranks of mlx.launch's ring backend on loopback; each rank
+    writes OUT/rank<r>.npz, which are returned. mlx.launch exits 0 even when a rank fails: the
+    ranks' files are what tells."""
+    if not MLX_LAUNCH.exists():
+        pytest.fail(
+            f"mlx.launch is not next to {sys.executable}; install mlx into this environment"
+        )
+    cmd = [str(MLX_LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_port())]
+    cmd += ["--python", sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for rank in (0, 1):
+        assert (out / f"rank{rank}.npz").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
+
+
+def assert_sharded_is_one_process(one, ranks, name="", tokens=None):
+    """Two ranks' results against one process's (keys `{name}/logits`, `/tokens`, `/weights`, or
+    bare with name ""): logits bitwise the same on both ranks and within 1e-4 of one process's
+    largest logit (only the summation order differs), the same tokens (`tokens` of them, or some),
+    and rank 0 holding less of the weights."""
+    key = (lambda k: f"{name}/{k}") if name else (lambda k: k)
+    logits = key("logits")
+    np.testing.assert_array_equal(ranks[0][logits], ranks[1][logits], err_msg=name)
+    scale = np.abs(one[logits]).max()
+    assert np.abs(ranks[0][logits] - one[logits]).max() <= 1e-4 * scale, name
+    want = one[key("tokens")].tolist()
+    assert len(want) == tokens if tokens is not None else len(want) > 0, name
+    for got in ranks:
+        assert got[key("tokens")].tolist() == want, name
+    assert ranks[0][key("weights")] < one[key("weights")], name

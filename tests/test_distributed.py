@@ -8,7 +8,6 @@ that dies ends the other with an error instead of a hang.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from distributed_worker import run
 
+from conftest import free_port, launch_two_ranks
 from fixtures import all_checkpoints
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.tiny import build_tiny_llada
@@ -26,7 +26,6 @@ from mlx_dllm_models.vision import text_tokenizer
 pytestmark = pytest.mark.distributed
 
 PYTHON = sys.executable
-LAUNCH = Path(PYTHON).parent / "mlx.launch"
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 FAMILIES = (
@@ -57,12 +56,6 @@ SERVE = {
     # every rank drops the row at the same block (else their batches, and collectives, differ).
     "disconnected": {"prompt": "tell me more", "max_tokens": 64, "block_length": 8, "stream": True},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _text_only(path: Path) -> Path:
@@ -97,7 +90,7 @@ def plan(tmp_path_factory):
         }
         for name, body in SERVE.items()
     }
-    serve = {"model": checkpoints["llada"]["path"], "port": _free_port(), "requests": requests}
+    serve = {"model": checkpoints["llada"]["path"], "port": free_port(), "requests": requests}
     plan = {"checkpoints": checkpoints, "cli": cli, "serve": serve}
     (root / "plan.json").write_text(json.dumps(plan))
     return root
@@ -112,15 +105,8 @@ def single(plan):
 
 @pytest.fixture(scope="module")
 def sharded(plan):
-    if not LAUNCH.exists():
-        pytest.fail(f"mlx.launch is not next to {PYTHON}; install mlx into this environment")
     out = plan / "sharded"
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port())]
-    cmd += ["--python", PYTHON, str(WORKER), str(plan / "plan.json"), str(out)]
-    # mlx.launch exits 0 even when a rank fails: the ranks' files are what tells.
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    for rank in (0, 1):
-        assert (out / f"rank{rank}.npz").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_two_ranks(WORKER, plan / "plan.json", out, out=out, timeout=240)
     return out
 
 
@@ -204,7 +190,7 @@ def test_share_hands_rank_0s_object_to_every_rank(sharded):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_rank_that_dies_ends_the_other_with_an_error(plan, command):
     path = json.loads((plan / "plan.json").read_text())["checkpoints"]["llada"]["path"]
-    port = _free_port()
+    port = free_port()
     hosts = plan / f"hosts_{command}.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     env = dict(os.environ, MLX_HOSTFILE=str(hosts))
@@ -212,7 +198,7 @@ def test_a_rank_that_dies_ends_the_other_with_an_error(plan, command):
     if command == "generate":
         generate += ["--prompt", "hi", "--max-tokens", "64", "--no-live"]
     else:  # the server's first step hands rank 0's news to a rank that is gone
-        generate += ["--port", str(_free_port())]
+        generate += ["--port", str(free_port())]
     # Rank 1 takes part in the synchronisation that ends loading, then is killed (SIGKILL: no
     # clean-up of its sockets); it needs nothing but mlx for that.
     dies = (

@@ -4,7 +4,6 @@ ranks of mlx.launch's ring backend), and `serve`: one completion, and rows joini
 with the tokens of single calls."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -15,15 +14,19 @@ import numpy as np
 import pytest
 from distributed_worker import run
 
-from conftest import ROOT, load_fixture, mlx_lm_convert
+from conftest import (
+    ROOT,
+    assert_sharded_is_one_process,
+    launch_two_ranks,
+    load_fixture,
+    mlx_lm_convert,
+)
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
 
-PYTHON = sys.executable
-LAUNCH = Path(PYTHON).parent / "mlx.launch"
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
@@ -118,12 +121,6 @@ def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(checkpoint
         load_fixture(checkpoint)[0].shard(_Ranks(3))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_ranks_compute_one_process_logits_and_tokens(checkpoint, tmp_path):
     plan = {
@@ -137,24 +134,10 @@ def test_two_ranks_compute_one_process_logits_and_tokens(checkpoint, tmp_path):
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     run(plan, tmp_path / "single")
-    if not LAUNCH.exists():
-        pytest.fail(f"mlx.launch is not next to {PYTHON}; install mlx into this environment")
     out = tmp_path / "sharded"
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port())]
-    cmd += ["--python", PYTHON, str(WORKER), str(tmp_path / "plan.json"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    for rank in (0, 1):
-        assert (out / f"rank{rank}.npz").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = launch_two_ranks(WORKER, tmp_path / "plan.json", out, out=out)
     one = np.load(tmp_path / "single" / "rank0.npz")
-    ranks = [np.load(out / f"rank{r}.npz") for r in (0, 1)]
-    logits = "fast_dllm_v2/logits"
-    np.testing.assert_array_equal(ranks[0][logits], ranks[1][logits])
-    assert np.abs(ranks[0][logits] - one[logits]).max() <= 1e-4 * np.abs(one[logits]).max()
-    want = one["fast_dllm_v2/tokens"].tolist()
-    assert len(want) > 0
-    for got in ranks:
-        assert got["fast_dllm_v2/tokens"].tolist() == want
-    assert ranks[0]["fast_dllm_v2/weights"] < one["fast_dllm_v2/weights"]
+    assert_sharded_is_one_process(one, ranks, "fast_dllm_v2")
 
 
 def _single(model, tok, text, **settings):

@@ -2,20 +2,18 @@
 as LLaDA 8B's, the vision tower replicated. Each rank's logits over an image prompt are bitwise the
 same and within reduction noise of one process, and greedy tokens with an image are one process's."""
 
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import assert_sharded_is_one_process, launch_two_ranks
 from fixtures.llada_v import build_llada_v
 
 pytestmark = pytest.mark.distributed
 
 PYTHON = sys.executable
-LAUNCH = Path(PYTHON).parent / "mlx.launch"
 
 WORKER = """
 import sys
@@ -46,12 +44,6 @@ np.savez(f"{out}/rank{rank}.npz", logits=logits, tokens=np.array(tokens), weight
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_compute_one_process_logits_and_tokens(tmp_path):
     path = build_llada_v(tmp_path / "llada_v")
     worker = tmp_path / "worker.py"
@@ -63,19 +55,7 @@ def test_two_ranks_compute_one_process_logits_and_tokens(tmp_path):
         [PYTHON, str(worker), str(path), str(single)], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if not LAUNCH.exists():
-        pytest.fail(f"mlx.launch is not next to {PYTHON}; install mlx into this environment")
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port())]
-    cmd += ["--python", PYTHON, str(worker), str(path), str(sharded)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    for rank in (0, 1):
-        assert (sharded / f"rank{rank}.npz").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = launch_two_ranks(worker, path, sharded, out=sharded)
     one = np.load(single / "rank0.npz")
-    ranks = [np.load(sharded / f"rank{r}.npz") for r in (0, 1)]
-    np.testing.assert_array_equal(ranks[0]["logits"], ranks[1]["logits"])
-    scale = np.abs(one["logits"]).max()
-    assert np.abs(ranks[0]["logits"] - one["logits"]).max() <= 1e-4 * scale
-    assert len(one["tokens"]) == 16
-    for got in ranks:
-        assert got["tokens"].tolist() == one["tokens"].tolist()
-        assert got["weights"] < one["weights"]  # each rank holds its share of the text weights
+    assert_sharded_is_one_process(one, ranks, tokens=16)
+    assert ranks[1]["weights"] < one["weights"]  # each rank holds its share of the text weights
