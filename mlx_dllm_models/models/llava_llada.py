@@ -53,6 +53,7 @@ from .common import (
     refuse_autoregressive_tools,
     run_layers,
 )
+from .image_slots import ImageSlotError, SlotStore
 
 NAME = "llava_llada"
 
@@ -91,10 +92,6 @@ SIGLIP_SO400M = {
 # How many stored feature rows image ids may index before the oldest images are forgotten: about
 # eight anyres_max_4 images of LLaDA-V (up to ~3,700 rows each), 256 MB in bfloat16.
 MAX_STORED_FEATURES = 1 << 15
-
-
-class ImageSlotError(ValueError):
-    pass
 
 
 @dataclass
@@ -229,9 +226,8 @@ class Model(nn.Module):
         self.model = llada.LLaDABody(args.llada_args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.vision = _vision_module(args)
-        # Image features by slot (id - vocab_size), outside the parameter tree.
-        # "table": the features concatenated, built once per change rather than every forward.
-        self.__dict__["_slots"] = {"features": [], "base": 0, "table": None}
+        # Outside the parameter tree: mlx's Module would otherwise walk it.
+        self.__dict__["slots"] = SlotStore(NAME, args.vocab_size, MAX_STORED_FEATURES)
 
     make_cache = refuse_autoregressive_tools
 
@@ -263,47 +259,15 @@ class Model(nn.Module):
     def image_slots(self, pixel_values, image_size=None) -> List[int]:
         """Ids that stand for one image's features in a prompt: the features are computed now and
         kept (the most recent MAX_STORED_FEATURES rows)."""
-        feats = self.image_features(pixel_values, image_size)
-        mx.eval(feats)
-        slots = self.__dict__["_slots"]
-        stored = sum(f.shape[0] for f in slots["features"])
-        while slots["features"] and stored + feats.shape[0] > MAX_STORED_FEATURES:
-            dropped = slots["features"].pop(0)
-            slots["base"] += dropped.shape[0]
-            stored -= dropped.shape[0]
-        first = self.args.vocab_size + slots["base"] + stored
-        slots["features"].append(feats)
-        slots["table"] = None
-        return list(range(first, first + feats.shape[0]))
+        self.slots.limit = MAX_STORED_FEATURES  # read at each call: tests lower it
+        return self.slots.add(self.image_features(pixel_values, image_size))
 
     def is_image_id(self, token_id: int) -> bool:
-        return token_id >= self.args.vocab_size
+        return self.slots.is_image_id(token_id)
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token embeddings, with image ids (>= vocab_size) read from the stored features."""
-        vocab = self.args.vocab_size
-        is_image = inputs >= vocab
-        h = self.model.embed_tokens(mx.where(is_image, 0, inputs))
-        if not bool(is_image.any().item()):
-            return h
-        slots = self.__dict__["_slots"]
-        index = inputs - vocab - slots["base"]
-        if bool((is_image & (index < 0)).any().item()):
-            raise ImageSlotError(
-                f"{NAME}: the prompt holds image ids whose features were dropped (more than "
-                f"{MAX_STORED_FEATURES} image features were stored since); encode its images again"
-            )
-        if slots["table"] is None and slots["features"]:
-            slots["table"] = mx.concatenate(slots["features"], axis=0)
-        table = slots["table"]
-        if table is None or bool((is_image & (index >= table.shape[0])).any().item()):
-            raise ImageSlotError(
-                f"{NAME}: the prompt holds token ids past the vocabulary ({vocab}) that stand for "
-                "no stored image; give images through the processor (image=...), not as ids"
-            )
-        table = table.astype(h.dtype)
-        feats = table[mx.where(is_image, index, 0)]
-        return mx.where(is_image[..., None], feats, h)
+        return self.slots.embed(self.model.embed_tokens, inputs)
 
     # -- the protocol ------------------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""Images as token ids: what the vision families built on a text family's engine share.
+
+A vision-language diffusion model here keeps its language family's engine unchanged (its
+samplers, caches, batching, row selection and the server see only token ids). Its image features
+enter as ids past the text vocabulary: `SlotStore.add(features)` keeps one image's features (n, H)
+and returns n ids, `vocab_size + k` for the k-th stored row; `SlotStore.embed` reads such ids from
+the stored rows and every other id from the token embedding (the references' `inputs_embeds` with
+the features spliced in). The store keeps the most recent `limit` rows, so a long-running server
+forgets old images rather than growing without bound; a prompt that still names forgotten rows is
+refused with a message rather than read wrongly.
+"""
+
+from typing import List
+
+import mlx.core as mx
+
+
+class ImageSlotError(ValueError):
+    pass
+
+
+class SlotStore:
+    """Image features by slot (id - vocab_size), outside any parameter tree."""
+
+    def __init__(self, name: str, vocab_size: int, limit: int):
+        self.name = name
+        self.vocab_size = vocab_size
+        self.limit = limit
+        self.features = []
+        self.base = 0  # the slot of features[0]'s first row
+        self.table = None  # features concatenated: built once per change, not every forward
+
+    def add(self, features: mx.array) -> List[int]:
+        """Ids that stand for one image's features (n, H); the oldest images go past `limit`."""
+        mx.eval(features)
+        stored = sum(f.shape[0] for f in self.features)
+        while self.features and stored + features.shape[0] > self.limit:
+            dropped = self.features.pop(0)
+            self.base += dropped.shape[0]
+            stored -= dropped.shape[0]
+        first = self.vocab_size + self.base + stored
+        self.features.append(features)
+        self.table = None
+        return list(range(first, first + features.shape[0]))
+
+    def is_image_id(self, token_id: int) -> bool:
+        return token_id >= self.vocab_size
+
+    def embed(self, embed_tokens, inputs: mx.array) -> mx.array:
+        """Token embeddings of `inputs`, with image ids read from the stored features."""
+        vocab = self.vocab_size
+        is_image = inputs >= vocab
+        h = embed_tokens(mx.where(is_image, 0, inputs))
+        if not bool(is_image.any().item()):
+            return h
+        index = inputs - vocab - self.base
+        if bool((is_image & (index < 0)).any().item()):
+            raise ImageSlotError(
+                f"{self.name}: the prompt holds image ids whose features were dropped (more than "
+                f"{self.limit} image features were stored since); encode its images again"
+            )
+        if self.table is None and self.features:
+            self.table = mx.concatenate(self.features, axis=0)
+        table = self.table
+        if table is None or bool((is_image & (index >= table.shape[0])).any().item()):
+            raise ImageSlotError(
+                f"{self.name}: the prompt holds token ids past the vocabulary ({vocab}) that stand "
+                "for no stored image; give images through the processor (image=...), not as ids"
+            )
+        feats = table.astype(h.dtype)[mx.where(is_image, index, 0)]
+        return mx.where(is_image[..., None], feats, h)
