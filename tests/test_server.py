@@ -244,7 +244,8 @@ def test_a_client_that_disconnects_frees_its_row(served):
     port = server.server_address[1]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(data)}\r\n\r\n".encode()
             + data
         )

@@ -356,7 +356,7 @@ def test_one_access_log_line_per_request(served, client, caplog):
     out = client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=4)
     code, _ = post(url, "/v1/completions", {"prompt": "hi", "steps": 0})
     with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         while sock.recv(4096):
             pass
     deadline = time.time() + 10

@@ -13,7 +13,8 @@ What comes from mlx-lm's server, and what cannot:
   `process_message_content`). Its `do_POST` / `do_GET` are replaced: they answer errors with a
   bare string, where OpenAI's clients read `{"error": {"message", "type", "param", "code"}}`
   (`error_body`), and know no `/v1/models/{id}`. Its CORS headers (`*` for every page) are
-  replaced by guards.py's: no page of another origin unless `--cors-origin` names it.
+  replaced by guards.py's: no page of another origin unless `--cors-origin` names it, and no
+  request that names a host the server does not serve (`--allowed-host`; DNS rebinding).
 * Not reused: its `ResponseGenerator` and `BatchGenerator`, which decode token by token (an AR
   loop with a per-token KV cache, per-token logprobs and a per-token stop-sequence state machine).
   Here the unit is a committed block: the scheduler (scheduler.py) decodes blocks, a streamed chunk
@@ -71,6 +72,7 @@ from .fields import (
 )
 from .guards import (
     DEFAULT_MAX_BODY_BYTES,
+    HostCheck,
     apply_template,
     check_messages,
     check_prompt_chars,
@@ -154,8 +156,11 @@ class Service:
         cors_origins=(),
         image_policy: ImagePolicy = ImagePolicy(),
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        hosts: HostCheck = HostCheck(),
     ):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
+        # The Host headers it answers (DNS rebinding); loopback names and the bound host by default.
+        self.hosts = hosts
         # Origins whose pages may call the server from a browser (`*`: any); none by default.
         self.cors_origins = list(cors_origins)
         self.image_policy = image_policy
@@ -363,7 +368,24 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         self.status = code
         super().send_response(code, message)
 
-    # -- who may call: browsers' pages only from the origins --cors-origin names
+    # -- who may call: requests that name a host it serves; browsers' pages only from the origins
+    # --cors-origin names
+
+    def _refused(self) -> bool:
+        """Answer with a 403 a request whose Host header names a host the server does not serve
+        (a page that pointed its own name at this machine: DNS rebinding), or that comes from a
+        web page of another origin; False when the request may go on."""
+        host = self.headers.get("Host")
+        if not self.service.hosts.allows(host):
+            self.close_connection = True  # a POST's body is left unread
+            self._error(
+                f"the Host header names {shorten(host, 100)!r}, not a host this server answers "
+                "to (a web page that points its own name at this machine is refused); start the "
+                "server with --allowed-host NAME to serve that name",
+                403,
+            )
+            return True
+        return self._origin_refused()
 
     def _set_cors_headers(self):
         for name, value in cors_headers(self.headers.get("Origin"), self.service.cors_origins):
@@ -385,7 +407,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
 
     def do_OPTIONS(self):
         """A browser's preflight: 204 with the CORS headers for an allowed origin, else 403."""
-        if self._origin_refused():
+        if self._refused():
             return
         self._set_completion_headers(204)
         self.send_header("Content-Length", "0")
@@ -416,7 +438,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
             "/v1/chat/completions": self.handle_chat_completions,
             "/chat/completions": self.handle_chat_completions,
         }
-        if self._origin_refused():
+        if self._refused():
             return
         factory = factories.get(urlparse(self.path).path)
         if factory is None:
@@ -435,7 +457,7 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         self.handle_completion(request, [stop] if isinstance(stop, str) else stop)
 
     def do_GET(self):
-        if self._origin_refused():
+        if self._refused():
             return
         path = urlparse(self.path).path.rstrip("/")
         if path == "/v1/models":

@@ -1,14 +1,17 @@
-"""What the server checks before a request costs it anything: the body's size, encoding and
-nesting, the origin of a browser's request, the shape of the messages, and a prompt's length
-against the model's context before the tokenizer sees it.
+"""What the server checks before a request costs it anything: the Host a request names, the
+body's size, encoding and nesting, the origin of a browser's request, the shape of the messages,
+and a prompt's length against the model's context before the tokenizer sees it.
 
 Anyone who can reach the port (and, through a browser, any web page the user opens) can send a
-request, so these answers come first and cost little: a body over `--max-body-bytes` is a 413
-read in chunks and dropped, never held; a page from another origin gets a 403 and no CORS header
-unless `--cors-origin` names it; a prompt longer than the context could hold in any tokenization
-is a 400 before it is tokenized.
+request, so these answers come first and cost little: a request naming a host the server does not
+serve is a 403 (DNS rebinding: a page on evil.example that points its own name at 127.0.0.1 makes
+the browser's requests same-origin, where CORS no longer applies, but they still name
+evil.example); a body over `--max-body-bytes` is a 413 read in chunks and dropped, never held; a
+page from another origin gets a 403 and no CORS header unless `--cors-origin` names it; a prompt
+longer than the context could hold in any tokenization is a 400 before it is tokenized.
 """
 
+import ipaddress
 import json
 import logging
 from typing import Optional, Sequence
@@ -109,6 +112,51 @@ def _too_deep(value) -> bool:
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
     return False
+
+
+# The names of this machine's loopback that a local client may put in its Host header.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Binds that listen on every address: a client names whichever address reached the server.
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def host_name(value: str) -> str:
+    """The host of a Host header or a host flag, without its port, brackets, case or final dot:
+    "LocalHost:8080" -> "localhost", "[::1]:8080" -> "::1"."""
+    value = value.strip().lower()
+    if value.startswith("["):  # an IPv6 literal, maybe followed by :port
+        value = value[1:].split("]", 1)[0]
+    elif value.count(":") == 1:  # name:port (an IPv6 address has more than one colon)
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheck:
+    """Which Host headers the server answers: this machine's loopback names (localhost,
+    127.0.0.1, [::1]) and the host it listens on, any port; the names `--allowed-host` adds (a
+    reverse proxy's, a LAN name; `*`: any); on a wildcard bind (0.0.0.0, ::), any IP address too
+    (a page served from an address is that address's own: no name to rebind). A request without
+    a Host header comes from no browser (HTTP/1.0 clients): answered."""
+
+    def __init__(self, bind: str = "127.0.0.1", allowed: Sequence[str] = ()):
+        names = {host_name(n) for n in (*LOOPBACK_NAMES, bind, *allowed)}
+        self.any = "*" in names
+        self.any_address = host_name(bind) in WILDCARD_HOSTS
+        self.names = frozenset(n for n in names if n and n != "*")
+
+    def allows(self, header: Optional[str]) -> bool:
+        if header is None or self.any:
+            return True
+        name = host_name(header)
+        return name in self.names or (self.any_address and _is_address(name))
 
 
 def origin_allowed(origin: Optional[str], allowed: Sequence[str]) -> bool:

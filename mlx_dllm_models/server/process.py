@@ -7,7 +7,8 @@ The flags follow `mlx_lm.server` (`--model`, `--host`, `--port`, `--adapter-path
 the server's default.
 
 Safe by default, for a server started on a laptop: loopback only (a warning for any other host),
-no cross-origin access from web pages (`--cors-origin`), images only as data URLs
+no cross-origin access from web pages (`--cors-origin`), requests that name another host than
+the server's refused (`--allowed-host`: DNS rebinding), images only as data URLs
 (`--allowed-image-dir`, `--allow-remote-images`), bodies of at most 32 MiB (`--max-body-bytes`).
 Flags out of range are one-line errors. SIGTERM and Ctrl-C shut down in order: the listening socket
 closes, the requests in flight get a 503 at the next denoising step, the worker thread is joined
@@ -38,7 +39,7 @@ from ..settings import resolve_settings
 from ..vision import text_tokenizer
 from .api import DiffusionAPIHandler, Service
 from .fields import canvas_temperature
-from .guards import DEFAULT_MAX_BODY_BYTES
+from .guards import DEFAULT_MAX_BODY_BYTES, HostCheck, host_name
 from .images import ImagePolicy
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
@@ -60,6 +61,7 @@ def make_server(
     prompt_cache_bytes: Optional[int] = None,
     image_policy: ImagePolicy = ImagePolicy(),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts=(),
 ):
     """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
     thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
@@ -68,7 +70,8 @@ def make_server(
     at most `prompt_cache_bytes` in all keep finished requests' K/V (server/prompt_cache.py).
     `cors_origins`: the web pages' origins that may call it (`*`: any; none by default);
     `image_policy`: where image URLs may point besides data URLs (images.py); `max_body_bytes`:
-    larger request bodies get a 413."""
+    larger request bodies get a 413; `allowed_hosts`: names a request's Host header may give
+    besides the loopback names and `host` (guards.HostCheck; `*`: any)."""
     scheduler = Scheduler.on_thread(
         load_model,
         max_batch=max_batch,
@@ -87,6 +90,7 @@ def make_server(
         cors_origins=cors_origins,
         image_policy=image_policy,
         max_body_bytes=max_body_bytes,
+        hosts=HostCheck(host, allowed_hosts),
     )
     # As mlx-lm's _run_http_server: the address family of the host (IPv6 hosts too).
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -186,6 +190,17 @@ def parser():
         "any) whose pages may call the server from a browser (default: none)",
     )
     p.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name or address that requests may name in their Host header, for a reverse "
+        "proxy or LAN use (comma-separated or repeated; * for any). Default: localhost, "
+        "127.0.0.1, [::1] and the --host itself (on 0.0.0.0 / ::, any IP address); others get a "
+        "403, which stops web pages that point their own name at this machine (DNS rebinding)",
+    )
+    p.add_argument(
         "--allowed-image-dir",
         default=None,
         metavar="DIR",
@@ -272,6 +287,13 @@ def check_args(args) -> None:
     if folder is not None and not os.path.isdir(folder):
         raise SystemExit(f"error: --allowed-image-dir {folder!r} is not a folder")
     args.cors_origins = [o.strip() for a in args.cors_origins for o in a.split(",") if o.strip()]
+    args.allowed_hosts = [h.strip() for a in args.allowed_hosts for h in a.split(",") if h.strip()]
+    for name in args.allowed_hosts:
+        if name != "*" and (not host_name(name) or any(c in name for c in "/@ \t")):
+            raise SystemExit(
+                f"error: --allowed-host takes a host name or address (e.g. myhost.lan, "
+                f"192.168.1.5), got {name!r}"
+            )
 
 
 MIN_BODY_BYTES = 1024
@@ -320,6 +342,7 @@ def main(argv=None) -> int:
             prompt_cache_bytes=args.prompt_cache_bytes,
             image_policy=ImagePolicy(args.allowed_image_dir, args.allow_remote_images),
             max_body_bytes=args.max_body_bytes,
+            allowed_hosts=args.allowed_hosts,
         )
     except ValueError as e:  # CheckpointError, SettingsError
         raise SystemExit(f"error: {e}")
