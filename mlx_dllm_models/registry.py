@@ -33,10 +33,13 @@ MODEL_TYPES = {
     "a2d-qwen2": "a2d_qwen2",
     # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
     "llava_llada": "llava_llada",
+    # rp-yu's Dimple-7B (Dream 7B with Qwen2.5-VL's vision encoder).
+    "dimple": "dimple",
 }
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).
 VLM_MODEL_TYPES = {
     "llava_llada": "llava_llada",
+    "dimple": "dimple",
 }

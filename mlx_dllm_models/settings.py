@@ -194,7 +194,7 @@ SETTINGS: Tuple[Setting, ...] = (
         str,
         choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
         families=_DREAM,
-        samplers=("dream",),
+        samplers=("dream", "dimple"),
     ),
     Setting(
         "alg_temp",
@@ -203,7 +203,7 @@ SETTINGS: Tuple[Setting, ...] = (
         cli_optional_float,
         optional(number(0, what=" (0 or null ranks greedily)")),
         families=_DREAM,
-        samplers=("dream",),
+        samplers=("dream", "dimple"),
     ),
     Setting(
         "eps",
@@ -214,7 +214,18 @@ SETTINGS: Tuple[Setting, ...] = (
             0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"
         ),
         families=_DREAM,
-        samplers=("dream",),
+        samplers=("dream", "dimple"),
+    ),
+    # Dimple's "dim" pipeline (yu-rp/Dimple generation_utils.py): its confident decoding.
+    Setting(
+        "alg_p_threshold",
+        None,
+        "Dimple: confident decoding, commit every mask whose probability exceeds it (0 or none: "
+        "off)",
+        cli_optional_float,
+        optional(number(0, 1, what=" (0 or null: off)")),
+        families=("dream",),
+        samplers=("dimple",),
     ),
     # LLaDA generate.py (ML-GSAI/LLaDA), LLaDA 8B and LLaDA-MoE.
     Setting(

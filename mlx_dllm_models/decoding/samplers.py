@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .block import entropy_bounded_commit, sequential_commit
 from .d3llm import d3llm_commit
+from .dimple import dimple_commit
 from .dllm import dllm_commit
 from .dream import dream_commit
 from .llada import random_commit
@@ -91,6 +92,7 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "factor": _factor,
     "entropy": _entropy,
     "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
+    "dimple": dimple_commit,  # Dimple's "dim" pipeline: confident decoding, alg's fallback count
     "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
     "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
     "random": random_commit,  # LLaDA generate.py's remasking="random"

@@ -1,0 +1,112 @@
+"""Dimple's decoding pipeline "dim" (yu-rp/Dimple generation_utils.py, `_sample` with
+decoding_pipeline="dim"), the sampler "dimple": a commit rule and its schedule for the masked block
+engine. Which of its algorithms runs is the `alg` setting; `alg_p_threshold` is its confident
+decoding.
+
+The reference decodes the whole canvas as one block, at most `steps` steps on the timesteps
+t = linspace(1, eps, steps + 1), and stops once no mask is left. At step i, with m masks left of
+the M it started with:
+
+* confident decoding (alg_p_threshold > 0): every mask whose score (the proposal's probability;
+  entropy's negative entropy, which never does) exceeds the threshold is committed (every mask at
+  the last step); if none does, the step falls back to:
+* the fallback count n: from t = m / M, the first timestep index j >= max(i + 1, the first index
+  whose timestep is below t) at which n = int(m * (1 - t_j / t)) >= 1 (n = m at the last
+  timestep). origin commits n masks drawn at random; maskgit_plus the n most confident;
+  entropy the n of lowest entropy (of the model's own distribution: the README's
+  use_original_confidence=True). With alg_temp > 0 the n positions are drawn without replacement
+  from softmax(score / alg_temp) instead.
+
+The proposals are the engine's (temperature, then top-p, then top-k); their confidence is the
+model's own probability (use_original_confidence=True, the spec's confidence "raw").
+
+Deviations: the reference counts m and M over the whole batch, ranks the n best over the batch's
+masks together and applies the threshold's fallback only when no position of the batch passes; here
+each row is decoded on its own counts (M = the row's canvas). One row alone is the reference. Its
+algorithms origin-ratio, autoregressive and topk_margin are not offered.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import SettingsError
+from .dream import timesteps
+from .rules import quota_commit
+
+DIMPLE_ALGS = ("origin", "maskgit_plus", "entropy")
+
+
+def dimple_schedule(masks: mx.array, steps: int, settings) -> mx.array:
+    """(B, steps) floors: nothing before the last step, which commits every mask left (the
+    reference's last step commits them all, by its threshold branch or its fallback count)."""
+    if settings["alg"] not in DIMPLE_ALGS:
+        raise SettingsError(
+            f"alg={settings['alg']!r} is not one of sampler 'dimple''s algorithms "
+            f"({', '.join(DIMPLE_ALGS)}); use sampler='dream' for Dream's"
+        )
+    out = np.zeros((masks.shape[0], max(steps, 1)), np.int32)
+    out[:, -1] = np.array(masks, dtype=np.int32)
+    return mx.array(out)
+
+
+def fallback_counts(left: mx.array, total: mx.array, step: int, steps: int, eps: float):
+    """(B,) int32: the "dim" pipeline's count of masks to commit at `step` when the threshold
+    commits nothing, for rows with `left` of `total` masks (float32, as the reference's tensors)."""
+    ts = mx.array(timesteps(steps, eps))
+    m = left.astype(mx.float32)[:, None]
+    t = m / total.astype(mx.float32)[:, None]
+    below = ts[None] < t
+    first = mx.argmax(below, axis=1)
+    start = mx.maximum(first, step + 1)[:, None]
+    n = mx.floor(m * (1 - ts[None] / t))
+    n = mx.where(ts[None] > ts[-1], n, m).astype(mx.int32)
+    j = mx.arange(ts.shape[0])[None]
+    ok = (j >= start) & (n >= 1)
+    pick = mx.argmax(ok, axis=1)
+    return mx.take_along_axis(n, pick[:, None], axis=1)[:, 0]
+
+
+def _uniform(key, shape, low: float = 0.0):
+    """Uniform draws of `shape` (B, ...) from one key (2,) or a key per row (B, 2) (row b's
+    draws are then those of row b run alone)."""
+    if key.ndim == 1:
+        return mx.random.uniform(low=low, high=1.0, shape=shape, key=key)
+    one = (1, *shape[1:])
+    rows = [mx.random.uniform(low=low, high=1.0, shape=one, key=key[b]) for b in range(shape[0])]
+    return mx.concatenate(rows, axis=0)
+
+
+def _gumbel(key, shape):
+    return -mx.log(-mx.log(_uniform(key, shape, low=1e-20)))
+
+
+def dimple_commit(stats, cand, ctx):
+    """Commit rule of sampler "dimple" (see the module docstring)."""
+    s = ctx.settings
+    alg = s["alg"]
+    last = ctx.step >= ctx.steps - 1
+    left = cand.sum(axis=1)
+    total = ctx.generated.sum(axis=1)
+    n = left if last else fallback_counts(left, total, ctx.step, ctx.steps, s["eps"])
+    if alg == "origin":
+        score = _uniform(ctx.key, cand.shape)  # randperm's random subset
+    elif alg == "maskgit_plus":
+        score = stats.confidence
+    elif alg == "entropy":
+        score = -stats.entropy
+    else:
+        raise ValueError(f"unknown Dimple alg {alg!r}")
+    if alg != "origin" and s.get("alg_temp"):
+        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
+    counted = quota_commit(score, cand, n)
+    threshold = s.get("alg_p_threshold")
+    if not threshold:
+        return counted
+    # The alg's own score meets the threshold (entropy's, a negative entropy, never does).
+    passes = (-stats.entropy if alg == "entropy" else stats.confidence) > threshold
+    hit = cand if last else cand & passes
+    return mx.where(hit.any(axis=1, keepdims=True), hit, counted)
+
+
+dimple_commit.schedule = dimple_schedule
+dimple_commit.exact_floor = lambda settings: False
