@@ -279,3 +279,29 @@ def test_serve_answers_an_image_url_part(loaded, ckpt):
     runs = stream_generate_diffusion(model, processor, prompt, image=[picture(15)], **FAST)
     want = "".join(r.text for r in runs)
     assert want and text == want
+
+
+def test_shard_over_one_rank_keeps_image_logits_and_three_ranks_are_refused(ckpt):
+    from test_sharding import Ranks
+
+    from mlx_dllm_models import SettingsError
+
+    model, processor = load(ckpt)  # its own copy: shard changes it
+    ours, *_ = image_prompt(model, processor, seed=16)
+    ids = mx.array([ours + [MASK] * 4])
+    before = np.array(model(ids))
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        model.shard(Ranks(3))
+    model.shard(mx.distributed.init())
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+
+
+def test_the_readme_recipe_decodes_batches_as_single_runs(loaded):
+    """The defaults (origin's random order, confident decoding at 0.95, temperature 0.2): each row
+    of a batch, with its own seed's draws, equals its run alone."""
+    model, processor = loaded
+    t = processor.image_token
+    prompts, images = [f"{t}What is it?", "No picture"], [picture(17), None]
+    batch = batch_generate_diffusion(model, processor, prompts, images=images, max_tokens=8, seed=3)
+    for prompt, image, tokens in zip(prompts, images, batch.tokens):
+        assert tokens == stream_tokens(model, processor, prompt, image=image, max_tokens=8, seed=3)
