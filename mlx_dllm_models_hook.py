@@ -19,6 +19,8 @@ their names), for this package's model types only:
   these families carry an `auto_map`), and `save` (what `python -m mlx_lm convert` writes with)
   leaves no `auto_map` / remote code in the output and writes this package's model card, as
   `mlx_dllm convert` does.
+* `mlx_vlm.utils` (mlx_dllm_models.conversion.guard_mlx_vlm_utils): `load_processor` says no to
+  the checkpoint's remote code in the same way (LaViDa's checkpoints carry an `auto_map`).
 """
 
 import importlib
@@ -73,6 +75,8 @@ class DiffusionModelFinder(importlib.abc.MetaPathFinder):
 _AFTER_IMPORT = {
     "mlx_lm.tuner.trainer": ("mlx_dllm_models.trainer_guard", "guard_trainer"),
     "mlx_lm.utils": ("mlx_dllm_models.conversion", "guard_mlx_lm_utils"),
+    # mlx-vlm's load_processor (mlx_vlm.load, mlx_vlm.convert): no remote code asked for.
+    "mlx_vlm.utils": ("mlx_dllm_models.conversion", "guard_mlx_vlm_utils"),
 }
 
 

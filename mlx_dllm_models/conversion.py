@@ -340,6 +340,29 @@ def _model_type(path):
     return config.get("model_type") if isinstance(config, dict) else None
 
 
+def guard_mlx_vlm_utils(utils) -> None:
+    """mlx-vlm's `load_processor` (what `mlx_vlm.load` and `mlx_vlm.convert` call), for this
+    package's model types: transformers' AutoProcessor reads config.json through AutoConfig, and
+    a checkpoint with an `auto_map` (LaViDa's) makes it ask "Do you wish to run the custom code?"
+    on a terminal, or fails (`mlx_vlm.convert` passes trust_remote_code=True by default, and the
+    remote files need not be there). The processors of these model types are their tokenizers and
+    need no remote code, so `trust_remote_code=False` is passed whatever the caller's default; the
+    start-up hook calls this once mlx_vlm.utils is executed."""
+    load_processor = utils.load_processor
+    if getattr(load_processor, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(load_processor)
+    def guarded_load_processor(model_path, *args, **kwargs):
+        if _model_type(model_path) not in MODEL_TYPES:
+            return load_processor(model_path, *args, **kwargs)
+        kwargs["trust_remote_code"] = False
+        with quiet_transformers():
+            return load_processor(model_path, *args, **kwargs)
+
+    utils.load_processor = guarded_load_processor
+
+
 def guard_mlx_lm_utils(utils) -> None:
     """Adjust mlx-lm's `load_tokenizer` and `save` (mlx_lm.utils, which `mlx_lm.load` and
     `python -m mlx_lm convert` call) for this package's model types; the start-up hook calls it
