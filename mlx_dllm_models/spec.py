@@ -18,6 +18,9 @@ ENCODER_CANVAS = "encoder_canvas"  # DiffusionGemma: causal encoder KV + bidirec
 # WeDLM: causal attention over the committed tokens and a sliding window whose filled positions
 # come before its masks (topological reordering), on an ordinary causal K/V cache.
 CAUSAL_WINDOW = "causal_window"
+# LaViDa's prefix-DLM: the prompt (image + text) attends to itself only, the answer to everything,
+# so the prompt's K/V never change while the answer is denoised.
+PREFIX_DLM = "prefix_dlm"
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
 

@@ -16,6 +16,7 @@ from ..spec import (
     CAUSAL_PREFIX,
     CAUSAL_WINDOW,
     ENCODER_CANVAS,
+    PREFIX_DLM,
     for_settings,
 )
 from .block_cache import PrefixCache
@@ -24,6 +25,7 @@ from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
+from .prefix_dlm import PrefixDLMCache, PrefixDLMRecompute
 from .self_spec import SelfSpeculativeDecoder
 from .sub_block_cache import SubBlockCache
 from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
@@ -39,6 +41,9 @@ BACKENDS: Dict[str, Dict[str, type]] = {
     ENCODER_CANVAS: {},
     # WeDLM's window over a causal K/V cache, or every forward over the whole row.
     CAUSAL_WINDOW: {"prefix": WindowKV, "none": WindowRecompute},
+    # LaViDa: the prompt's K/V kept (exact: the prompt never attends to the answer), or every
+    # forward over the whole sequence under the same mask.
+    PREFIX_DLM: {"prefix": PrefixDLMCache, "none": PrefixDLMRecompute},
 }
 
 # Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`

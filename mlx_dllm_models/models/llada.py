@@ -408,6 +408,10 @@ def _rename_olmo(key: str) -> str:
     return key  # left for the unknown-key check
 
 
+# Public: LaViDa's checkpoints (models/llava_llada.py) name their language model as LLaDA 8B does.
+rename_olmo = _rename_olmo
+
+
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()

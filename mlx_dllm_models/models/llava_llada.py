@@ -44,7 +44,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs
 
 from ..spec import BIDIRECTIONAL
-from . import llada, sharding
+from . import lavida, llada, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -121,6 +121,16 @@ class ModelArgs(BaseModelArgs):
     # Not in LLaDA-V's config either (SIGLIP_SO400M is its tower): a fixture's smaller tower. Not
     # named vision_config, which mlx-lm's save drops for a model without model.vision_tower.
     vision_tower_config: Optional[Dict[str, Any]] = None
+    # LaViDa (models/lavida.py): its config names LLaDA 8B's fields as OLMo does (from_dict reads
+    # them into the fields above), and its tiles are pooled before the packing.
+    lavida: bool = False
+    mm_spatial_pool_mode: str = "bilinear"
+
+    @classmethod
+    def from_dict(cls, params):
+        if lavida.is_lavida(params):
+            params = lavida.llava_fields(params)
+        return super().from_dict(params)
 
     def __post_init__(self):
         if self.mask_token_id is None:
@@ -193,6 +203,9 @@ def _onevision_config(args: ModelArgs):
 
 def _vision_module(args: ModelArgs):
     from mlx_vlm.models.llava_onevision import llava_onevision as onevision
+
+    if args.lavida:
+        return lavida.vision_module(_onevision_config(args), args.mm_spatial_pool_mode)
 
     class LlavaVision(onevision.Model):
         """mlx-vlm's LLaVA-OneVision vision path without its language model: the tower, the
@@ -283,6 +296,7 @@ class Model(nn.Module):
         for key, value in weights.items():
             if key.endswith(("rotary_emb.inv_freq", "position_ids")):
                 continue
+            key = llada.rename_olmo(key)  # LaViDa's language model (LLaDA 8B's names)
             old = ""
             for old, new in _VISION_RENAMES:
                 if key.startswith(old):
@@ -331,6 +345,8 @@ class Model(nn.Module):
     @cached_spec
     def diffusion_spec(self):
         a = self.args
+        if a.lavida:
+            return lavida.diffusion_spec(a)
         suppressed = tuple(t for t in a.suppressed_token_ids if 0 <= t < a.vocab_size)
         return build_spec(
             a,

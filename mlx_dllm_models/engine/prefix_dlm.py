@@ -1,0 +1,56 @@
+"""LaViDa's prefix-DLM decoding (jacklishufan/LaViDa, `llada/generate.py` with prefix_lm=True): the
+prompt (image features + text) attends to itself only and the answer to everything, so the
+prompt's K/V are computed once and are exact for the whole run.
+
+This is causal_prefix.py's `causal_context=False` layout with one difference: the answer is one
+segment however many blocks it has. The reference runs every denoising forward over the whole
+answer (the masks of later blocks included) against the prompt's cached K/V, and only the block's
+confidences compete for the commit; no finished block is ever encoded into the cache. So the
+backends here are the causal-prefix ones (the prompt encoded bidirectionally by `prefill`, the
+cache written in place and never extended past the prompt) whose denoising forward spans the
+answer, with the logits of the block's columns read from it. `cache="none"` runs the same
+attention by full recompute (masks.prompt_block_mask with the answer as one segment), the exact
+mode the cache must reproduce.
+
+A run leaves no K/V for a later prompt (the prompt's K/V depend on all of it), and a row cannot
+join a running batch by a restart: the restart would move the committed tokens into the prompt,
+which attends to no answer column.
+"""
+
+from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
+
+
+class PrefixDLMCache(CausalPrefixCache):
+    """Backend of the masked block engine (see full_recompute.py for the interface)."""
+
+    @classmethod
+    def joins_exactly(cls, settings) -> bool:
+        return False  # see the module docstring
+
+    @classmethod
+    def kv_kind(cls, settings):
+        return None
+
+    def __init__(self, model, spec, layout, settings):
+        # causal_context=False: the prompt is encoded bidirectionally and seeds no block.
+        super().__init__(model, spec, layout, dict(settings, causal_context=False))
+        self.width = layout.width
+        # The answer (and an infilling suffix) is one segment after the prompt.
+        self.fwd = self.forwards(model, layout.width, self.pads, (self.prompt_end, layout.width))
+
+    def block_logits(self, x, start, stop):
+        self.nfe += 1
+        p = self.prompt_end
+        return self.fwd.mixed(x, p, p, self.width, head_span=(start - p, stop - p))
+
+    def end_block(self, x, start, stop):
+        pass  # no block's K/V are final: the answer is recomputed at every step
+
+
+class PrefixDLMRecompute(PrefixDLMCache):
+    """The same decoding by full recompute."""
+
+    forwards = CausalPrefixRecompute.forwards
+    row_forwards = CausalPrefixRecompute.row_forwards
+    resume = None
+    kv_prefix = None

@@ -1,0 +1,286 @@
+"""Independent torch reference for LaViDa-LLaDA (tests only), transcribed from jacklishufan/LaViDa.
+
+* `image_features(ckpt, pixel_values, image_size_wh)`: `prepare_inputs_labels_for_multimodal` for
+  one anyres image (base tile first), image_aspect_ratio "anyres", spatial_unpad: the SigLIP tower
+  (transformers' `SiglipVisionModel`, its last layer deleted and its head an Identity, as
+  siglip_encoder.py's load_model does) -> `hidden_states[-1]` -> `mm_projector` (mlp2x_gelu) ->
+  `get_2dPool` of every tile (ALWASY_DO_2DPOOL; bilinear: F.interpolate to ceil(side / 2);
+  average: avg_pool2d 2) -> the base tile's pooled features, then the tiles' grid unpadded to the
+  image's aspect (unpad_image with the PIL (width, height)), a newline per row. Returned with the
+  tower features and the projector output.
+* `embed_prompt(ckpt, ids_before, features, ids_after)`: the prompt's inputs_embeds.
+* `prefix_cache(ckpt, embeds)` / `answer_logits(ckpt, cache, ids)`: LLaDAModel's forward with
+  prefix_lm: the prompt alone (use_cache=True), then the answer's embeddings against a copy of its
+  K/V at positions after it, attending to every key (its SDPA runs with no mask). The body is LLaDA
+  8B's Llama block under OLMo names: transformers' `LlamaForCausalLM` on renamed weights, with an
+  explicit all-zeros 4-D additive mask (eager attention uses it as given).
+* `generate(...)`: llada/generate.py's `generate` with prefix_lm=True at temperature 0 (greedy),
+  low_confidence remasking, the default schedule (schedule=None: get_num_transfer_tokens), cfg 0:
+  steps = max_new_tokens split over the blocks (or step_per_block / step_ratio), x0_p past the
+  block -inf. Returns the answer's tokens (the whole canvas; the caller cuts at its stop ids).
+"""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_MODELS = {}
+_OLMO_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+}
+_OLMO_TOP = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}
+
+
+def _tensor(v):
+    return torch.from_numpy(np.asarray(v, dtype=np.float32))
+
+
+def _tower(config, w):
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    v = config["vision_tower_config"]
+    vcfg = SiglipVisionConfig(
+        **{k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+        num_attention_heads=v["num_attention_heads"],
+        image_size=v["image_size"],
+        patch_size=v["patch_size"],
+        layer_norm_eps=v["layer_norm_eps"],
+        hidden_act="gelu_pytorch_tanh",
+        attn_implementation="eager",
+    )
+    tower = SiglipVisionModel(vcfg)
+    body = getattr(tower, "vision_model", tower)
+    del body.encoder.layers[-1:]
+    body.head = torch.nn.Identity()
+    prefix = "model.vision_tower.vision_tower."
+    if body is tower:  # transformers 5: no `vision_model` level
+        prefix += "vision_model."
+    state = {k[len(prefix) :]: _tensor(x) for k, x in w.items() if k.startswith(prefix)}
+    missing, unexpected = tower.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all("position_ids" in k or ".head." in k for k in missing), missing
+    return tower.eval()
+
+
+def _language_model(config, w):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d, heads = config["d_model"], config["n_heads"]
+    cfg = LlamaConfig(
+        vocab_size=config.get("embedding_size") or config["vocab_size"],
+        hidden_size=d,
+        intermediate_size=config["mlp_hidden_size"],
+        num_hidden_layers=config["n_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("n_kv_heads") or heads,
+        head_dim=d // heads,
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+        max_position_embeddings=config["max_sequence_length"],
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation="eager",
+    )
+    state = {}
+    for k, v in w.items():
+        parts = k.split(".")
+        if parts[:3] == ["model", "transformer", "blocks"]:
+            state[f"model.layers.{parts[3]}.{_OLMO_BLOCK[parts[4]]}.{parts[5]}"] = _tensor(v)
+        elif parts[:2] == ["model", "transformer"]:
+            state[f"{_OLMO_TOP[parts[2]]}.{parts[3]}"] = _tensor(v)
+    lm = LlamaForCausalLM(cfg)
+    lm.load_state_dict(state, strict=True)
+    return lm.eval()
+
+
+def load(ckpt):
+    key = str(Path(ckpt).resolve())
+    if key not in _MODELS:
+        from safetensors.numpy import load_file
+
+        path = Path(ckpt)
+        config = json.loads((path / "config.json").read_text())
+        w = load_file(str(path / "model.safetensors"))
+        H, mm = config["d_model"], config["mm_hidden_size"]
+        projector = torch.nn.Sequential(
+            torch.nn.Linear(mm, H), torch.nn.GELU(), torch.nn.Linear(H, H)
+        )
+        projector.load_state_dict(
+            {
+                k[len("model.mm_projector.") :]: _tensor(x)
+                for k, x in w.items()
+                if "mm_projector" in k
+            }
+        )
+        newline = _tensor(w["model.image_newline"])
+        _MODELS[key] = (config, _tower(config, w), projector, newline, _language_model(config, w))
+    return _MODELS[key]
+
+
+def _pool(feats, side, mode):
+    """llava_arch.get_2dPool with stride 2 over (tiles, side * side, C)."""
+    n, _, dim = feats.shape
+    x = feats.view(n, side, side, -1).permute(0, 3, 1, 2).contiguous()
+    if mode == "average":
+        x = F.avg_pool2d(x, 2)
+    elif mode == "bilinear":
+        x = F.interpolate(x, size=[math.ceil(side / 2), math.ceil(side / 2)], mode="bilinear")
+    else:
+        raise ValueError(mode)
+    return x.permute(0, 2, 3, 1).reshape(n, -1, dim)
+
+
+def _select_best_resolution(original_size, possible_resolutions):
+    ow, oh = original_size
+    best, most, least = None, 0, float("inf")
+    for width, height in possible_resolutions:
+        scale = min(width / ow, height / oh)
+        effective = min(int(ow * scale) * int(oh * scale), ow * oh)
+        wasted = width * height - effective
+        if effective > most or (effective == most and wasted < least):
+            most, least, best = effective, wasted, (width, height)
+    return best
+
+
+def _unpad_image(tensor, original_size):
+    original_width, original_height = original_size
+    current_height, current_width = tensor.shape[1:]
+    if original_width / original_height > current_width / current_height:
+        new_height = int(original_height * (current_width / original_width))
+        padding = (current_height - new_height) // 2
+        return tensor[:, padding : current_height - padding, :]
+    new_width = int(original_width * (current_height / original_height))
+    padding = (current_width - new_width) // 2
+    return tensor[:, :, padding : current_width - padding]
+
+
+@torch.no_grad()
+def image_features(ckpt, pixel_values, image_size_wh):
+    """(tower features, projector output, packed image features), numpy."""
+    config, tower, projector, newline, _ = load(ckpt)
+    x = torch.as_tensor(np.asarray(pixel_values, dtype=np.float32))
+    feats = tower(x, output_hidden_states=True).hidden_states[-1]
+    projected = projector(feats)
+    v = config["vision_tower_config"]
+    pooled = _pool(projected, v["image_size"] // v["patch_size"], config["mm_spatial_pool_mode"])
+    base, tiles = pooled[0], pooled[1:]
+    side = int(np.sqrt(base.shape[0]))
+    if tiles.shape[0] == 0:  # one tile: the features and the newline
+        return feats.numpy(), projected.numpy(), torch.cat([base, newline[None]]).numpy()
+    w, h = _select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
+    npw, nph = w // v["image_size"], h // v["image_size"]
+    t = tiles.view(nph, npw, side, side, -1)
+    t = t.permute(4, 0, 2, 1, 3).contiguous().flatten(1, 2).flatten(2, 3)
+    t = _unpad_image(t, image_size_wh)
+    t = torch.cat((t, newline[:, None, None].expand(*t.shape[:-1], 1)), dim=-1)
+    t = t.flatten(1, 2).transpose(0, 1)
+    return feats.numpy(), projected.numpy(), torch.cat((base, t), dim=0).numpy()
+
+
+@torch.no_grad()
+def embed_prompt(ckpt, ids_before, features, ids_after):
+    emb = load(ckpt)[4].model.embed_tokens
+    parts = [
+        emb(torch.tensor(ids_before, dtype=torch.long)),
+        torch.as_tensor(np.asarray(features, dtype=np.float32)),
+        emb(torch.tensor(ids_after, dtype=torch.long)),
+    ]
+    return torch.cat(parts, dim=0)[None]
+
+
+@torch.no_grad()
+def prefix_cache(ckpt, embeds):
+    """The prompt's K/V: LLaDAModel(None, input_embeddings=embeds, use_cache=True)."""
+    lm = load(ckpt)[4]
+    B, P, _ = embeds.shape
+    mask = torch.zeros(B, 1, P, P)
+    return lm(inputs_embeds=embeds, attention_mask=mask, use_cache=True).cache
+
+
+@torch.no_grad()
+def answer_logits(ckpt, cache, ids):
+    """Logits of the answer `ids` (B, L) against the prompt's K/V (a copy: the forward appends)."""
+    lm = load(ckpt)[4]
+    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    B, L = ids.shape
+    P = cache.get_seq_length()
+    mask = torch.zeros(B, 1, L, P + L)
+    out = lm(
+        inputs_embeds=lm.model.embed_tokens(ids),
+        attention_mask=mask,
+        cache=copy.deepcopy(cache),
+        position_ids=torch.arange(P, P + L)[None],
+        use_cache=True,
+    )
+    return out.logits.float()
+
+
+def _num_transfer_tokens(mask_index, steps):
+    mask_num = mask_index.sum(dim=1, keepdim=True)
+    num = torch.zeros(mask_num.size(0), steps, dtype=torch.int64) + mask_num // steps
+    for i in range(mask_num.size(0)):
+        num[i, : mask_num[i] % steps] += 1
+    return num
+
+
+@torch.no_grad()
+def generate(
+    ckpt,
+    inputs_embeds,
+    *,
+    max_new_tokens,
+    block_length,
+    mask_id,
+    step_per_block=None,
+    step_ratio=None,
+):
+    """generate(..., prefix_lm=True, temperature=0, remasking='low_confidence', schedule=None)."""
+    steps = max_new_tokens  # the reference ignores its `steps` argument
+    gen_length = max_new_tokens
+    cache = prefix_cache(ckpt, inputs_embeds)
+    bsz = inputs_embeds.shape[0]
+    x = torch.full((bsz, gen_length), mask_id, dtype=torch.long)
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+    assert steps % num_blocks == 0 or step_per_block is not None
+    steps = steps // num_blocks
+    if step_per_block:
+        steps = min(step_per_block, block_length)
+    if step_ratio:
+        steps = int(steps * step_ratio)
+    nfe = 0
+    for b in range(num_blocks):
+        lo, hi = b * block_length, (b + 1) * block_length
+        quota = _num_transfer_tokens(x[:, lo:hi] == mask_id, steps)
+        for i in range(steps):
+            mask_index = x == mask_id
+            if mask_index[:, lo:hi].sum() == 0:
+                continue
+            logits = answer_logits(ckpt, cache, x)
+            nfe += 1
+            x0 = torch.argmax(logits, dim=-1)
+            p = F.softmax(logits.to(torch.float64), dim=-1)
+            x0_p = torch.gather(p, -1, x0[..., None])[..., 0]
+            x0_p[:, hi:] = -np.inf
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, -np.inf)
+            transfer = torch.zeros_like(x0, dtype=torch.bool)
+            for j in range(confidence.shape[0]):
+                _, idx = torch.topk(confidence[j], k=int(quota[j, i]))
+                transfer[j, idx] = True
+            x[transfer] = x0[transfer]
+    return x, nfe
