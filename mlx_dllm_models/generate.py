@@ -197,7 +197,9 @@ def batch_generate_diffusion(
     or one entry per prompt (None, an image, or a list of images; see stream_events): each row
     reads its own images.
 
-    At temperature 0 each row gets the tokens it would get alone. Above it, a row's draws depend
+    At temperature 0 each row gets the tokens it would get alone. Above it, the masked decoder's
+    rows draw from streams of their own (each the `seed` setting's), so they still do; with the
+    decoders that draw batch-wide (WeDLM, self-speculation) a row's draws depend
     on the rows it decodes with; the same call (prompts, settings, `seed`) returns the same
     tokens."""
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (list, tuple)):

@@ -151,21 +151,40 @@ def test_canvas_rows_with_their_own_seeds_share_a_run(fixture_dir):
 
 
 def test_requests_that_named_no_seed_share_a_run(fixture_dir):
-    """A sampling request that names no seed gets a fresh one (server/fields.draws_noise); two
-    such requests still share forwards (the run draws from its first row's seed), while requests
-    naming different seeds are decoded apart, each reproducible."""
+    """A sampling request that names no seed gets a fresh one (server/fields.draws_noise). The
+    masked decoder's rows draw from streams of their own seeds, so requests with different seeds
+    (named or fresh) share a run, and each gets the tokens it gets served alone with its seed; a
+    decoder whose draws are batch-wide (self-speculation's) decodes named seeds apart."""
     model, tok = load(build_once(Path(fixture_dir) / "invariance_llada", llada_fx.build_llada))
     settings = dict(max_tokens=16, block_length=8, steps=8, temperature=0.9)
 
-    def served(seeds, fresh):
+    def served(rows, fresh=False):
         scheduler = Scheduler(model, tok, max_batch=8)
-        jobs = [
-            scheduler.submit(Job(q, dict(settings, seed=s), fresh_seed=fresh))
-            for q, s in zip(QUESTIONS, seeds)
-        ]
+        jobs = [scheduler.submit(Job(q, dict(settings, seed=s), fresh_seed=fresh)) for q, s in rows]
         while not all(j.done for j in jobs):
             scheduler.step()
-        return scheduler.max_rows
+        return [j.tokens for j in jobs], scheduler.max_rows
 
-    assert served([101, 202], fresh=True) == 2
-    assert served([101, 202], fresh=False) == 1
+    rows = list(zip(QUESTIONS, [101, 202, 303]))
+    for fresh in (True, False):
+        together, width = served(rows, fresh)
+        assert width == 3
+        assert together == [served([row], fresh)[0][0] for row in rows]
+    other = served([(QUESTIONS[0], 5)])[0][0]
+    assert other != served(rows[:1])[0][0], "the seed changes nothing: a weak test"
+
+
+def test_backends_that_draw_for_the_batch_keep_seeds_apart(fixture_dir):
+    """Nemotron's AR head draws its block seeds from one key for the batch: its requests of
+    different seeds are not batched together (each stays reproducible by its seed), while
+    LLaDA's masked rows draw from their own streams and are."""
+    from mlx_dllm_models.engine import join_policy
+    from mlx_dllm_models.request import prepare
+
+    for build, name, own in (
+        (nem_fx.build, "nemotron", False),
+        (llada_fx.build_llada, "llada", True),
+    ):
+        model, tok = load(build_once(Path(fixture_dir) / f"invariance_{name}", build))
+        request = prepare(model, tok, ["hi"], dict(max_tokens=8, temperature=0.5))
+        assert join_policy(request.spec, request.settings).row_seeds is own, name

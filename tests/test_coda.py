@@ -181,12 +181,16 @@ def test_the_recipe_matches_the_reference_with_the_same_draws(loaded, ckpt, monk
 def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
-    # One run (similar lengths), left-padded; greedy ranking: alg_temp's draws come from the
-    # run's key, whose (B, L) noise is not a single run's beyond the first row.
-    kw = dict(max_tokens=12, steps=6, alg_temp=0.0)
+    # One run (similar lengths), left-padded, at the recipe's alg_temp 0.1: each row draws its
+    # positions from a stream of its own seed, as it would alone.
+    kw = dict(max_tokens=12, steps=6)
     batch = batch_generate_diffusion(model, tok, prompts, **kw)
     for p, got in zip(prompts, batch.tokens):
         assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    # The draws matter: greedy ranking, or another seed, gives other tokens in some row.
+    greedy = batch_generate_diffusion(model, tok, prompts, alg_temp=0.0, **kw).tokens
+    other = batch_generate_diffusion(model, tok, prompts, seed=7, **kw).tokens
+    assert greedy != batch.tokens and other != batch.tokens
 
 
 def test_bad_settings_are_clear_errors(loaded):

@@ -242,11 +242,19 @@ def test_sampled_tokens_match_the_reference_with_the_same_draws(
 def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
-    kw = dict(max_tokens=12, steps=6, temperature=0.0)  # one run of three rows, left-padded
+    # One run of three rows, left-padded, at the recipe's temperature 0.01: each row samples
+    # from a stream of its own seed, as it would alone.
+    kw = dict(max_tokens=12, steps=6)
     batch = batch_generate_diffusion(model, tok, prompts, **kw)
     for p, got in zip(prompts, batch.tokens):
         assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
     assert any(len(t) > 1 for t in batch.tokens)
+    # The draws matter here: at temperature 1 the rows still equal their single runs.
+    hot = dict(kw, temperature=1.0)
+    batch = batch_generate_diffusion(model, tok, prompts, **hot)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == [t for r in stream(model, tok, p, **hot) for t in r.tokens]
+    assert batch.tokens != batch_generate_diffusion(model, tok, prompts, seed=3, **hot).tokens
 
 
 def test_rnd1_sampler_needs_no_dream_settings(loaded):

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import SettingsError
 from .rules import quota_commit
+from .stats import uniform as uniform_draws
 
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -154,11 +155,11 @@ def dream_schedule(masks: mx.array, steps: int, settings) -> mx.array:
 
 def uniform(key, shape):
     """Origin's transfer draws; a seam for tests that replay the reference's draws."""
-    return mx.random.uniform(shape=shape, key=key)
+    return uniform_draws(key, shape)
 
 
 def _gumbel(key, shape):
-    u = mx.random.uniform(low=1e-20, high=1.0, shape=shape, key=key)
+    u = uniform_draws(key, shape, low=1e-20)
     return -mx.log(-mx.log(u))
 
 

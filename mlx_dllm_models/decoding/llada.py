@@ -20,6 +20,7 @@ from typing import Sequence, Tuple
 import mlx.core as mx
 
 from .rules import quota_commit
+from .stats import uniform as uniform_draws
 
 _NEG_INF = float("-inf")
 
@@ -57,7 +58,7 @@ def confidence_suppressed_ids(
 
 def random_confidence(key: mx.array, shape) -> mx.array:
     """remasking="random": generate.py's `x0_p = torch.rand(b, l)`, a uniform draw per position."""
-    return mx.random.uniform(shape=shape, key=key)
+    return uniform_draws(key, shape)
 
 
 def random_commit(stats, cand, ctx):

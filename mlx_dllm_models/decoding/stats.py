@@ -117,7 +117,7 @@ def token_stats(
     if temperature > 0:
         if key is None:
             raise ValueError("sampling at temperature > 0 needs an explicit PRNG key")
-        u = mx.random.uniform(low=1e-20, high=1.0, shape=proposal.shape, key=key)
+        u = uniform(key, proposal.shape, low=1e-20)
         proposal = proposal - mx.log(-mx.log(u))
     x0 = mx.argmax(proposal, axis=-1)
 
@@ -181,3 +181,14 @@ class _Normaliser:
         p = self.probabilities()
         h = -mx.sum(mx.where(p > 0, p * self._logp, 0.0), axis=-1)
         return mx.where(self.finite[..., 0], h, float("inf"))
+
+
+def uniform(key: mx.array, shape, low: float = 0.0) -> mx.array:
+    """Uniform draws in [low, 1) of `shape` (B, ...) from one PRNG key (2,), or from a key per row
+    (B, 2): row b's draws are then those a run of row b alone makes from its key, so a batch
+    samples each row as it would be sampled alone."""
+    if key.ndim == 1:
+        return mx.random.uniform(low=low, high=1.0, shape=shape, key=key)
+    one = (1, *shape[1:])
+    rows = [mx.random.uniform(low=low, high=1.0, shape=one, key=key[b]) for b in range(shape[0])]
+    return mx.concatenate(rows, axis=0)

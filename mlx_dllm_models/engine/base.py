@@ -103,6 +103,13 @@ def next_key(owner):
     return sub
 
 
+def split_rows(keys: mx.array, num: int) -> List[mx.array]:
+    """`num` fresh key arrays (B, 2) from per-row keys (B, 2): row b's keys are those a run of row
+    b alone splits from its one key, so each row draws as it would alone."""
+    parts = [mx.random.split(keys[b], num) for b in range(keys.shape[0])]
+    return list(mx.stack(parts, axis=1))
+
+
 def sample_tokens(logits, settings, spec, key, suppress=()):
     """Per-position token of the AR head (or a draft): argmax at temperature 0, else a sample of
     the processed distribution (temperature, top-k, top-p)."""

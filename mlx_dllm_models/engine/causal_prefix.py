@@ -183,6 +183,9 @@ class CausalPrefixCache:
     # rows)` for the rows that still have masks (the block's final K/V come from its own forward).
     row_steps = True
     join_reencodes = True
+    # The AR head's block seeds are drawn from one key for the batch (sample_tokens): rows of
+    # different seeds cannot share a run and each keep its own draws.
+    draws_batch_wide = True
 
     @classmethod
     def joins_exactly(cls, settings) -> bool:

@@ -195,7 +195,7 @@ class RowConstraints:
             temperature=settings["temperature"],
             top_k=settings["top_k"],
             top_p=settings["top_p"],
-            key=None if settings["temperature"] == 0 else key,
+            key=None if settings["temperature"] == 0 else key[mx.array(rows)],
             suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
             order=spec.sampling_order,
         ).x0[:, 0]

@@ -53,6 +53,9 @@ class FastDLLMCache:
     guidance = True  # classifier-free guidance's unconditional rows ride in the same forwards
     # A full forward every `refresh` steps of a block (None: at the block's first step only).
     refresh: Optional[int] = None
+    # Dream's first block column is drawn from one key for the batch (sample_tokens): rows of
+    # different seeds cannot share a run.
+    draws_batch_wide = True
 
     @classmethod
     def check_settings(cls, spec, settings):

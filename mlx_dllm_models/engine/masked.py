@@ -36,7 +36,7 @@ from ..decoding.llada import confidence_suppressed_ids, suppress_logits
 from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL, for_settings
-from .base import BlockEvent, StepEvent, block_event, check_finite
+from .base import BlockEvent, StepEvent, block_event, check_finite, split_rows
 from .constrained import RowConstraints, make_row_constraints
 from .editing import BlockEditing
 from .layout import Layout
@@ -95,7 +95,7 @@ class _Batch:
     rows: List[int]  # their indices among the run's prompts
     layout: Layout  # of those rows
     backend: object  # over those rows
-    key: mx.array  # the run's PRNG key, split once per step
+    key: mx.array  # (B, 2) each row's PRNG key, split once per step
     first: int  # the leftmost column where a row's canvas starts: StepEvents show from there
     checked: bool = False  # the first forward's logits were checked to be finite
     constraints: Optional[RowConstraints] = None  # the rows' grammar matchers (structured output)
@@ -129,6 +129,10 @@ class MaskedBlockDecoder:
     drops_cancelled_rows = True
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
+    # Every draw (temperature, Dream's alg_temp, random remasking) comes from a stream per row,
+    # seeded by the row's seed (`row_seeds`, default the seed setting): a row samples as it would
+    # alone, whatever its batch-mates, and rows of different seeds may share a run.
+    row_seeds = True
 
     def __init__(
         self,
@@ -139,8 +143,11 @@ class MaskedBlockDecoder:
         eot_token_id: Optional[int] = None,
         suffix: Sequence[int] = (),
         constraints: Optional[Sequence] = None,
+        row_seeds: Optional[Sequence[int]] = None,
     ):
         self.model = model
+        # Each row's seed (default: the seed setting for every row): see `row_seeds` below.
+        self.seeds = None if row_seeds is None else [int(seed) for seed in row_seeds]
         # Structured output: each row's structured.Constraint (None: unconstrained), or None.
         self.constraints = constraints
         self.spec = for_settings(model.diffusion_spec, settings)
@@ -255,7 +262,8 @@ class MaskedBlockDecoder:
                     "run without prior"
                 )
             resume(x, prior)
-        key = mx.random.key(s["seed"])
+        seeds = self.seeds or [s["seed"]] * len(prompts)
+        key = mx.stack([mx.random.key(seed) for seed in seeds])
         return _Batch(x, list(range(len(prompts))), layout, backend, key, min(layout.starts))
 
     def _block(self, batch: _Batch, start: int, stop: int):
@@ -334,13 +342,13 @@ class MaskedBlockDecoder:
         edits), the new candidates."""
         s, spec = self.s, self.spec
         logits, idx = self._forward(batch, blk)
-        batch.key, k_stats, k_rule = mx.random.split(batch.key, 3)
+        batch.key, k_stats, k_rule = split_rows(batch.key, 3)
         stats = token_stats(
             logits,
             temperature=s["temperature"],
             top_k=s["top_k"],
             top_p=s["top_p"],
-            key=None if s["temperature"] == 0 else k_stats,
+            key=None if s["temperature"] == 0 else (k_stats if idx is None else k_stats[idx]),
             suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
             confidence=spec.confidence,
             order=spec.sampling_order,
@@ -351,7 +359,7 @@ class MaskedBlockDecoder:
         current = batch.x[:, blk.lo : blk.stop]
         if batch.constraints is not None:
             # A key of its own for the first column's masked draw: the rule's stays as it was.
-            k_first = mx.random.split(k_rule)[1]
+            k_first = split_rows(k_rule, 2)[1]
             commit, x0 = batch.constraints.commit(logits, idx, commit, x0, s, spec, k_first)
         if blk.editing is not None:
             edits = blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
@@ -400,7 +408,7 @@ class MaskedBlockDecoder:
         if idx is None:
             ctx = StepContext(step, s["steps"], floor, key, s, self.spec, blk.gen)
             return self.rule(stats, cand, ctx), stats.x0
-        ctx = StepContext(step, s["steps"], floor[idx], key, s, self.spec, blk.gen[idx])
+        ctx = StepContext(step, s["steps"], floor[idx], key[idx], s, self.spec, blk.gen[idx])
         commit = mx.zeros(cand.shape, dtype=mx.bool_)
         commit[idx] = self.rule(stats, cand[idx], ctx)
         x0 = mx.zeros(cand.shape, dtype=mx.int32)
@@ -461,6 +469,7 @@ class MaskedBlockDecoder:
         if len(keep) < len(rows):
             # Rows are independent: drop finished ones from the batch instead of computing them.
             batch.x = batch.x[mx.array(keep)]
+            batch.key = batch.key[mx.array(keep)]
             batch.rows = [rows[i] for i in keep]
             batch.layout = batch.layout.select(keep)
             if batch.constraints is not None:

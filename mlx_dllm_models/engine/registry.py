@@ -115,7 +115,9 @@ def join_policy(spec, settings) -> Batching:
         joins = joins and settings["max_tokens"] % settings["block_length"] == 0
     kind = getattr(judge, "kv_kind", None)
     kind = kind(settings) if kind is not None else None
+    # Rows draw from streams of their own seeds unless the backend draws for the whole batch.
     own_streams = getattr(decoder, "row_seeds", False)
+    own_streams = own_streams and not getattr(backend, "draws_batch_wide", False)
     return Batching(joins, joins and not judge.join_reencodes, drops, kind, own_streams)
 
 

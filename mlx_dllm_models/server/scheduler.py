@@ -35,8 +35,10 @@ group:
   above). For these groups `max_tokens` is part of the settings that must agree, and a cancelled
   row of a decoder that cannot drop rows keeps its place until the run ends.
 
-At temperature > 0 a batched row's draws depend on its batch-mates (the masked decoder draws one
-batch-wide key per step), as with any batched sampler: `seed` reproduces a request served alone.
+At temperature > 0 the masked decoder's and the canvas decoder's rows draw from streams of their
+own seeds (Batching.row_seeds): requests with different seeds share a run, each with the tokens it
+gets alone, unless it was restarted by a join (its stream then starts over at the restart). The
+other decoders draw batch-wide, as any batched sampler: `seed` reproduces a request served alone.
 
 Sharded (`mlx.launch -n N ... serve`): every rank loads its shard and runs the scheduler; rank 0
 alone takes the requests, and each step begins with rank 0 handing the others what it saw since the
