@@ -33,6 +33,8 @@ MODEL_TYPES = {
     "a2d-qwen2": "a2d_qwen2",
     # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
     "llava_llada": "llava_llada",
+    # NVIDIA's Nemotron-Labs-Diffusion-VLM (the Nemotron-Labs-Diffusion body, a Pixtral tower).
+    "nemotron_labs_diffusion_vlm": "nemotron_labs_diffusion_vlm",
     # rp-yu's Dimple-7B (Dream 7B with Qwen2.5-VL's vision encoder).
     "dimple": "dimple",
 }
@@ -41,5 +43,6 @@ MODEL_TYPES = {
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).
 VLM_MODEL_TYPES = {
     "llava_llada": "llava_llada",
+    "nemotron_labs_diffusion_vlm": "nemotron_labs_diffusion_vlm",
     "dimple": "dimple",
 }

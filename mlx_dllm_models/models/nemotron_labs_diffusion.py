@@ -188,8 +188,12 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.diffusion_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings (the VLM's subclass also reads image feature ids here)."""
+        return self.encoder.embed_tokens(inputs)
+
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        h = self.encoder.embed_tokens(inputs)
+        h = self.embed(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
         offset = 0 if cache[0] is None else cache[0].offset
