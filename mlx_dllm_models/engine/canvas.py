@@ -17,10 +17,14 @@ first EOS, which is not returned, and at max_tokens (every canvas is the trained
 the reference, unless min_canvas_length is set below it: then the last canvas is only as long as
 the tokens still wanted, at least min_canvas_length); rows of a batch are left-padded and each
 draws the noise it would draw alone.
+
+A row leaves the batch when it finishes (at a canvas's end) or, through `run(cancelled=)`, before
+the next denoising step: its encoder K/V, canvas, self-conditioning, stopping history and noise
+stream go, and the other rows, which never read them, decode on as a smaller batch.
 """
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import AbstractSet, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -87,6 +91,53 @@ def _take_rows(cache, idx):
     return cache
 
 
+@dataclass
+class _Rows:
+    """The rows still decoding (their indices among the prompts) and what each keeps across
+    canvases: its encoder K/V, which encoded positions are real (None: no padding), the finished
+    canvases (for the live view)."""
+
+    rows: List[int]
+    cache: list
+    valid: Optional[mx.array]
+    before: mx.array
+
+    def select(self, keep: List[int]) -> None:
+        idx = mx.array(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self.cache = [_take_rows(c, idx) for c in self.cache]
+        self.valid = None if self.valid is None else self.valid[idx]
+        self.before = self.before[idx]
+
+
+@dataclass
+class _Canvas:
+    """A canvas's denoising state, per row: its current noisy canvas, the argmax of its last
+    step, the self-conditioning logits, the argmax history of the stopping rule, the positions
+    accepted (threshold sampler), which rows have stopped (device and host), and with the logprobs
+    setting or a constraint, the last step's log-probabilities / logits."""
+
+    canvas: mx.array
+    argmax: mx.array
+    revealed: mx.array
+    stopped: mx.array
+    done: List[bool]
+    self_cond: Optional[mx.array] = None
+    history: Optional[mx.array] = None
+    lp: Optional[PositionLogprobs] = None
+    last: Optional[mx.array] = None
+
+    def select(self, keep: List[int]) -> None:
+        idx = mx.array(keep)
+        for name in ("canvas", "argmax", "revealed", "stopped", "self_cond", "last"):
+            value = getattr(self, name)
+            setattr(self, name, None if value is None else value[idx])
+        self.history = None if self.history is None else self.history[:, idx]
+        self.done = [self.done[i] for i in keep]
+        if self.lp is not None:
+            self.lp.select(keep)
+
+
 class CanvasDecoder:
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
@@ -98,6 +149,8 @@ class CanvasDecoder:
     row_seeds = True
     # Structured output: the canvas's readout follows the grammar (constrained.CanvasConstraint).
     takes_constraints = True
+    # `run(cancelled=)` drops a cancelled row before the next denoising step.
+    drops_cancelled_rows = True
 
     def __init__(
         self,
@@ -128,11 +181,19 @@ class CanvasDecoder:
         return max(s["min_canvas_length"], min(remaining, s["max_canvas_length"]))
 
     def run(
-        self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None
+        self,
+        prompts: Sequence[Sequence[int]],
+        constraints=None,
+        consumed=None,
+        cancelled: AbstractSet[int] = frozenset(),
     ) -> Iterator[object]:
         """Decode `prompts` (left-padded into one batch). `constraints` / `consumed`: each row's
         structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it
-        already returned, as MaskedBlockDecoder.run takes them."""
+        already returned, as MaskedBlockDecoder.run takes them. `cancelled`: a set of row indices
+        the caller may grow while the run goes on (between two of its events); a row in it leaves
+        the batch before the next denoising step, with no further event, and the other rows'
+        tokens are those of a run without it (each draws from its own noise stream). A run whose
+        rows are all cancelled ends."""
         s, model = self.s, self.model
         constraints = self.constraints if constraints is None else constraints
         self.rules = {}  # row -> CanvasConstraint
@@ -141,6 +202,40 @@ class CanvasDecoder:
                 self.rules[row] = CanvasConstraint(c, self.eos, s["max_tokens"])
                 if consumed:
                     self.rules[row].matcher.try_consume_tokens(list(consumed[row]))
+        batch = self._encode_prompts(prompts)
+        total = 0
+        while True:
+            length = self.canvas_length(s["max_tokens"] - total)
+            state = yield from self._denoise(batch, length, cancelled)
+            if state is None:  # every row was cancelled
+                return
+            argmax, wanted = state.argmax, min(length, s["max_tokens"] - total)
+            if state.last is not None:
+                argmax = self._constrained(batch.rows, argmax, state.last, state.lp, wanted)
+            new, logprobs = self._read(argmax, state.lp, wanted)
+            rows = batch.rows
+            at_limit = [total + wanted >= s["max_tokens"]] * len(rows)
+            event = block_event(rows, new, at_limit, self.eos, self.nfe, logprobs)
+            yield event
+            total += wanted
+            keep = [i for i, f in enumerate(event.finished) if not f and rows[i] not in cancelled]
+            if not keep:
+                return
+            if len(keep) < len(rows):
+                # Rows are independent: a finished one leaves the batch and its cache.
+                batch.select(keep)
+                argmax = argmax[mx.array(keep)]
+            if batch.valid is not None:
+                batch.valid = mx.concatenate(
+                    [batch.valid, mx.ones(argmax.shape, dtype=mx.bool_)], axis=1
+                )
+            model.encode(argmax, batch.cache, valid=batch.valid)
+            mx.eval([(c.keys, c.values) for c in batch.cache])
+            batch.before = mx.concatenate([batch.before, argmax], axis=1)
+
+    def _encode_prompts(self, prompts) -> _Rows:
+        """The prompts, left-padded, through the encoder (with each row's images): the rows."""
+        model = self.model
         pixel_values = None
         if self.images is not None:
             if len(self.images) != len(prompts):
@@ -165,45 +260,11 @@ class CanvasDecoder:
         valid = None
         if any(pads):
             valid = mx.arange(longest)[None, :] >= mx.array(pads)[:, None]
-        rows = list(range(len(prompts)))
         cache = model.make_cache()
         model.encode(tokens, cache, valid=valid, pixel_values=pixel_values)
         mx.eval([(c.keys, c.values) for c in cache])
-        before = mx.zeros((len(rows), 0), dtype=mx.int32)  # finished canvases, for the live view
-        total = 0
-        while True:
-            length = self.canvas_length(s["max_tokens"] - total)
-            mask = model.padding_masks(valid, length) if valid is not None else None
-            argmax, lp, last = yield from self._denoise(cache, rows, length, mask, before)
-            wanted = min(length, s["max_tokens"] - total)
-            if last is not None:
-                argmax = self._constrained(rows, argmax, last, lp, wanted)
-            new, logprobs = self._read(argmax, lp, wanted)
-            event = block_event(
-                rows,
-                new,
-                [total + wanted >= s["max_tokens"]] * len(rows),
-                self.eos,
-                self.nfe,
-                logprobs,
-            )
-            yield event
-            total += wanted
-            keep = [i for i, f in enumerate(event.finished) if not f]
-            if not keep:
-                return
-            if len(keep) < len(rows):
-                # Rows are independent: a finished one leaves the batch and its cache.
-                idx = mx.array(keep)
-                rows = [rows[i] for i in keep]
-                argmax, before = argmax[idx], before[idx]
-                valid = valid[idx] if valid is not None else None
-                cache = [_take_rows(c, idx) for c in cache]
-            if valid is not None:
-                valid = mx.concatenate([valid, mx.ones(argmax.shape, dtype=mx.bool_)], axis=1)
-            model.encode(argmax, cache, valid=valid)
-            mx.eval([(c.keys, c.values) for c in cache])
-            before = mx.concatenate([before, argmax], axis=1)
+        # Finished canvases, for the live view.
+        return _Rows(list(range(len(prompts))), cache, valid, mx.zeros((len(prompts), 0), mx.int32))
 
     def _constrained(self, rows, argmax, last, lp, wanted, ranked=32):
         """The canvas with each constrained row's readout made the grammar's (its tokens, and
@@ -251,77 +312,97 @@ class CanvasDecoder:
         full[mx.array(live)] = out
         return full
 
-    def _denoise(self, cache, rows: List[int], length: int, mask, before):
+    def _denoise(self, batch: _Rows, length: int, cancelled: AbstractSet[int]):
+        """One canvas: yields a CanvasStepEvent per denoising step, returns its final _Canvas
+        (None once every row was cancelled)."""
         s, model, vocab = self.s, self.model, self.spec.vocab_size
         steps = s["max_denoising_steps"]
+        B = len(batch.rows)
+        canvas = self.noise.ids(batch.rows, length, vocab)
+        st = _Canvas(
+            canvas, canvas, mx.zeros((B, length), mx.bool_), mx.zeros((B,), mx.bool_), [False] * B
+        )
+        # The canvas is the argmax of each row's last step: its log-probabilities are that step's.
+        if s.get("logprobs") is not None:
+            st.lp = PositionLogprobs(s["logprobs"], (), B, length)
+        # Constrained rows read their canvas out of the last step's logits (a stopped row keeps
+        # those of its last step).
+        constrained = any(r in self.rules for r in batch.rows)
+        mask = None
+        for remaining in range(steps, 0, -1):
+            keep = [i for i, r in enumerate(batch.rows) if r not in cancelled]
+            if not keep:
+                return None
+            if len(keep) < len(batch.rows) or mask is None:
+                if len(keep) < len(batch.rows):  # cancelled rows leave before this step
+                    batch.select(keep)
+                    st.select(keep)
+                if batch.valid is not None:
+                    mask = model.padding_masks(batch.valid, length)
+            logits = model.decode(st.canvas, batch.cache, st.self_cond, mask=mask)
+            if constrained:
+                stopped = st.stopped[:, None, None]
+                st.last = logits if st.last is None else mx.where(stopped, st.last, logits)
+            self.nfe += 1
+            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
+                check_finite(logits, model)
+            keep = self._step(st, batch.rows, logits, remaining)
+            st.done = st.stopped.tolist()
+            pending = ~keep & ~st.stopped[:, None]  # a canvas that has stopped is final
+            pending = mx.concatenate([mx.zeros(batch.before.shape, mx.bool_), pending], axis=1)
+            generated = mx.concatenate([batch.before, st.argmax], axis=1)
+            start = batch.before.shape[1]
+            span = (start, start + length)
+            yield CanvasStepEvent(list(batch.rows), generated, span, self.nfe, pending)
+            if all(st.done):
+                break
+        return st
+
+    def _step(self, st: _Canvas, rows, logits, remaining: int):
+        """A denoising step's draws, acceptance and re-noising, and the stopping rule, from its
+        `logits` (`remaining`: steps left, this one included): `st` updated (evaluated); returns
+        the positions kept (accepted or revealed)."""
+        s, vocab = self.s, self.spec.vocab_size
+        steps, length = s["max_denoising_steps"], st.canvas.shape[1]
+        temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
         # A canvas cannot be stable for more steps than it runs: a larger stability_threshold
         # stops nothing more, and would size the argmax history (k, B, C) by the setting.
         stability = min(s["stability_threshold"], steps)
         threshold = s["sampler"] == "threshold"
-        B = len(rows)
-        done = [False] * B
-        stopped = mx.zeros((B,), dtype=mx.bool_)
-        canvas = self.noise.ids(rows, length, vocab)
-        argmax, self_cond, history = canvas, None, None
-        revealed = mx.zeros((B, length), dtype=mx.bool_)
-        start = before.shape[1]
-        all_positions = mx.ones((B, length), dtype=mx.bool_)
-        # The canvas is the argmax of each row's last step: its log-probabilities are that step's.
-        lp = None
-        if s.get("logprobs") is not None:
-            lp = PositionLogprobs(s["logprobs"], (), B, length)
-        # Constrained rows read their canvas out of the last step's logits (a stopped row keeps
-        # those of its last step).
-        constrained = any(r in self.rules for r in rows)
-        last = None
-        for remaining in range(steps, 0, -1):
-            temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
-            logits = model.decode(canvas, cache, self_cond, mask=mask)
-            if constrained:
-                last = logits if last is None else mx.where(stopped[:, None, None], last, logits)
-            self.nfe += 1
-            if self.nfe == 1:  # the run's first forward: corrupt weights show here (one sync)
-                check_finite(logits, model)
-            uniform = self._draw(self.noise.uniform, rows, done, length)
-            st = canvas_stats(logits, temperature, uniform)
-            if threshold:
-                candidates = ~revealed
-                if remaining == 1:
-                    accept = candidates  # the last step accepts whatever is left
-                else:
-                    accept = threshold_commit(st.confidence, candidates, s["threshold"])
-                keep = revealed | accept
+        uniform = self._draw(self.noise.uniform, rows, st.done, length)
+        stats = canvas_stats(logits, temperature, uniform)
+        if threshold:
+            candidates = ~st.revealed
+            if remaining == 1:  # the last step accepts whatever is left
+                accept = candidates
             else:
-                accept = keep = entropy_commit(st.entropy, all_positions, s["entropy_bound"])
-            accepted = mx.where(accept, st.sample, canvas)
-            fresh = self._draw(self.noise.ids, rows, done, length, vocab)
-            new_canvas = renoise(accepted, keep, fresh)
-            new_argmax, processed = st.argmax, st.processed
-            if any(done):
-                # A row that has stopped keeps its canvas, argmax and self-conditioning.
-                frozen = stopped[:, None]
-                new_argmax = mx.where(frozen, argmax, new_argmax)
-                new_canvas = mx.where(frozen, canvas, new_canvas)
-                processed = mx.where(frozen[..., None], self_cond, processed)
-                if threshold:
-                    keep = mx.where(frozen, revealed, keep)
-            if lp is not None:  # a row that has stopped keeps its last step's
-                lp.put(log_probs(logits), new_argmax, ~stopped[:, None])
-            stop, history = stable_and_confident(
-                history, new_argmax, st.entropy, stability, s["confidence_threshold"]
-            )
+                accept = threshold_commit(stats.confidence, candidates, s["threshold"])
+            keep = st.revealed | accept
+        else:
+            everywhere = mx.ones(st.canvas.shape, dtype=mx.bool_)
+            accept = keep = entropy_commit(stats.entropy, everywhere, s["entropy_bound"])
+        accepted = mx.where(accept, stats.sample, st.canvas)
+        fresh = self._draw(self.noise.ids, rows, st.done, length, vocab)
+        new_canvas = renoise(accepted, keep, fresh)
+        new_argmax, processed = stats.argmax, stats.processed
+        if any(st.done):
+            # A row that has stopped keeps its canvas, argmax and self-conditioning.
+            frozen = st.stopped[:, None]
+            new_argmax = mx.where(frozen, st.argmax, new_argmax)
+            new_canvas = mx.where(frozen, st.canvas, new_canvas)
+            processed = mx.where(frozen[..., None], st.self_cond, processed)
             if threshold:
-                stop = stop | keep.all(axis=-1)
-                revealed = keep
-            stopped = stopped | stop
-            canvas, argmax, self_cond = new_canvas, new_argmax, processed
-            state = (canvas, argmax, self_cond, stopped, revealed, history)
-            mx.eval([a for a in state if a is not None])
-            done = stopped.tolist()
-            pending = ~keep & ~stopped[:, None]  # a canvas that has stopped is final
-            pending = mx.concatenate([mx.zeros(before.shape, dtype=mx.bool_), pending], axis=1)
-            generated = mx.concatenate([before, argmax], axis=1)
-            yield CanvasStepEvent(list(rows), generated, (start, start + length), self.nfe, pending)
-            if all(done):
-                break
-        return argmax, lp, last
+                keep = mx.where(frozen, st.revealed, keep)
+        if st.lp is not None:  # a row that has stopped keeps its last step's
+            st.lp.put(log_probs(logits), new_argmax, ~st.stopped[:, None])
+        stop, st.history = stable_and_confident(
+            st.history, new_argmax, stats.entropy, stability, s["confidence_threshold"]
+        )
+        if threshold:
+            stop = stop | keep.all(axis=-1)
+            st.revealed = keep
+        st.stopped = st.stopped | stop
+        st.canvas, st.argmax, st.self_cond = new_canvas, new_argmax, processed
+        state = (st.canvas, st.argmax, st.self_cond, st.stopped, st.revealed, st.history)
+        mx.eval([a for a in state if a is not None])
+        return keep

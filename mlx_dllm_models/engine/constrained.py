@@ -81,9 +81,11 @@ class RowConstraints:
         self.rows = {}  # batch row -> _Row, for the constrained rows of the open block
 
     def select(self, keep: List[int]) -> None:
+        """The rows `keep` only, between blocks or mid-block (the open block's states follow)."""
         self.matchers = [self.matchers[i] for i in keep]
         self.candidates = [self.candidates[i] for i in keep]
         self.guards = [self.guards[i] for i in keep]
+        self.rows = {new: self.rows[old] for new, old in enumerate(keep) if old in self.rows}
 
     def _fits(self, row: int, left: int) -> bool:
         """Whether the row's grammar can still be closed, and EOS follow, in `left` positions."""

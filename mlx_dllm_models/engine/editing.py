@@ -62,6 +62,14 @@ class BlockEditing:
         self.active = self.active & (self.masked | edits.any(axis=1))
         return edits
 
+    def select(self, keep) -> None:
+        """The rows `keep` only (the others left the batch mid-block)."""
+        idx = mx.array(keep)
+        self.active, self.post = self.active[idx], self.post[idx]
+        self.seen = [self.seen[i] for i in keep]
+        if self.masked is not None:
+            self.masked = self.masked[idx]
+
     def settle(self, block: mx.array, cand: mx.array) -> None:
         """After the step's commit: a maskless row back in a state it held before stops."""
         self.active = self.active & ~_revisited(self.seen, block, cand)

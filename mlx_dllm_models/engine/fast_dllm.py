@@ -162,9 +162,15 @@ class FastDLLMCache:
         self.block = None
 
     def select(self, layout, idx: List[int]):
-        # Rows leave between blocks, and every block starts with a full forward that writes
-        # every column's K/V: the survivors get a fresh cache, nothing is copied.
-        return replaced(self, **self._row_state(layout))
+        # Rows may leave mid-block (a cancelled one), where the block's cached forwards read the
+        # K/V its first forward left: the survivors keep their rows of the cache (the
+        # unconditional rows of guidance too, which follow the conditional ones).
+        state = self._row_state(layout)
+        rows = list(idx)
+        if self.cfg_scale:
+            rows += [i + self.generated.shape[0] for i in idx]
+        state["cache"] = self.cache.select(rows, state["pads"])
+        return replaced(self, **state)
 
 
 class ApproxPrefixCache(FastDLLMCache):

@@ -46,6 +46,12 @@ class PositionLogprobs:
                 old[rows] = mx.where(here, fresh, old[rows])
         mx.async_eval(self.value, self.ids, self.top, self.known)
 
+    def select(self, keep) -> None:
+        """The rows `keep` only (the others left the batch mid-block)."""
+        idx = mx.array(keep)
+        self.value, self.ids, self.top = self.value[idx], self.ids[idx], self.top[idx]
+        self.known = self.known[idx]
+
     def record(self, logits, tokens, decided, rows=None):
         """After a step whose `logits` gave the window's `tokens` (the window after the step):
         the positions it `decided` (committed, or edited), and those never recorded yet (a token

@@ -19,6 +19,11 @@ each of whose steps is a forward (`_forward`, over the rows that still have mask
 and the rule's commit (`_commit`), and the update of the candidates (`_settle`), whose one host read
 decides the next step.
 
+Rows leave the batch between two steps as well as between blocks (`run(cancelled=)`, the server's
+disconnected clients): the batch's state, the backend's (its K/V rows: `select(layout, rows)`) and
+the open block's are cut to the other rows, which decode on as a smaller batch. A row's forward,
+statistics and commit read its own row only, so the others' tokens are those of a run without it.
+
 Work is bounded by the block, not by the settings: a schedule holds only the steps that can commit
 (`steps` above a block's mask count adds no column and no forward), and the first forward's logits
 are checked to be finite (corrupt weights are an error naming the checkpoint, not garbage output).
@@ -124,8 +129,9 @@ class MaskedBlockDecoder:
     backend, a class that engine.registry picks from the spec's attention layout and the `cache`
     setting."""
 
-    # `run(cancelled=)` drops a cancelled row at its next block, and `run(budgets=)` restarts rows
-    # over [prompt ; committed] with what is left of their max_tokens (the server's joins).
+    # `run(cancelled=)` drops a cancelled row before its next denoising step, and `run(budgets=)`
+    # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
+    # joins).
     drops_cancelled_rows = True
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
@@ -214,8 +220,11 @@ class MaskedBlockDecoder:
     ) -> Iterator[object]:
         """Decode `prompts` (left-padded into one batch), yielding StepEvents and BlockEvents.
         `budgets`: each row's max_tokens (default: the max_tokens setting for every row).
-        `cancelled`: a set the caller may grow while the run goes on; a row in it leaves the batch
-        at the next block boundary, as a finished row does (the server's disconnected clients).
+        `cancelled`: a set of row indices the caller may grow while the run goes on (between two
+        of its events); a row in it leaves the batch before the next denoising step, with no
+        further event (the server's disconnected clients): from that step on every forward is
+        over the other rows only, whose tokens stay those of a run without it. A run whose rows
+        are all cancelled ends (the generator returns).
         `prior`: a cache.PriorKV from an earlier run (see `kv_prefix`) whose K/V the prefill reuses
         over the prefix the (single) prompt shares with it; the tokens are those of a run without
         it. Backends with a KV cache only (block-causal and causal-prefix families).
@@ -230,7 +239,9 @@ class MaskedBlockDecoder:
         # (request.prepare refuses constraints with masks inside a prompt: open_block treats
         # the window as the block's own columns.)
         for start, stop in batch.layout.blocks():
-            event = yield from self._block(batch, start, stop)
+            event = yield from self._block(batch, start, stop, cancelled)
+            if event is None:  # every row was cancelled
+                return
             self.tokens = batch.x
             yield event
             if not self._keep_rows(batch, event, cancelled):
@@ -266,15 +277,17 @@ class MaskedBlockDecoder:
         key = mx.stack([mx.random.key(seed) for seed in seeds])
         return _Batch(x, list(range(len(prompts))), layout, backend, key, min(layout.starts))
 
-    def _block(self, batch: _Batch, start: int, stop: int):
+    def _block(self, batch: _Batch, start: int, stop: int, cancelled: AbstractSet[int]):
         """Decode one block: yields a StepEvent after each step's forward, returns the block's
-        BlockEvent."""
+        BlockEvent (None once every row was cancelled)."""
         blk = self._open_block(batch, start, stop)
         first, editing = batch.first, blk.editing
         # A constrained row commits one column a step at least, whatever its schedule: it may
         # need as many steps as the window has columns.
         extra = stop - blk.lo if batch.constraints is not None else 0
         for step in range(self.s["steps"] + (editing.max_post if editing else 0) + extra):
+            if cancelled and not self._drop_cancelled(batch, blk, cancelled):
+                return None
             if editing is not None:
                 if not editing.continues(blk.cand):
                     break
@@ -475,4 +488,26 @@ class MaskedBlockDecoder:
             if batch.constraints is not None:
                 batch.constraints.select(keep)
             batch.backend = self.backend = batch.backend.select(batch.layout, keep)
+        return True
+
+    def _drop_cancelled(self, batch: _Batch, blk: _Block, cancelled) -> bool:
+        """Before a step of the open block: the cancelled rows leave the batch (as at a block's
+        end) and the block's state (candidates, schedule, editing, log-probabilities); False
+        when none is left."""
+        keep = [i for i, r in enumerate(batch.rows) if r not in cancelled]
+        if len(keep) == len(batch.rows):
+            return True
+        none_finished = BlockEvent(batch.rows, [], [], [False] * len(batch.rows), self.nfe)
+        if not self._keep_rows(batch, none_finished, cancelled):
+            return False
+        idx = mx.array(keep)
+        blk.gen, blk.cand, blk.schedule = blk.gen[idx], blk.cand[idx], blk.schedule[idx]
+        # The steps that a floor of 0 everywhere skips are the survivors' own (one host read).
+        blk.floor_max = blk.schedule.max(axis=0).tolist()
+        blk.rows_left = [blk.rows_left[i] for i in keep]
+        blk.part = None
+        if blk.editing is not None:
+            blk.editing.select(keep)
+        if blk.logprobs is not None:
+            blk.logprobs.select(keep)
         return True

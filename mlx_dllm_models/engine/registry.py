@@ -87,7 +87,7 @@ class Batching:
 
     joins: bool  # rows may join a running batch at a block boundary, exactly (a restart)
     free_join: bool  # such a join re-encodes nothing (the backend keeps no K/V)
-    drops_rows: bool  # the decoder drops a cancelled row at its next block
+    drops_rows: bool  # the decoder drops a cancelled row before its next step (run(cancelled=))
     # The kind of K/V (cache.PriorKV.kind) a one-row run leaves for a later prompt that continues
     # its tokens, and can resume from (`run(prompts, prior=...)`); None: nothing reusable.
     kv_kind: Optional[str] = None
@@ -97,9 +97,11 @@ class Batching:
 
 
 def join_policy(spec, settings) -> Batching:
-    """What the decoder and backend of these (resolved) settings declare: a decoder that restarts
-    rows with per-row budgets says `drops_cancelled_rows`, a backend whose restart over [prompt ;
-    committed] reproduces the run says `joins_exactly(settings)` (a decoder may say it itself)."""
+    """What the decoder and backend of these (resolved) settings declare: a decoder whose run
+    drops cancelled rows before its next step says `drops_cancelled_rows` (every decoder today);
+    rows join where a restart over [prompt ; committed] with per-row budgets reproduces the run:
+    the backend says `joins_exactly(settings)` (a decoder may say it itself; the canvas and WeDLM
+    decoders, which take no budgets, have no backend that does)."""
     decoder = select_decoder(spec, settings)
     drops = getattr(decoder, "drops_cancelled_rows", False)
     backend = select_backend(spec, settings) if drops else None

@@ -24,7 +24,8 @@ The rows of a batch step together, one forward a step: each row's K/V sit in its
 (its committed tokens from column 0, its window after them), each row writes its step's K/V after
 its own committed ones (`RowKVCache`), and the mask hides from each row the columns it has not
 written. At temperature 0 a row's tokens are those it gets alone; above it, its draws depend on the
-rows it decodes with (one draw over the batch's windows per step).
+rows it decodes with (one draw over the batch's windows per step). A row leaves the batch (its K/V
+rows with it) when it finishes, or before the next step when it is cancelled (`run(cancelled=)`).
 
 Structured output (constrained.WindowConstraint): a constrained row fills only a prefix of its
 window, so each of its steps starts from a window of masks right after its committed tokens. Its
@@ -35,7 +36,7 @@ the rest of the window without a forward. Rows without a constraint decode as ab
 temperature 0 the constrained rows' draws take a key of their own.
 """
 
-from typing import List, Optional, Sequence
+from typing import AbstractSet, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -165,6 +166,8 @@ class WeDLMDecoder:
     # Structured output: a constrained row fills a grammar-valid prefix of its window
     # (constrained.WindowConstraint).
     takes_constraints = True
+    # `run(cancelled=)` drops a cancelled row before the next step.
+    drops_cancelled_rows = True
 
     def __init__(
         self,
@@ -266,10 +269,20 @@ class WeDLMDecoder:
         block = (min(len(outs[r]) for r in rows), limit)
         return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe)
 
-    def run(self, prompts: Sequence[Sequence[int]], constraints=None, consumed=None):
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        constraints=None,
+        consumed=None,
+        cancelled: AbstractSet[int] = frozenset(),
+    ):
         """Decode `prompts`, one forward a step. `constraints` / `consumed`: each row's
         structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it
-        already returned, as MaskedBlockDecoder.run takes them."""
+        already returned, as MaskedBlockDecoder.run takes them. `cancelled`: a set of row indices
+        the caller may grow while the run goes on (between two of its events); a row in it
+        leaves the batch before the next step's forward, with no further event, and the other
+        rows' tokens are those of a run without it at temperature 0. A run whose rows are all
+        cancelled ends."""
         s = self.s
         constraints = self.constraints if constraints is None else constraints
         self.rules = {
@@ -287,6 +300,11 @@ class WeDLMDecoder:
         outs: List[List[int]] = [[] for _ in prompts]
         rows = list(range(len(prompts)))  # the rows still decoding
         while rows:
+            keep = [i for i, r in enumerate(rows) if r not in cancelled]
+            if not keep:
+                return
+            if len(keep) < len(rows):  # cancelled rows leave before this step's forward
+                run, rows = run.select(keep), [rows[i] for i in keep]
             for r in rows:
                 windows[r].refill()
             batch = [
@@ -304,7 +322,8 @@ class WeDLMDecoder:
             event, pruned = self._commit(run, rows, windows, contexts, outs)
             if event is not None:
                 yield event
-                keep = [i for i, done in enumerate(event_finished(event, rows)) if not done]
+                done = event_finished(event, rows)
+                keep = [i for i, r in enumerate(rows) if not done[i] and r not in cancelled]
                 if not keep:
                     return
                 if len(keep) < len(rows):

@@ -8,11 +8,11 @@ that shares one decoder run, so one forward serves every row; groups with differ
 group:
 
 * A row leaves when it finishes (EOS or its max_tokens). A row whose client disconnected (or whose
-  stop string appeared) leaves at the next denoising step when that costs less than carrying it
-  to the block's end: a run left with no live row ends there, and a run whose rows may join it
-  (below) restarts its survivors over [prompt ; committed blocks], exactly as a join does (the
-  block's steps so far are redone); otherwise the decoder drops it at the block's end like a
-  finished row. A block can take a minute at thousands of positions on a CPU.
+  stop string appeared) leaves at the next denoising step: the decoder drops it from its state and
+  its K/V (`run(cancelled=)`, which every decoder takes: engine.Batching.drops_rows), and the
+  other rows decode on as a smaller batch with the tokens they would have had with it; a run left
+  with no live row ends there. (A block can take a minute at thousands of positions on a CPU:
+  a cancelled row no longer rides along to its end.)
 * Requests that arrive while a group decodes join it at the next block boundary when the engine
   says such a join is exact (engine.join_policy: the decoder restarts rows over [prompt ;
   committed] with per-row budgets, `MaskedBlockDecoder.run(prompts, budgets=...)`, and the backend
@@ -32,8 +32,9 @@ group:
 * Other runs batch at arrival: the requests waiting when a group's run starts share it, later ones
   wait for the next run (DiffusionGemma's canvases, which draw each row's noise from its own seeded
   stream that a restart would start over; self-speculation with a thinking budget; the cases
-  above). For these groups `max_tokens` is part of the settings that must agree, and a cancelled
-  row of a decoder that cannot drop rows keeps its place until the run ends.
+  above). For these groups `max_tokens` is part of the settings that must agree (a cancelled row
+  leaves them at the next step as above; one of a decoder that could not drop rows would keep its
+  place until the run ends).
 
 At temperature > 0 the masked decoder's and the canvas decoder's rows draw from streams of their
 own seeds (Batching.row_seeds): requests with different seeds share a run, each with the tokens it
@@ -72,8 +73,8 @@ class Job:
     TokenLogprobs when the request asked for them, else None), or ("error", message, status) when
     it fails or the server stops. The handler sets `cancelled` (client gone, stop string met) at
     any time; the scheduler reads it at every step's start and between denoising steps, into
-    `dropped` (the value every rank of a sharded server acts on), and drops the row there or at
-    the block's end (see the module docstring)."""
+    `dropped` (the value every rank of a sharded server acts on), and the row leaves its run
+    before the next denoising step (see the module docstring)."""
 
     def __init__(
         self,
@@ -152,9 +153,8 @@ class Group:
         self.jobs: List[Job] = []  # rows of the current run, by row index
         self.run = None
         self.decoder = None
-        self.cancelled: set = set()  # row indices the current run drops at its next block
+        self.cancelled: set = set()  # row indices the current run drops before its next step
         self.nfe_seen = 0
-        self.steps_in_block = 0  # denoising steps of the current run's open block so far
 
     def gathering(self, now: float) -> bool:
         """Whether the group's next run waits for more requests (Scheduler.gather)."""
@@ -208,7 +208,8 @@ class Scheduler:
         self._uids = itertools.count()
         # Counters the tests and the benchmark read.
         self.joins = 0  # runs restarted to take in rows that arrived while a batch decoded
-        self.cut_short = 0  # runs ended or restarted mid-block to drop cancelled rows
+        self.cut_short = 0  # runs ended mid-block because no live row was left
+        self.rows_dropped = 0  # cancelled rows that left a run whose other rows went on
         self.blocks = 0
         self.forwards = 0
         self.max_rows = 0  # largest batch a forward served
@@ -489,12 +490,7 @@ class Scheduler:
             self._start(group)
             if group.run is None:
                 return
-        if group.batching.drops_rows:
-            # The decoder drops these rows when it resumes, before its next block.
-            for row, job in enumerate(group.jobs):
-                if job.dropped and not job.done:
-                    group.cancelled.add(row)
-                    job.done = True
+        self._drop_cancelled(group)
         event = None
         try:
             while event is None or not hasattr(event, "finished"):
@@ -510,7 +506,6 @@ class Scheduler:
         if group.prior is not None:  # the run's prefill has reused what it could
             group.jobs[0].cached_tokens = getattr(group.decoder.backend, "reused", 0)
             group.prior = None
-        group.steps_in_block = 0
         self._count_forwards(group)
         self.blocks += 1
         self.max_rows = max(self.max_rows, len(event.rows))
@@ -541,33 +536,31 @@ class Scheduler:
 
     def _between_steps(self, group: Group) -> bool:
         """After a denoising step of `group`'s run: what arrived since the last step (as at a
-        step's start, the same on every rank), then the rows to drop now rather than at the
-        block's end. False when the run ended here (stopped, or cut short: `_cut_short`)."""
-        group.steps_in_block += 1
+        step's start, the same on every rank), then the cancelled rows, which the decoder drops
+        before its next step. False when the run ended here (stopped, or no live row left)."""
         if not self._take_news(None):
             self._end_run(group)
             return False
-        dropped = sum(j.dropped and not j.done for j in group.jobs)
-        live = sum(not j.dropped and not j.done for j in group.jobs)
-        if dropped and self._cut_short(group, dropped, live):
+        if any(j.dropped and not j.done for j in group.jobs) and all(
+            j.dropped or j.done for j in group.jobs
+        ):
             self._end_run(group)
             self.cut_short += 1
             return False
+        self._drop_cancelled(group)
         return True
 
-    def _cut_short(self, group: Group, dropped: int, live: int) -> bool:
-        """Whether to end the run now for `dropped` cancelled rows (its `live` rows then restart
-        at their last block boundary, exactly as a join restarts them): always when no row is
-        live; when rows may join exactly, if redoing the block's steps so far for the live rows
-        (and re-encoding them, for a backend with K/V) costs fewer row-forwards than carrying
-        the dropped rows through the block's remaining steps (`steps` bounds them)."""
-        if live == 0:
-            return True
-        if not group.batching.joins:
-            return False
-        done = group.steps_in_block + (0 if group.batching.free_join else 1)
-        left = group.settings.get("steps", 0) - group.steps_in_block
-        return done * live < left * dropped
+    def _drop_cancelled(self, group: Group) -> None:
+        """The cancelled rows of the group's run go to its decoder's `cancelled` set (it drops
+        them before its next denoising step) and are done; a decoder that cannot drop rows
+        carries them to the run's end."""
+        if group.run is None or not group.batching.drops_rows:
+            return
+        for row, job in enumerate(group.jobs):
+            if job.dropped and not job.done:
+                group.cancelled.add(row)
+                job.done = True
+                self.rows_dropped += 1
 
     def _end_run(self, group: Group):
         """End the group's run between two steps: its dropped rows are done, the others restart
@@ -576,7 +569,6 @@ class Scheduler:
         group.run.close()
         group.run = None
         self._count_forwards(group)
-        group.steps_in_block = 0
         for job in group.jobs:
             if job.dropped:
                 job.done = True
