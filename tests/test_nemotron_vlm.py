@@ -188,3 +188,29 @@ def test_ids_past_the_vocabulary_and_odd_pixels_are_refused(loaded):
         model(mx.array([[300, model.args.vocab_size + 10**6]]))
     with pytest.raises(vlm_module.ImageSlotError, match="multiples of 28"):
         model.image_features(np.zeros((1, 3, 42, 56), np.float32))
+
+
+def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
+    """The text family's tensor parallelism (encoder.layers split); the tower and projector stay
+    replicated, so every rank computes the same image features."""
+    from mlx.utils import tree_flatten
+
+    from mlx_dllm_models import SettingsError, load
+
+    model, processor = load(ckpt)  # its own copy
+    ids = mx.array([processor(text=["a<image>b"], images=[picture(6)])["input_ids"][0] + [258]])
+    before = np.array(model(ids))
+
+    class Ranks:
+        def size(self):
+            return 3
+
+        def rank(self):
+            return 0
+
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        model.shard(Ranks())
+    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
+    model.shard(mx.distributed.init())  # the single-process group
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

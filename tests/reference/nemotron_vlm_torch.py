@@ -86,8 +86,7 @@ def _vision(ckpt):
 
     config, w = _read(ckpt)
     v = dict(config["vision_config"])
-    vcfg = PixtralVisionConfig(**v)
-    vcfg._attn_implementation = "eager"
+    vcfg = PixtralVisionConfig(**v, attn_implementation="eager")
     tower = PixtralVisionModel(vcfg)
     prefix = "encoder.vision_tower."
     state = {k[len(prefix) :]: torch.from_numpy(x) for k, x in w.items() if k.startswith(prefix)}
