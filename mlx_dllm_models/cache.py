@@ -81,6 +81,9 @@ class PrefixKVCache:
         pads = [int(p) for p in (left_padding or [])]
         self.pads = mx.array(pads, dtype=mx.int32) if any(pads) else None
         self.layers = [self.layer_class(self) for _ in range(num_layers)]
+        # Per-row arrays (B, ...) a model keeps with its K/V for later forwards of the same run
+        # (Dimple's M-RoPE offsets of the columns), kept row for row by `select`.
+        self.row_state = {}
 
     @property
     def offset(self):
@@ -112,6 +115,7 @@ class PrefixKVCache:
         out = type(self)(len(self.layers), self.width, left_padding)
         out.start, out.committed = self.start, self.committed
         rows = mx.array(idx)
+        out.row_state = {name: value[rows] for name, value in self.row_state.items()}
         for new, old in zip(out.layers, self.layers):
             if old.keys is not None:
                 new.keys, new.values = old.keys[rows], old.values[rows]

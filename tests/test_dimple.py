@@ -122,19 +122,27 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache", ["none", "prefill"])
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_tokens_match_the_dim_pipeline(loaded, ckpt, case):
+def test_greedy_tokens_match_the_dim_pipeline(loaded, ckpt, case, cache):
+    """cache="prefill" is the reference's use_cache=True (the README's): the prompt's K/V from the
+    first step, an approximation whose tokens differ from full recompute's (checked below)."""
     model, processor = loaded
     gen, steps, alg, threshold = case
     ours, theirs, pv, grid = image_prompt(model, processor, seed=7)
     settings = dict(
         max_tokens=gen, steps=steps, temperature=0.0, top_p=None, alg=alg,
         alg_p_threshold=threshold,
+        cache=cache,
     )  # fmt: skip
     got = stream_tokens(model, processor, ours, **settings)
-    want = ref.generate(ckpt, theirs, pv, grid, MASK, gen, steps, alg, threshold)
+    cached = cache == "prefill"
+    want = ref.generate(ckpt, theirs, pv, grid, MASK, gen, steps, alg, threshold, use_cache=cached)
     assert got == cut_at_eos(want, EOS)
     assert len(got) > 2
+    if cached:
+        full = ref.generate(ckpt, theirs, pv, grid, MASK, gen, steps, alg, threshold)
+        assert full != want
 
 
 def test_confident_decoding_takes_fewer_steps(loaded):
@@ -155,6 +163,7 @@ def test_defaults_are_the_readme_recipe(loaded):
     assert (d["temperature"], d["top_p"], d["max_tokens"]) == (0.2, 0.95, 64)
     assert spec.mask_token_id == MASK and spec.logit_shift == 1 and spec.confidence == "raw"
     assert spec.sampler_defaults["dimple"] == {"block_length": None}
+    assert d["cache"] == "prefill"  # the README's use_cache=True
 
 
 def test_real_config_builds():
@@ -305,3 +314,24 @@ def test_the_readme_recipe_decodes_batches_as_single_runs(loaded):
     batch = batch_generate_diffusion(model, processor, prompts, images=images, max_tokens=8, seed=3)
     for prompt, image, tokens in zip(prompts, images, batch.tokens):
         assert tokens == stream_tokens(model, processor, prompt, image=image, max_tokens=8, seed=3)
+
+
+def test_a_forward_from_a_later_column_reads_the_image_offsets_of_the_first(loaded):
+    """What the prefill backend runs: a forward over the whole sequence into the window cache,
+    then one from the prompt's last column against its K/V: with the same tokens, the logits are
+    the full forward's (the later forward's positions continue past the images)."""
+    from mlx_dllm_models.cache import ApproximateKVCache
+
+    model, processor = loaded
+    ours, *_ = image_prompt(model, processor, seed=18)
+    ids = ours + [MASK] * 6
+    cache = ApproximateKVCache(len(model.layers), len(ids))
+    full = np.array(model(mx.array([ids]), cache=cache.at(0)))
+    cache.commit(len(ids))
+    w0 = len(ours) - 1
+    window = np.array(model(mx.array([ids[w0:]]), cache=cache.at(w0)))
+    assert_close(window, full[:, w0:])
+    # Positions from the window's own columns (no image offsets) would be a wrong reading.
+    cache.row_state.clear()
+    with pytest.raises(ValueError, match="needs the same run's forward from column 0"):
+        model(mx.array([ids[w0:]]), cache=cache.at(w0))

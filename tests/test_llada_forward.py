@@ -98,8 +98,8 @@ def test_spec_reads_the_config(models):
     assert spec.mask_token_id == LLADA_TOKENS["<|mdm_mask|>"]
     assert spec.eos_token_ids == (LLADA_TOKENS["<|endoftext|>"],)
     assert spec.confidence == "raw" and spec.quota_base == "masks"
-    # No exact cache for bidirectional attention: Fast-dLLM's approximate ones, opt-in.
-    assert cache_choices(spec.attention) == ("auto", "dual", "none", "prefix")
+    # No exact cache for bidirectional attention: Fast-dLLM's and Dimple's approximate ones, opt-in.
+    assert cache_choices(spec.attention) == ("auto", "dual", "none", "prefill", "prefix")
     assert spec.defaults["block_length"] == 32 and "steps" not in spec.defaults
     assert spec.max_position_embeddings == 4096
     moe = models["llada_moe"]

@@ -25,6 +25,7 @@ from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
+from .prefill import PrefillCache
 from .prefix_dlm import PrefixDLMCache, PrefixDLMRecompute
 from .self_spec import SelfSpeculativeDecoder
 from .sub_block_cache import SubBlockCache
@@ -32,8 +33,14 @@ from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
 BACKENDS: Dict[str, Dict[str, type]] = {
-    # Fast-dLLM's prefix and dual caches are approximations: opt-in, never "auto".
-    BIDIRECTIONAL: {"none": FullRecompute, "prefix": ApproxPrefixCache, "dual": DualCache},
+    # Fast-dLLM's prefix and dual caches and Dimple's prefill are approximations: opt-in, never
+    # "auto" (Dimple's recipe names prefill).
+    BIDIRECTIONAL: {
+        "none": FullRecompute,
+        "prefix": ApproxPrefixCache,
+        "dual": DualCache,
+        "prefill": PrefillCache,
+    },
     # Fast-dLLM v2's sub-block cache is an approximation: opt-in, and refused by other families.
     BLOCK_CAUSAL: {"prefix": PrefixCache, "none": FullRecompute, "sub_block": SubBlockCache},
     CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},

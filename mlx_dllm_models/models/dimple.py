@@ -57,10 +57,11 @@ NAME = "dimple"
 # max_new_tokens=64, steps=64, temperature=0.2, top_p=0.95, alg="origin", use_cache=True,
 # alg_p_threshold=0.95, use_original_confidence=True, decoding_pipeline="dim"). steps stays unset
 # so that it follows max_tokens (64 = 64 there); the whole canvas is one block, as there. Its
-# use_cache=True (the prompt's K/V kept from the first step, an approximation) is not the default
-# here: cache="none" recomputes every step, the exact form of the same decoding.
+# use_cache=True is cache="prefill" (engine/prefill.py: the prompt's K/V from the first step,
+# an approximation); cache="none" recomputes every step.
 REFERENCE_DEFAULTS = {
     "sampler": "dimple",
+    "cache": "prefill",
     "alg": "origin",
     "alg_temp": 0.0,
     "alg_p_threshold": 0.95,
@@ -310,15 +311,16 @@ class Model(nn.Module):
         B, L = inputs.shape
         first = None if cache is None else cache[0]
         offset = 0 if first is None else first.offset
-        owner = getattr(first, "owner", None)  # the engine's K/V caches share a cursor
+        owner = getattr(first, "owner", None)  # the engine's K/V caches (cache.PrefixKVCache)
         start = 0 if owner is None else owner.start
         grid = self.grid.embed(_zeros(5), inputs).astype(mx.int32)
         back = grid[..., 4]
         shift = mx.cumsum(back, axis=1) - back  # the images wholly before each column
-        if owner is not None and start == 0:
-            owner.mrope_shift = shift
-        elif owner is not None:
-            stored = getattr(owner, "mrope_shift", None)
+        kept = getattr(owner, "row_state", None)
+        if kept is not None and start == 0:
+            kept["mrope_shift"] = shift
+        elif kept is not None:
+            stored = kept.get("mrope_shift")
             if stored is None or stored.shape[0] != B:
                 raise ValueError(
                     f"{NAME}: a forward from column {start} needs the same run's forward from "

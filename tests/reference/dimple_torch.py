@@ -12,9 +12,13 @@ training-code/models/modeling_dimple.py and generation_utils.py (read with the c
   embeddings with the projected image features scattered at `image_token_id`, Dream's Qwen2 layers
   with apply_multimodal_rotary_pos_emb over the rope index, the full attention mask
   (full_attn_mask=True: pad x pad keep, plus the diagonal), RMSNorm, lm_head.
-* `generate(...)`: DimpleGenerationMixin.diffusion_generate / _sample with use_cache=False and
-  decoding_pipeline="dim" at temperature 0 (sample_tokens' argmax; use_original_confidence), alg
-  maskgit_plus or entropy, alg_p_threshold, the loop ending when no mask is left.
+* `generate(...)`: DimpleGenerationMixin.diffusion_generate / _sample of one row at temperature 0
+  (sample_tokens' argmax): decoding_pipeline "dim" (use_original_confidence: the model's own
+  probabilities; alg maskgit_plus or entropy; alg_p_threshold; the loop ends when no mask is left)
+  or "dream" (maskgit_plus on the top-p filtered probabilities, Dream's schedule); use_cache=False
+  (every step over the whole sequence) or True (prepare_inputs_for_generation's prefilling: the
+  first step's K/V of the prompt but its last column, cropped and kept; later steps run from that
+  column at positions continuing past the images, `rope_deltas`).
 """
 
 import json
@@ -200,29 +204,26 @@ def _mrope(positions, head_dim, theta, section):
     return pick(emb.cos()), pick(emb.sin())
 
 
-def logits(ckpt, input_ids, pixel_values=None, grid_thw=None, attention_mask=None):
-    """(B, L, V) unshifted logits of DimpleModel.forward."""
+def _embed(ckpt, ids, pixel_values, grid_thw):
     cfg, w = _load(ckpt)
-    ids = torch.as_tensor(input_ids)
-    B, L = ids.shape
-    am = (
-        torch.ones(B, L, dtype=torch.long)
-        if attention_mask is None
-        else torch.as_tensor(attention_mask)
-    )
     x = F.embedding(ids, w["model.embed_tokens.weight"])
     if pixel_values is not None:
         feats = torch.as_tensor(project(ckpt, vision(ckpt, pixel_values, grid_thw)))
         where = (ids == cfg["image_token_id"]).unsqueeze(-1).expand_as(x)
         x = x.masked_scatter(where, feats)
-    positions = rope_index(ckpt, ids, grid_thw if pixel_values is not None else None, am)
+    return x
+
+
+def _layers(ckpt, x, positions, keep, past=None):
+    """DimpleBaseModel's layers and norm, then lm_head, over embeddings x (B, L, H) at `positions`
+    (3, B, L); `past`: per layer (K, V) of earlier columns (rotated, as DynamicCache keeps them),
+    which the columns attend first. Returns (logits, [(K, V)] of these columns)."""
+    cfg, w = _load(ckpt)
+    B, L, _ = x.shape
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["hidden_size"] // H
     cos, sin = _mrope(positions, hd, cfg["rope_theta"], cfg["mrope_section"])
-    keep = am.bool()
-    keep = keep[:, None, None, :] & keep[:, None, :, None]
-    keep = keep | torch.eye(L, dtype=torch.bool)[None, None]
-    eps = cfg["rms_norm_eps"]
+    eps, kept = cfg["rms_norm_eps"], []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
@@ -233,17 +234,31 @@ def logits(ckpt, input_ids, pixel_values=None, grid_thw=None, attention_mask=Non
         k = k.view(B, L, KV, hd).transpose(1, 2)
         v = v.view(B, L, KV, hd).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        kept.append((k, v))
+        if past is not None:
+            k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
         k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        out = out.transpose(1, 2).reshape(B, L, -1)
-        x = x + F.linear(out, w[p + "self_attn.o_proj.weight"])
+        x = x + F.linear(out.transpose(1, 2).reshape(B, L, -1), w[p + "self_attn.o_proj.weight"])
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
         gate = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"]))
-        x = x + F.linear(
-            gate * F.linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"]
-        )
+        up = F.linear(h, w[p + "mlp.up_proj.weight"])
+        x = x + F.linear(gate * up, w[p + "mlp.down_proj.weight"])
     x = _rms(x, w["model.norm.weight"], eps)
-    return F.linear(x, w["lm_head.weight"])
+    return F.linear(x, w["lm_head.weight"]), kept
+
+
+def logits(ckpt, input_ids, pixel_values=None, grid_thw=None, attention_mask=None):
+    """(B, L, V) unshifted logits of DimpleModel.forward."""
+    ids = torch.as_tensor(input_ids)
+    B, L = ids.shape
+    am = torch.ones(B, L, dtype=torch.long)
+    am = am if attention_mask is None else torch.as_tensor(attention_mask)
+    positions = rope_index(ckpt, ids, grid_thw if pixel_values is not None else None, am)
+    keep = am.bool()
+    keep = keep[:, None, None, :] & keep[:, None, :, None]
+    keep = keep | torch.eye(L, dtype=torch.bool)[None, None]
+    return _layers(ckpt, _embed(ckpt, ids, pixel_values, grid_thw), positions, keep)[0]
 
 
 # ----------------------------------------------------------------------------------- decoding
@@ -261,6 +276,41 @@ def _fallback_count(num_cur, num_total, i, steps, timesteps):
     raise AssertionError("unreachable")
 
 
+def _top_p_logits(logits, top_p):
+    """generation_utils.top_p_logits: tokens past the top_p mass (the first always kept) get the
+    dtype's minimum."""
+    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = 0
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def _step_logits(ckpt, ids, pixel_values, grid_thw, prompt_length, state):
+    """One step's shifted logits over the columns the step runs (all of them, or with use_cache
+    from prompt_length on), as prepare_inputs_for_generation / forward / _sample do."""
+    if state is None:
+        out = logits(ckpt, ids, pixel_values, grid_thw)
+        return torch.cat([out[:, :1], out[:, :-1]], dim=1), 0
+    L = ids.shape[1]
+    if not state:  # the first step: the whole sequence; keep the prompt's K/V but its last
+        positions = rope_index(ckpt, ids, grid_thw, torch.ones_like(ids))
+        state["delta"] = int(positions.max()) + 1 - L
+        x = _embed(ckpt, ids, pixel_values, grid_thw)
+        out, kv = _layers(ckpt, x, positions, torch.ones(1, 1, L, L, dtype=torch.bool))
+        state["past"] = [(k[:, :, :prompt_length], v[:, :, :prompt_length]) for k, v in kv]
+        return torch.cat([out[:, :1], out[:, :-1]], dim=1), 0
+    window = ids[:, prompt_length:]
+    n = window.shape[1]
+    positions = (torch.arange(n) + prompt_length + state["delta"]).view(1, 1, -1).expand(3, 1, -1)
+    x = _embed(ckpt, window, None, None)
+    keep = torch.ones(1, 1, n, L, dtype=torch.bool)
+    out, _ = _layers(ckpt, x, positions, keep, past=state["past"])
+    return torch.cat([out[:, :1], out[:, :-1]], dim=1), prompt_length
+
+
 def generate(
     ckpt,
     input_ids,
@@ -272,38 +322,51 @@ def generate(
     alg="maskgit_plus",
     alg_p_threshold=None,
     eps=1e-3,
+    use_cache=False,
+    pipeline="dim",
+    top_p=None,
 ):
-    """_sample(decoding_pipeline="dim", use_cache=False) of one row at temperature 0: the
-    generated tokens (max_new_tokens of them)."""
+    """diffusion_generate / _sample of one row at temperature 0 (decoding_pipeline "dim" or
+    "dream"): the generated tokens (max_new_tokens of them)."""
     ids = torch.as_tensor([list(input_ids) + [mask_id] * max_new_tokens])
     timesteps = torch.linspace(1, eps, steps + 1)
     total = int((ids == mask_id).sum())
+    state = {} if use_cache else None
     for i in range(steps):
-        mask_index = ids == mask_id
-        out = logits(ckpt, ids, pixel_values, grid_thw)
-        out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        out, first = _step_logits(ckpt, ids, pixel_values, grid_thw, len(input_ids) - 1, state)
+        x = ids[:, first:]
+        mask_index = x == mask_id
         mask_logits = out[mask_index]
         probs = torch.softmax(mask_logits, dim=-1)
+        if pipeline == "dream" and top_p is not None and top_p < 1:
+            # use_original_confidence=False: the confidence is the top-p filtered distribution's.
+            probs = torch.softmax(_top_p_logits(mask_logits, top_p), dim=-1)
         confidence, x0 = probs.max(dim=-1)
         if alg == "entropy":
             confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
         elif alg != "maskgit_plus":
             raise ValueError(alg)
-        committed = False
+        new = torch.full_like(x0, mask_id)
+        if pipeline == "dream":
+            t, s = timesteps[i], timesteps[i + 1]
+            m = mask_index.sum()
+            n = int(m * (1 - s / t)) if i < steps - 1 else int(m)
+            if n > 0:
+                index = torch.topk(confidence, n).indices
+                new[index] = x0[index]
+            x[mask_index] = new
+            continue
+        hit = None
         if alg_p_threshold:
             last = i == steps - 1
             hit = torch.ones_like(x0, dtype=torch.bool) if last else confidence > alg_p_threshold
-            if hit.sum() > 0:
-                new = torch.full_like(x0, mask_id)
-                new[hit] = x0[hit]
-                ids[mask_index] = new
-                committed = True
-        if not committed:
+        if hit is not None and hit.sum() > 0:
+            new[hit] = x0[hit]
+        else:
             n = _fallback_count(int(mask_index.sum()), total, i, steps, timesteps)
-            _, index = torch.topk(confidence, n)
-            new = torch.full_like(x0, mask_id)
+            index = torch.topk(confidence, n).indices
             new[index] = x0[index]
-            ids[mask_index] = new
+        x[mask_index] = new
         if not (ids == mask_id).any():
             break
     return ids[0, len(input_ids) :].tolist()
