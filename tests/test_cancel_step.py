@@ -2,11 +2,12 @@
 disconnected client's row once rode along to its block's end, a minute at 2,050 positions on a
 CPU). `run(cancelled=)`: from the step after the cancellation every forward is over the other rows
 only (counted by wrapping the model), and those rows' tokens are their single runs' at
-temperature 0: the masked loop over each backend (full recompute, the block-causal prefix cache,
-Fast-dLLM's approximate prefix / dual caches and v2's sub-block cache, the causal-prefix cache,
-with log-probabilities and with LLaDA2.1's token editing), DiffusionGemma's canvas (each row's noise
-stream its own: a seeded row's draws are unchanged), WeDLM's window, self-speculation with a
-thinking budget; and the server's scheduler, which drops such a row without ending the run."""
+temperature 0 (and above it where each row draws from its own stream): the masked loop over each
+backend (full recompute, the block-causal prefix cache, Fast-dLLM's approximate prefix / dual
+caches and v2's sub-block cache, the causal-prefix cache, LaViDa's prefix-DLM cache; with
+log-probabilities, with LLaDA2.1's token editing, with seeded draws), DiffusionGemma's canvas (each
+row's noise stream its own), WeDLM's window, self-speculation with a thinking budget; and the
+server's scheduler, which drops such a row without ending or restarting the run."""
 
 import pytest
 
@@ -17,6 +18,7 @@ from fixtures import fast_dllm_v2 as v2_fx
 from fixtures import llada2 as l2_fx
 from fixtures import nemotron as nem_fx
 from fixtures import wedlm as wedlm_fx
+from fixtures.lavida import build_lavida
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
 from mlx_dllm_models.generate import stream_events
@@ -50,6 +52,13 @@ CASES = {
         dict(max_tokens=16, block_length=8, steps=8, logprobs=2),
         2,
     ),
+    "seeded_draws": (  # each row draws from its own stream: the others' draws are unchanged
+        "safety_llada",
+        build_llada,
+        dict(max_tokens=16, block_length=8, steps=8, temperature=0.8, seed=3),
+        2,
+    ),
+    "prefix_dlm": ("lavida", build_lavida, dict(max_tokens=16, block_length=8, steps=8), 2),
     "prefix_cache": (
         "safety_build_sdar",
         build_sdar,
