@@ -7,6 +7,11 @@ stops it and returns to the prompt: the interrupted turn (the question and the p
 dropped and the conversation before it kept, as after a turn that failed; Ctrl-C (or Ctrl-D) at
 the prompt exits.
 
+Images (checkpoints with a vision tower: DiffusionGemma, LLaDA-V, ...): `/image PATH` attaches an
+image to the next question (several may be attached), `mlx_dllm chat --image PATH` to the first
+one. Each image's placeholder goes before its question's text, as `mlx_dllm generate --image` puts
+it, and the conversation keeps its images: every turn's prompt carries all of them, in order.
+
 Lines are read through readline where Python has it (line_editing): the cursor keys, history and
 Ctrl-A / Ctrl-E edit the line, and a pasted line arrives whole. Without it a terminal's canonical
 mode reads the line, which holds at most 4095 characters (Linux): the rest of a longer line is lost.
@@ -36,12 +41,16 @@ from .cli_common import (
 )
 from .generate import responses, stats_line
 from .request import prepare
-from .vision import text_tokenizer
+from .vision import ImageError, is_processor, read_images, text_tokenizer
 
-HELP = "commands: q or /exit  quit | r or /reset  new conversation | h or /help  this help"
+HELP = (
+    "commands: q or /exit  quit | r or /reset  new conversation | h or /help  this help | "
+    "/image PATH  an image for the next question"
+)
 EXIT = ("q", "/exit", "/quit")
 RESET = ("r", "/reset")
 HELP_WORDS = ("h", "/help")
+IMAGE = "/image"
 INTERRUPTED = "[reply interrupted: that turn is dropped, the conversation before it kept]"
 
 
@@ -74,6 +83,7 @@ class ChatSession:
 
     def reset(self):
         self.messages: List[dict] = []
+        self.images: List = []  # the conversation's images, in the order of their placeholders
         if self.system_prompt:
             self.messages.append({"role": "system", "content": self.system_prompt})
         self.prior = None  # the last turn's final K/V (cache.PriorKV), where the backend keeps any
@@ -84,13 +94,24 @@ class ChatSession:
             messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
         )
 
-    def send(self, text: str, on_step: Optional[Callable] = None, on_block=None):
-        """Generate the reply to `text`; returns (reply text, its token ids, the last
+    def send(self, text: str, on_step: Optional[Callable] = None, on_block=None, images=()):
+        """Generate the reply to `text`, asked about `images` (paths, PIL images or arrays; their
+        placeholders go before the text); returns (reply text, its token ids, the last
         DiffusionResponse). `on_step(event, decoder)` sees every denoising step, `on_block(text)`
         every committed block's new text. A failure (the conversation outgrew the context, a bad
-        setting) leaves the conversation as it was."""
+        setting, an image that cannot be read) leaves the conversation as it was."""
+        images = self.check_images(images)
+        if images:
+            text = self.tokenizer.image_token * len(images) + text
         messages = self.messages + [{"role": "user", "content": text}]
-        request = prepare(self.model, self.tokenizer, [self.prompt(messages)], self.settings)
+        seen = self.images + images
+        request = prepare(
+            self.model,
+            self.tokenizer,
+            [self.prompt(messages)],
+            self.settings,
+            images=[seen] if seen else None,
+        )
         ids, decoder = request.ids, request.decoder(self.model)
         step = None if on_step is None else (lambda event: on_step(event, decoder))
         reply, tokens, last = "", [], None
@@ -104,7 +125,17 @@ class ChatSession:
         kv_prefix = getattr(decoder, "kv_prefix", None)
         self.prior = kv_prefix() if self.reuse_kv and kv_prefix is not None else None
         self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.images = seen
         return reply, tokens, last
+
+    def check_images(self, images) -> List:
+        """`images` read (PIL), or a ValueError saying why they cannot be asked about."""
+        images = list(images)
+        if images and not is_processor(self.tokenizer):
+            raise ImageError(
+                "this model reads no images (its checkpoint has no vision tower); ask in text only"
+            )
+        return read_images(images) if images else []
 
 
 def _parser():
@@ -118,6 +149,14 @@ def _parser():
     p.add_argument("--system-prompt", default=None, help="system prompt of the conversation")
     p.add_argument(
         "--no-live", action="store_true", help="no live canvas, print blocks as they come"
+    )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="an image for the first question (repeatable; checkpoints with a vision tower); "
+        "later ones with /image PATH",
     )
     add_setting_flags(p)
     return p
@@ -156,6 +195,10 @@ def chat_main(argv):
     view = LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
     line_editing()
     print(f"[chat with {args.model or 'the embedded model'}] {HELP}", flush=True)
+    pending = []  # images for the next question
+    for path in args.image or ():
+        if not attach(session, path, pending):
+            return 1
 
     def on_step(event, decoder):
         pending = getattr(event, "pending", None)
@@ -176,13 +219,19 @@ def chat_main(argv):
             break
         if command in RESET:
             session.reset()
+            pending.clear()
             print("[conversation reset]", flush=True)
             continue
         if command in HELP_WORDS:
             print(HELP, flush=True)
             continue
+        if command == IMAGE or command.startswith(IMAGE + " "):
+            attach(session, command[len(IMAGE) :].strip(), pending)
+            continue
         if not command:
             continue
+        asked = list(pending)  # a turn takes the attached images, whether it succeeds or not
+        pending.clear()
         if view is not None:
             view.reset()
         try:
@@ -190,6 +239,7 @@ def chat_main(argv):
                 query,
                 on_step=on_step if view is not None else None,
                 on_block=None if view is not None else on_block,
+                images=asked,
             )
         except ValueError as e:
             print(f"error: {e}", flush=True)
@@ -205,3 +255,17 @@ def chat_main(argv):
         print(f"[{stats_line(last)}{reused}]", flush=True)
     print("bye", flush=True)
     return 0
+
+
+def attach(session: ChatSession, path: str, pending: list) -> bool:
+    """`/image PATH`: the image read now (an error line if it cannot be), for the next question."""
+    if not path:
+        print("error: /image needs a path: /image PATH", flush=True)
+        return False
+    try:
+        pending.extend(session.check_images([path]))
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return False
+    print(f"[image attached to the next question: {path}]", flush=True)
+    return True
