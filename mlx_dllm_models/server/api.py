@@ -78,7 +78,7 @@ from .guards import (
     check_prompt_chars,
     cors_headers,
     most_token_chars,
-    origin_allowed,
+    origin_refusal,
     read_body,
     shorten,
 )
@@ -156,10 +156,9 @@ class Service:
         cors_origins=(),
         image_policy: ImagePolicy = ImagePolicy(),
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        hosts: HostCheck = HostCheck(),
+        hosts: HostCheck = HostCheck(),  # the Host headers it answers (DNS rebinding)
     ):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
-        # The Host headers it answers (DNS rebinding); loopback names and the bound host by default.
         self.hosts = hosts
         # Origins whose pages may call the server from a browser (`*`: any); none by default.
         self.cors_origins = list(cors_origins)
@@ -368,42 +367,22 @@ class DiffusionAPIHandler(lm_server.APIHandler):
         self.status = code
         super().send_response(code, message)
 
-    # -- who may call: requests that name a host it serves; browsers' pages only from the origins
-    # --cors-origin names
+    # -- who may call: requests naming a host it serves, pages of the origins --cors-origin names
 
     def _refused(self) -> bool:
-        """Answer with a 403 a request whose Host header names a host the server does not serve
-        (a page that pointed its own name at this machine: DNS rebinding), or that comes from a
-        web page of another origin; False when the request may go on."""
-        host = self.headers.get("Host")
-        if not self.service.hosts.allows(host):
-            self.close_connection = True  # a POST's body is left unread
-            self._error(
-                f"the Host header names {shorten(host, 100)!r}, not a host this server answers "
-                "to (a web page that points its own name at this machine is refused); start the "
-                "server with --allowed-host NAME to serve that name",
-                403,
-            )
-            return True
-        return self._origin_refused()
+        """A 403 for a request that names a host the server does not serve (DNS rebinding) or
+        comes from a web page of an origin --cors-origin does not name; False when it may go on."""
+        message = self.service.hosts.refusal(self.headers.get("Host"))
+        message = message or origin_refusal(self.headers.get("Origin"), self.service.cors_origins)
+        if message is None:
+            return False
+        self.close_connection = True  # a POST's body is left unread
+        self._error(message, 403)
+        return True
 
     def _set_cors_headers(self):
         for name, value in cors_headers(self.headers.get("Origin"), self.service.cors_origins):
             self.send_header(name, value)
-
-    def _origin_refused(self) -> bool:
-        """Answer a request from a web page of another origin with a 403 (a browser sends the
-        page's Origin; curl and OpenAI's clients send none), unless --cors-origin allows it."""
-        origin = self.headers.get("Origin")
-        if origin_allowed(origin, self.service.cors_origins):
-            return False
-        self.close_connection = True  # a POST's body is left unread
-        self._error(
-            f"requests from web pages of other origins ({shorten(origin, 100)}) are refused; "
-            "start the server with --cors-origin ORIGIN to allow that origin",
-            403,
-        )
-        return True
 
     def do_OPTIONS(self):
         """A browser's preflight: 204 with the CORS headers for an allowed origin, else 403."""

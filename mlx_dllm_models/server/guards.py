@@ -158,11 +158,32 @@ class HostCheck:
         name = host_name(header)
         return name in self.names or (self.any_address and _is_address(name))
 
+    def refusal(self, header: Optional[str]) -> Optional[str]:
+        """The 403's message for a request with this Host header; None when it is answered."""
+        if self.allows(header):
+            return None
+        return (
+            f"the Host header names {shorten(header, 100)!r}, not a host this server answers to "
+            "(a web page that points its own name at this machine is refused); start the server "
+            "with --allowed-host NAME to serve that name"
+        )
+
 
 def origin_allowed(origin: Optional[str], allowed: Sequence[str]) -> bool:
     """Whether a request's Origin header may drive the server: none (not a browser's
     cross-origin request), or one `--cors-origin` named (`*`: any)."""
     return origin is None or "*" in allowed or origin in allowed
+
+
+def origin_refusal(origin: Optional[str], allowed: Sequence[str]) -> Optional[str]:
+    """The 403's message for a request with this Origin header; None when it is answered (a
+    browser sends the page's Origin; curl and OpenAI's clients send none)."""
+    if origin_allowed(origin, allowed):
+        return None
+    return (
+        f"requests from web pages of other origins ({shorten(origin, 100)}) are refused; start "
+        "the server with --cors-origin ORIGIN to allow that origin"
+    )
 
 
 def cors_headers(origin: Optional[str], allowed: Sequence[str]) -> list:
