@@ -52,7 +52,14 @@ def test_processor_matches_transformers_qwen2vl_image_processor(loaded):
         min_pixels=processor.min_pixels, max_pixels=processor.max_pixels
     )
     small = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=28 * 28 * 20)
-    for image, proc in ((picture(0), want_proc), (picture(1, (211, 95)), small)):
+    cases = [(picture(0), want_proc), (picture(1, (211, 95)), small)]
+    try:
+        from sklearn.datasets import load_sample_image
+
+        cases.append((Image.fromarray(load_sample_image("china.jpg")), want_proc))  # 640 x 427
+    except ImportError:
+        pass
+    for image, proc in cases:
         want = proc(images=[image], return_tensors="np")
         if proc is small:
             processor.max_pixels = 28 * 28 * 20
@@ -205,7 +212,8 @@ def test_batch_rows_with_other_several_or_no_images_equal_single_runs(loaded):
     assert batch.tokens[0] != stream_tokens(model, processor, prompts[0], image=picture(12), **FAST)
 
 
-def test_mlx_vlm_load_and_convert_build_this_model(loaded, ckpt, tmp_path):
+def test_mlx_lm_and_mlx_vlm_load_and_mlx_vlm_convert_build_this_model(loaded, ckpt, tmp_path):
+    import mlx_lm
     import mlx_vlm
     from mlx_vlm.convert import convert
 
@@ -213,6 +221,9 @@ def test_mlx_vlm_load_and_convert_build_this_model(loaded, ckpt, tmp_path):
     image = picture(13)
     prompt = processor.image_token + "hi"
     want = stream_tokens(model, processor, prompt, image=image, **FAST)
+    # mlx_lm.load's bare tokenizer takes images too (the processor is built on it).
+    lm_model, tokenizer = mlx_lm.load(str(ckpt))
+    assert stream_tokens(lm_model, tokenizer, prompt, image=image, **FAST) == want
     vlm_model, _ = mlx_vlm.load(str(ckpt))
     assert isinstance(vlm_model, dimple.Model)
     pv, grid = processor.preprocess(image)

@@ -377,7 +377,8 @@ class Model(nn.Module):
     @property
     def quant_predicate(self):
         def predicate(path, module):
-            return "vision_tower" not in path  # mlx-vlm keeps vision towers unquantized
+            # mlx-vlm keeps vision towers unquantized; the projector is of the vision path too.
+            return not path.startswith(("model.vision_tower", "img_projector"))
 
         return predicate
 
