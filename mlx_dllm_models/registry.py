@@ -37,6 +37,8 @@ MODEL_TYPES = {
     "nemotron_labs_diffusion_vlm": "nemotron_labs_diffusion_vlm",
     # rp-yu's Dimple-7B (Dream 7B with Qwen2.5-VL's vision encoder).
     "dimple": "dimple",
+    # LaViDa-Dream (Dream 7B with LaViDa's SigLIP path; LaViDa-LLaDA is a llava_llada).
+    "llava_dream": "llava_dream",
 }
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
@@ -45,4 +47,5 @@ VLM_MODEL_TYPES = {
     "llava_llada": "llava_llada",
     "nemotron_labs_diffusion_vlm": "nemotron_labs_diffusion_vlm",
     "dimple": "dimple",
+    "llava_dream": "llava_dream",
 }

@@ -12,10 +12,18 @@ answer, with the logits of the block's columns read from it. `cache="none"` runs
 attention by full recompute (masks.prompt_block_mask with the answer as one segment), the exact
 mode the cache must reproduce.
 
+LaViDa-Dream (Dream's logit shift: column c is predicted from hidden state c - 1) adds two things,
+both from its `_sample` with prefix_lm=True: the prefill's last logit seeds the answer's first
+column (its argmax, whatever the temperature), and the first column's logits in a denoising
+forward are its own hidden state's (`cat([logits[:, :1], logits[:, :-1]])`; that column is the
+seed, never a candidate).
+
 A run leaves no K/V for a later prompt (the prompt's K/V depend on all of it), and a row cannot
 join a running batch by a restart: the restart would move the committed tokens into the prompt,
 which attends to no answer column.
 """
+
+import mlx.core as mx
 
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 
@@ -38,10 +46,28 @@ class PrefixDLMCache(CausalPrefixCache):
         # The answer (and an infilling suffix) is one segment after the prompt.
         self.fwd = self.forwards(model, layout.width, self.pads, (self.prompt_end, layout.width))
 
+    def prefill(self, x):
+        p, shift = self.prompt_end, self.spec.logit_shift
+        if not shift:
+            return super().prefill(x)
+        self.nfe += 1
+        logits = self.fwd.mixed(x, 0, 0, p, head_span=(p - 1, p))
+        self.fwd.keep(p)
+        self.seed = mx.argmax(logits[:, -1], axis=-1)
+
+    def begin_block(self, x, start, stop):
+        if self.seed is not None and start == self.prompt_end:
+            x[:, start] = mx.where(self.generated[:, start], self.seed, x[:, start])
+        return x
+
     def block_logits(self, x, start, stop):
         self.nfe += 1
-        p = self.prompt_end
-        return self.fwd.mixed(x, p, p, self.width, head_span=(start - p, stop - p))
+        p, shift = self.prompt_end, self.spec.logit_shift
+        first = max(start - shift, p)
+        logits = self.fwd.mixed(x, p, p, self.width, head_span=(first - p, stop - shift - p))
+        if start - shift < p:  # the answer's first column reads its own hidden state
+            logits = mx.concatenate([logits[:, :1], logits], axis=1)
+        return logits
 
     def end_block(self, x, start, stop):
         pass  # no block's K/V are final: the answer is recomputed at every step

@@ -63,11 +63,7 @@ def llava_fields(params: dict) -> dict:
                 f"{NAME}: LaViDa checkpoint with {key}=true is not supported (LLaDA 8B's body has "
                 "no biases, an untied head, RoPE and no embedding norm)"
             )
-    mode = params.get("mm_spatial_pool_mode") or "bilinear"
-    if mode not in POOL_MODES:
-        raise ValueError(
-            f"{NAME}: mm_spatial_pool_mode {mode!r} is not supported (one of {POOL_MODES})"
-        )
+    mode = checked_pool_mode(NAME, params.get("mm_spatial_pool_mode"))
     out = dict(params)
     out.update(
         hidden_size=params["d_model"],
@@ -83,6 +79,16 @@ def llava_fields(params: dict) -> dict:
         lavida=True,
     )
     return {k: v for k, v in out.items() if v is not None}
+
+
+def checked_pool_mode(name: str, mode) -> str:
+    """config.json's mm_spatial_pool_mode (train.py's default, bilinear, when absent)."""
+    mode = mode or "bilinear"
+    if mode not in POOL_MODES:
+        raise ValueError(
+            f"{name}: mm_spatial_pool_mode {mode!r} is not supported (one of {POOL_MODES})"
+        )
+    return mode
 
 
 def pool(features: mx.array, side: int, mode: str) -> mx.array:

@@ -139,28 +139,7 @@ class ModelArgs(BaseModelArgs):
             self.num_key_value_heads = self.num_attention_heads
         if self.suppressed_token_ids is None:
             self.suppressed_token_ids = list(SUPPRESSED_TOKEN_IDS)
-        if self.mm_projector_type != "mlp2x_gelu":
-            raise ValueError(
-                f"{NAME}: mm_projector_type {self.mm_projector_type!r} is not supported (only "
-                "LLaDA-V's mlp2x_gelu)"
-            )
-        if self.image_aspect_ratio in ("pad", "highres", "crop_split"):
-            raise ValueError(
-                f"{NAME}: image_aspect_ratio {self.image_aspect_ratio!r} is not supported (LLaDA-V's "
-                "anyres_max_N, or one resized tile)"
-            )
-        if self.mm_patch_merge_type != "spatial_unpad":
-            raise ValueError(
-                f"{NAME}: mm_patch_merge_type {self.mm_patch_merge_type!r} is not supported (only "
-                "LLaDA-V's spatial_unpad)"
-            )
-        tower = dict(SIGLIP_SO400M, **(self.vision_tower_config or {}))
-        if self.mm_hidden_size is not None and self.mm_hidden_size != tower["hidden_size"]:
-            raise ValueError(
-                f"{NAME}: mm_hidden_size {self.mm_hidden_size} differs from the vision tower's "
-                f"hidden_size {tower['hidden_size']}"
-            )
-        self.tower = tower
+        self.tower = checked_tower(self)
         self.llada_args = llada.ModelArgs(
             model_type=NAME,
             d_model=self.hidden_size,
@@ -182,6 +161,34 @@ class ModelArgs(BaseModelArgs):
 ModelConfig = ModelArgs
 
 
+def checked_tower(args) -> Dict[str, Any]:
+    """The SigLIP tower's config of a LLaVA-NeXT vision path (LLaDA-V's, LaViDa's), with its
+    config.json fields checked."""
+    name = args.model_type
+    if args.mm_projector_type != "mlp2x_gelu":
+        raise ValueError(
+            f"{name}: mm_projector_type {args.mm_projector_type!r} is not supported (only "
+            "mlp2x_gelu)"
+        )
+    if args.image_aspect_ratio in ("pad", "highres", "crop_split"):
+        raise ValueError(
+            f"{name}: image_aspect_ratio {args.image_aspect_ratio!r} is not supported (anyres, "
+            "anyres_max_N, or one resized tile)"
+        )
+    if args.mm_patch_merge_type != "spatial_unpad":
+        raise ValueError(
+            f"{name}: mm_patch_merge_type {args.mm_patch_merge_type!r} is not supported (only "
+            "spatial_unpad)"
+        )
+    tower = dict(SIGLIP_SO400M, **(args.vision_tower_config or {}))
+    if args.mm_hidden_size is not None and args.mm_hidden_size != tower["hidden_size"]:
+        raise ValueError(
+            f"{name}: mm_hidden_size {args.mm_hidden_size} differs from the vision tower's "
+            f"hidden_size {tower['hidden_size']}"
+        )
+    return tower
+
+
 def _onevision_config(args: ModelArgs):
     """mlx-vlm's LLaVA-OneVision config for LLaDA-V's vision path: the tower without its last
     layer, features from the last kept layer ("full": SigLIP has no CLS token), anyres packing."""
@@ -201,7 +208,7 @@ def _onevision_config(args: ModelArgs):
     )
 
 
-def _vision_module(args: ModelArgs):
+def vision_module(args):
     from mlx_vlm.models.llava_onevision import llava_onevision as onevision
 
     if args.lavida:
@@ -238,7 +245,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.model = llada.LLaDABody(args.llada_args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.vision = _vision_module(args)
+        self.vision = vision_module(args)
         # Outside the parameter tree: mlx's Module would otherwise walk it.
         self.__dict__["slots"] = SlotStore(NAME, args.vocab_size, MAX_STORED_FEATURES)
 
@@ -309,13 +316,15 @@ class Model(nn.Module):
             if key.endswith("patch_embedding.weight") and "vision_tower.vision_tower" in old:
                 value = value.transpose(0, 2, 3, 1)
             out[key] = value
-        layout = (
-            "LLaDA-V's LlavaLLaDAModelLM layout (model.layers.N.self_attn.q_proj, "
-            "model.vision_tower.vision_tower.vision_model.*, model.mm_projector.{0,2}, "
-            "model.image_newline, lm_head)"
-        )
         keys = "hidden_size, num_hidden_layers, head counts, intermediate_size, vocab_size"
-        return check_weights(self, out, NAME, layout, keys)
+        return check_weights(self, out, self.model_type, self.weight_layout, keys)
+
+    weight_layout = (
+        "LLaDA-V's LlavaLLaDAModelLM layout (model.layers.N.self_attn.q_proj, "
+        "model.vision_tower.vision_tower.vision_model.*, model.mm_projector.{0,2}, "
+        "model.image_newline, lm_head) or LaViDa's (model.transformer.blocks.N.q_proj, the same "
+        "vision names)"
+    )
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """Tensor parallelism over `group` as LLaDA 8B's (mlx-lm's llama.Model.shard: heads and

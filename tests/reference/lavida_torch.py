@@ -14,6 +14,15 @@
   K/V at positions after it, attending to every key (its SDPA runs with no mask). The body is LLaDA
   8B's Llama block under OLMo names: transformers' `LlamaForCausalLM` on renamed weights, with an
   explicit all-zeros 4-D additive mask (eager attention uses it as given).
+* LaViDa-Dream (`model_type` llava_dream): the same vision path; the language model is Dream's
+  (transformers' `Qwen2ForCausalLM`, q/k/v biases, under the same all-zeros mask), whose
+  `DreamPrefixLMCache` keeps the prompt's K/V as the prefill left them (never extended).
+  `dream_generate(...)`: dream/generation_utils.py's `_sample` with prefix_lm=True at temperature 0
+  (top_p None): the prefill's last logit's argmax seeds the answer's first column, then `steps`
+  forwards of the answer against the cache, logits shifted right by one
+  (`cat([logits[:, :1], logits[:, :-1]])`), Dream's quota int(masks * (1 - s / t)) (all the masks
+  at the last step) over timesteps linspace(1, eps, steps + 1), confidence by `alg`
+  (maskgit_plus: the top probability; topk_margin: top1 - top2; entropy: sum p log(p + 1e-10)).
 * `generate(...)`: llada/generate.py's `generate` with prefix_lm=True at temperature 0 (greedy),
   low_confidence remasking, the default schedule (schedule=None: get_num_transfer_tokens), cfg 0:
   steps = max_new_tokens split over the blocks (or step_per_block / step_ratio), x0_p past the
@@ -107,6 +116,29 @@ def _language_model(config, w):
     return lm.eval()
 
 
+def _dream_language_model(config, w):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        max_position_embeddings=config["max_position_embeddings"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        attn_implementation="eager",
+    )
+    lm = Qwen2ForCausalLM(cfg)
+    names = ("model.layers", "model.embed_tokens", "model.norm", "lm_head")
+    lm.load_state_dict({k: _tensor(v) for k, v in w.items() if k.startswith(names)}, strict=True)
+    return lm.eval()
+
+
 def load(ckpt):
     key = str(Path(ckpt).resolve())
     if key not in _MODELS:
@@ -115,7 +147,8 @@ def load(ckpt):
         path = Path(ckpt)
         config = json.loads((path / "config.json").read_text())
         w = load_file(str(path / "model.safetensors"))
-        H, mm = config["d_model"], config["mm_hidden_size"]
+        dream = config["model_type"] == "llava_dream"
+        H, mm = config["hidden_size" if dream else "d_model"], config["mm_hidden_size"]
         projector = torch.nn.Sequential(
             torch.nn.Linear(mm, H), torch.nn.GELU(), torch.nn.Linear(H, H)
         )
@@ -127,7 +160,8 @@ def load(ckpt):
             }
         )
         newline = _tensor(w["model.image_newline"])
-        _MODELS[key] = (config, _tower(config, w), projector, newline, _language_model(config, w))
+        lm = (_dream_language_model if dream else _language_model)(config, w)
+        _MODELS[key] = (config, _tower(config, w), projector, newline, lm)
     return _MODELS[key]
 
 
@@ -203,12 +237,14 @@ def embed_prompt(ckpt, ids_before, features, ids_after):
 
 
 @torch.no_grad()
-def prefix_cache(ckpt, embeds):
-    """The prompt's K/V: LLaDAModel(None, input_embeddings=embeds, use_cache=True)."""
+def prefix_cache(ckpt, embeds, with_logits=False):
+    """The prompt's K/V: LLaDAModel(None, input_embeddings=embeds, use_cache=True) (or Dream's
+    forward_dream); with its logits when asked (Dream's seed)."""
     lm = load(ckpt)[4]
     B, P, _ = embeds.shape
     mask = torch.zeros(B, 1, P, P)
-    return lm(inputs_embeds=embeds, attention_mask=mask, use_cache=True).cache
+    out = lm(inputs_embeds=embeds, attention_mask=mask, use_cache=True)
+    return (out.cache, out.logits.float()) if with_logits else out.cache
 
 
 @torch.no_grad()
@@ -284,3 +320,35 @@ def generate(
                 transfer[j, idx] = True
             x[transfer] = x0[transfer]
     return x, nfe
+
+
+@torch.no_grad()
+def dream_generate(ckpt, inputs_embeds, *, max_new_tokens, steps, mask_id, alg, eps=1e-3):
+    """LaViDa-Dream's `_sample(..., prefix_lm=True)` at temperature 0, top_p None, alg_temp 0."""
+    steps = min(steps, max_new_tokens)
+    cache, prefill = prefix_cache(ckpt, inputs_embeds, with_logits=True)
+    x = torch.full((inputs_embeds.shape[0], max_new_tokens), mask_id, dtype=torch.long)
+    x[:, :1] = prefill[:, -1:].argmax(dim=-1)
+    timesteps = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        mask_index = x == mask_id
+        logits = answer_logits(ckpt, cache, x)
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        probs = torch.softmax(logits[mask_index], dim=-1)
+        confidence, x0 = probs.max(dim=-1)
+        if alg == "topk_margin":
+            top = torch.sort(probs, dim=-1, descending=True)[0]
+            confidence = top[:, 0] - top[:, 1]
+        elif alg == "entropy":
+            confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+        elif alg != "maskgit_plus":
+            raise ValueError(alg)
+        t, s = timesteps[i], timesteps[i + 1]
+        masks = mask_index.sum()
+        number = int(masks * (1 - s / t)) if i < steps - 1 else int(masks)
+        if number > 0:
+            _, transfer = torch.topk(confidence, number)
+            x0_ = torch.full_like(x0, mask_id)
+            x0_[transfer] = x0[transfer]
+            x[mask_index] = x0_
+    return x
