@@ -63,6 +63,12 @@ _CANVAS = ("diffusion_gemma",)
 _DREAM = ("dream", "coda")
 
 
+# Dream's algorithms (decoding/dream.py) and those only Dimple's "dim" pipeline has
+# (decoding/dimple.py, which has no topk_margin).
+_DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+_DIMPLE_ONLY_ALGS = ("origin-ratio", "autoregressive")
+
+
 def _d3llm(name, what, check=number(0, 1), cli_type=float):
     """A setting of the d3llm sampler (d3LLM's generate_multi_block, LLaDA and Dream)."""
     return Setting(name, None, f"d3LLM: {what}", cli_type, check, ("llada", "dream"), ("d3llm",))
@@ -190,9 +196,10 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(
         "alg",
         None,
-        "Dream: origin | maskgit_plus | topk_margin | entropy",
+        "Dream: origin | maskgit_plus | topk_margin | entropy (sampler 'dimple': origin | "
+        "origin-ratio | autoregressive | maskgit_plus | entropy)",
         str,
-        choice(("origin", "maskgit_plus", "topk_margin", "entropy"), " for sampler 'dream'"),
+        choice(_DREAM_ALGS + _DIMPLE_ONLY_ALGS, " for sampler 'dream' or 'dimple'"),
         families=_DREAM,
         samplers=("dream", "dimple"),
     ),
@@ -490,6 +497,16 @@ _RELATIONS = (
         "max_canvas_length",
         lambda lo, hi: lo <= hi,
         "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})",
+    ),
+    (
+        "alg",
+        "sampler",
+        lambda alg, sampler: (
+            alg != "topk_margin" if sampler == "dimple" else alg not in _DIMPLE_ONLY_ALGS
+        ),
+        "alg {alg!r} does not decode with sampler {sampler!r}: sampler 'dimple' takes origin, "
+        "origin-ratio, autoregressive, maskgit_plus or entropy; 'dream' takes origin, "
+        "maskgit_plus, topk_margin or entropy",
     ),
 )
 

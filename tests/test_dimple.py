@@ -126,6 +126,8 @@ CASES = [
     (12, 5, "maskgit_plus", 0.0),
     (16, 16, "maskgit_plus", 0.6),
     (12, 4, "entropy", 0.0),
+    (10, 10, "autoregressive", 0.0),
+    (12, 12, "autoregressive", 0.6),
 ]
 
 
@@ -190,8 +192,14 @@ def test_bad_input_is_a_clear_error(loaded):
     model, processor = loaded
     from mlx_dllm_models.settings import SettingsError
 
-    with pytest.raises(SettingsError, match="not one of sampler 'dimple''s algorithms"):
+    with pytest.raises(
+        SettingsError, match="alg 'topk_margin' does not decode with sampler 'dimple'"
+    ):
         stream_tokens(model, processor, [257, 72], alg="topk_margin", max_tokens=4)
+    with pytest.raises(
+        SettingsError, match="alg 'origin-ratio' does not decode with sampler 'dream'"
+    ):
+        stream_tokens(model, processor, [257, 72], alg="origin-ratio", sampler="dream")
     with pytest.raises(ValueError, match="1 <|vision_start|>"):
         processor(text=["a" + processor.image_token], images=[picture(0), picture(1)])
 
@@ -316,15 +324,19 @@ def test_shard_over_one_rank_keeps_image_logits_and_three_ranks_are_refused(ckpt
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
 
 
-def test_the_readme_recipe_decodes_batches_as_single_runs(loaded):
-    """The defaults (origin's random order, confident decoding at 0.95, temperature 0.2): each row
-    of a batch, with its own seed's draws, equals its run alone."""
+@pytest.mark.parametrize("alg", ["origin", "origin-ratio"])
+def test_the_readme_recipe_decodes_batches_as_single_runs(loaded, alg):
+    """The defaults (origin's random order, confident decoding at 0.95, temperature 0.2; and
+    origin-ratio's random draws): each row of a batch, with its own seed's draws, equals its run
+    alone."""
     model, processor = loaded
     t = processor.image_token
     prompts, images = [f"{t}What is it?", "No picture"], [picture(17), None]
-    batch = batch_generate_diffusion(model, processor, prompts, images=images, max_tokens=8, seed=3)
+    kw = dict(max_tokens=8, seed=3, alg=alg)
+    batch = batch_generate_diffusion(model, processor, prompts, images=images, **kw)
     for prompt, image, tokens in zip(prompts, images, batch.tokens):
-        assert tokens == stream_tokens(model, processor, prompt, image=image, max_tokens=8, seed=3)
+        assert len(tokens) > 0
+        assert tokens == stream_tokens(model, processor, prompt, image=image, **kw)
 
 
 def test_a_forward_from_a_later_column_reads_the_image_offsets_of_the_first(loaded):

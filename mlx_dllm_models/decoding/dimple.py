@@ -12,10 +12,11 @@ the M it started with:
   the last step); if none does, the step falls back to:
 * the fallback count n: from t = m / M, the first timestep index j >= max(i + 1, the first index
   whose timestep is below t) at which n = int(m * (1 - t_j / t)) >= 1 (n = m at the last
-  timestep). origin commits n masks drawn at random; maskgit_plus the n most confident;
-  entropy the n of lowest entropy (of the model's own distribution: the README's
-  use_original_confidence=True). With alg_temp > 0 the n positions are drawn without replacement
-  from softmax(score / alg_temp) instead.
+  timestep). origin commits n masks drawn at random; origin-ratio each mask with probability
+  1 - t_j / t (1 at the last timestep); autoregressive the leftmost mask; maskgit_plus the n most
+  confident; entropy the n of lowest entropy (of the model's own distribution: the README's
+  use_original_confidence=True). With alg_temp > 0 the ranked algorithms draw the n positions
+  without replacement from softmax(score / alg_temp) instead.
 
 The proposals are the engine's (temperature, then top-p, then top-k); their confidence is the
 model's own probability (use_original_confidence=True, the spec's confidence "raw").
@@ -23,7 +24,8 @@ model's own probability (use_original_confidence=True, the spec's confidence "ra
 Deviations: the reference counts m and M over the whole batch, ranks the n best over the batch's
 masks together and applies the threshold's fallback only when no position of the batch passes; here
 each row is decoded on its own counts (M = the row's canvas). One row alone is the reference. Its
-algorithms origin-ratio, autoregressive and topk_margin are not offered.
+topk_margin (the margin of the model's own distribution) and use_original_confidence=False are not
+offered.
 """
 
 import mlx.core as mx
@@ -33,7 +35,9 @@ from ..errors import SettingsError
 from .dream import timesteps
 from .rules import quota_commit
 
-DIMPLE_ALGS = ("origin", "maskgit_plus", "entropy")
+DIMPLE_ALGS = ("origin", "origin-ratio", "autoregressive", "maskgit_plus", "entropy")
+# The algorithms only the "dim" pipeline has (settings: refused with sampler "dream").
+DIMPLE_ONLY_ALGS = ("origin-ratio", "autoregressive")
 
 
 def dimple_schedule(masks: mx.array, steps: int, settings) -> mx.array:
@@ -50,8 +54,9 @@ def dimple_schedule(masks: mx.array, steps: int, settings) -> mx.array:
 
 
 def fallback_counts(left: mx.array, total: mx.array, step: int, steps: int, eps: float):
-    """(B,) int32: the "dim" pipeline's count of masks to commit at `step` when the threshold
-    commits nothing, for rows with `left` of `total` masks (float32, as the reference's tensors)."""
+    """(B,) int32 counts and (B,) float32 ratios 1 - s/t: the "dim" pipeline's number of masks to
+    commit at `step` when the threshold commits nothing, for rows with `left` of `total` masks,
+    and origin-ratio's transfer probability (float32, as the reference's tensors)."""
     ts = mx.array(timesteps(steps, eps))
     m = left.astype(mx.float32)[:, None]
     t = m / total.astype(mx.float32)[:, None]
@@ -60,10 +65,11 @@ def fallback_counts(left: mx.array, total: mx.array, step: int, steps: int, eps:
     start = mx.maximum(first, step + 1)[:, None]
     n = mx.floor(m * (1 - ts[None] / t))
     n = mx.where(ts[None] > ts[-1], n, m).astype(mx.int32)
+    ratio = mx.where(ts[None] > ts[-1], 1 - ts[None] / t, 1.0)
     j = mx.arange(ts.shape[0])[None]
     ok = (j >= start) & (n >= 1)
-    pick = mx.argmax(ok, axis=1)
-    return mx.take_along_axis(n, pick[:, None], axis=1)[:, 0]
+    pick = mx.argmax(ok, axis=1)[:, None]
+    return mx.take_along_axis(n, pick, axis=1)[:, 0], mx.take_along_axis(ratio, pick, axis=1)[:, 0]
 
 
 def _uniform(key, shape, low: float = 0.0):
@@ -85,20 +91,14 @@ def dimple_commit(stats, cand, ctx):
     s = ctx.settings
     alg = s["alg"]
     last = ctx.step >= ctx.steps - 1
-    left = cand.sum(axis=1)
-    total = ctx.generated.sum(axis=1)
-    n = left if last else fallback_counts(left, total, ctx.step, ctx.steps, s["eps"])
-    if alg == "origin":
-        score = _uniform(ctx.key, cand.shape)  # randperm's random subset
-    elif alg == "maskgit_plus":
-        score = stats.confidence
-    elif alg == "entropy":
-        score = -stats.entropy
+    total = ctx.generated.sum(axis=1)  # the row's canvas: every position started masked
+    n, ratio = fallback_counts(cand.sum(axis=1), total, ctx.step, ctx.steps, s["eps"])
+    if alg == "origin-ratio":
+        counted = cand & (_uniform(ctx.key, cand.shape) < ratio[:, None])
+    elif alg == "autoregressive":  # the leftmost mask of each row
+        counted = quota_commit(-mx.arange(cand.shape[1], dtype=mx.float32)[None], cand, 1)
     else:
-        raise ValueError(f"unknown Dimple alg {alg!r}")
-    if alg != "origin" and s.get("alg_temp"):
-        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
-    counted = quota_commit(score, cand, n)
+        counted = quota_commit(_score(stats, cand, ctx), cand, n)
     threshold = s.get("alg_p_threshold")
     if not threshold:
         return counted
@@ -106,6 +106,22 @@ def dimple_commit(stats, cand, ctx):
     passes = (-stats.entropy if alg == "entropy" else stats.confidence) > threshold
     hit = cand if last else cand & passes
     return mx.where(hit.any(axis=1, keepdims=True), hit, counted)
+
+
+def _score(stats, cand, ctx):
+    """The ranked algorithms' score (origin's: random, a random subset of n)."""
+    s, alg = ctx.settings, ctx.settings["alg"]
+    if alg == "origin":
+        return _uniform(ctx.key, cand.shape)  # randperm's random subset
+    elif alg == "maskgit_plus":
+        score = stats.confidence
+    elif alg == "entropy":
+        score = -stats.entropy
+    else:
+        raise ValueError(f"unknown Dimple alg {alg!r}")
+    if s.get("alg_temp"):
+        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
+    return score
 
 
 dimple_commit.schedule = dimple_schedule

@@ -14,7 +14,7 @@ training-code/models/modeling_dimple.py and generation_utils.py (read with the c
   (full_attn_mask=True: pad x pad keep, plus the diagonal), RMSNorm, lm_head.
 * `generate(...)`: DimpleGenerationMixin.diffusion_generate / _sample of one row at temperature 0
   (sample_tokens' argmax): decoding_pipeline "dim" (use_original_confidence: the model's own
-  probabilities; alg maskgit_plus or entropy; alg_p_threshold; the loop ends when no mask is left)
+  probabilities; alg maskgit_plus, entropy or autoregressive; alg_p_threshold; the loop ends when no mask is left)
   or "dream" (maskgit_plus on the top-p filtered probabilities, Dream's schedule); use_cache=False
   (every step over the whole sequence) or True (prepare_inputs_for_generation's prefilling: the
   first step's K/V of the prompt but its last column, cropped and kept; later steps run from that
@@ -344,7 +344,7 @@ def generate(
         confidence, x0 = probs.max(dim=-1)
         if alg == "entropy":
             confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-        elif alg != "maskgit_plus":
+        elif alg not in ("maskgit_plus", "autoregressive"):
             raise ValueError(alg)
         new = torch.full_like(x0, mask_id)
         if pipeline == "dream":
@@ -364,7 +364,10 @@ def generate(
             new[hit] = x0[hit]
         else:
             n = _fallback_count(int(mask_index.sum()), total, i, steps, timesteps)
-            index = torch.topk(confidence, n).indices
+            # autoregressive: the row's first mask (`mask_index.max(dim=1)[1]`).
+            index = (
+                torch.tensor([0]) if alg == "autoregressive" else torch.topk(confidence, n).indices
+            )
             new[index] = x0[index]
         x[mask_index] = new
         if not (ids == mask_id).any():
