@@ -347,10 +347,24 @@ def guard_mlx_vlm_utils(utils) -> None:
     on a terminal, or fails (`mlx_vlm.convert` passes trust_remote_code=True by default, and the
     remote files need not be there). The processors of these model types are their tokenizers and
     need no remote code, so `trust_remote_code=False` is passed whatever the caller's default; the
-    start-up hook calls this once mlx_vlm.utils is executed."""
+    start-up hook calls this once mlx_vlm.utils is executed. `load` returns, for a model that
+    encodes its own images (vision.model_processor), that model's processor instead of the bare
+    tokenizer mlx-vlm finds."""
     load_processor = utils.load_processor
     if getattr(load_processor, "__wrapped__", None) is not None:
         return
+    load = utils.load
+
+    @functools.wraps(load)
+    def guarded_load(*args, **kwargs):
+        # The processor that encodes the images of a model of ours, not the bare tokenizer
+        # mlx-vlm finds for a checkpoint without a processor config.
+        from .vision import model_processor
+
+        model, processor = load(*args, **kwargs)
+        return model, model_processor(model, processor)
+
+    utils.load = guarded_load
 
     @functools.wraps(load_processor)
     def guarded_load_processor(model_path, *args, **kwargs):

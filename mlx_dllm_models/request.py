@@ -27,7 +27,7 @@ from .spec import (
     read_generation_config,
 )
 from .structured import CONSTRAINT_KEYS, compile_rows
-from .vision import encode_prompt, is_processor, text_tokenizer
+from .vision import encode_prompt, is_processor, model_processor, text_tokenizer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -87,6 +87,8 @@ def prepare(
     prompt, or a list with one entry per prompt, None for an unconstrained one) constrain the
     generated text (structured.py); they are compiled here and never enter the settings."""
     settings = dict(settings)
+    # A vision model of ours with the bare tokenizer mlx_vlm.load found: its own processor.
+    tokenizer = model_processor(model, tokenizer)
     wanted = {k: settings.pop(k) for k in CONSTRAINT_KEYS if settings.get(k) is not None}
     for k in CONSTRAINT_KEYS:
         settings.pop(k, None)

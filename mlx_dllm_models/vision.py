@@ -123,6 +123,21 @@ def is_processor(obj) -> bool:
     return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")
 
 
+def model_processor(model, tokenizer):
+    """The processor a model of this package that encodes its own images (`load_processor`:
+    LLaDA-V and the families after it) reads prompts with, around `tokenizer`; anything else is
+    returned as it is. `mlx_vlm.load` of such a checkpoint, which ships no processor config,
+    finds a bare tokenizer: this is what `load` would have returned with the model."""
+    make = getattr(model, "load_processor", None)
+    if make is None or is_processor(tokenizer):
+        return tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    return make(tokenizer)
+
+
 def text_tokenizer(tokenizer_or_processor):
     """The text tokenizer behind a processor (or the tokenizer itself)."""
     if is_processor(tokenizer_or_processor):
