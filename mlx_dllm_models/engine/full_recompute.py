@@ -6,7 +6,9 @@ A backend of the masked block engine (this one, block_cache, causal_prefix, fast
 `Backend(model, spec, layout, settings)` and has `prefill(x)`; `begin_block(x, start, stop)`, which
 returns the tokens with anything it decides (a seed) placed; `block_logits(x, lo, stop)`, the
 (B, stop - lo, V) logits of the candidate window; `end_block(x, start, stop)`; `select(layout,
-rows)`, the backend of the surviving rows; and `nfe`, its forward count.
+rows)`, the backend of the surviving rows (between blocks, and between two steps of a block when a
+row is cancelled: the survivors keep their state and K/V as they were); and `nfe`, its forward
+count.
 """
 
 from typing import List
