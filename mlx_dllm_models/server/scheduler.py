@@ -10,9 +10,9 @@ group:
 * A row leaves when it finishes (EOS or its max_tokens). A row whose client disconnected (or whose
   stop string appeared) leaves at the next denoising step: the decoder drops it from its state and
   its K/V (`run(cancelled=)`, which every decoder takes: engine.Batching.drops_rows), and the
-  other rows decode on as a smaller batch with the tokens they would have had with it; a run left
-  with no live row ends there. (A block can take a minute at thousands of positions on a CPU:
-  a cancelled row no longer rides along to its end.)
+  other rows decode on as a smaller batch, their tokens unchanged (a row's decoding reads its own
+  row only); a run left with no live row ends there. (A block can take a minute at thousands of
+  positions on a CPU: a cancelled row no longer rides along to its end.)
 * Requests that arrive while a group decodes join it at the next block boundary when the engine
   says such a join is exact (engine.join_policy: the decoder restarts rows over [prompt ;
   committed] with per-row budgets, `MaskedBlockDecoder.run(prompts, budgets=...)`, and the backend
