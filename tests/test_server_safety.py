@@ -1,5 +1,6 @@
 """`mlx_dllm serve` is safe to run on a laptop (issue #27 §2), over real HTTP on loopback: no
-cross-origin access unless --cors-origin names the origin (preflight too); image URLs only as data
+cross-origin access unless --cors-origin names the origin (preflight too); no request naming a host
+the server does not serve (DNS rebinding) unless --allowed-host names it; image URLs only as data
 URLs unless --allowed-image-dir / --allow-remote-images allow files / public URLs, with one message
 for every refused image; a body over --max-body-bytes is a 413 and a prompt that cannot fit in
 the context a 400 before it is tokenized; flags out of range are one-line errors, a non-loopback
