@@ -619,7 +619,10 @@ def _validate(spec, s, explicit, from_checkpoint=frozenset()):
         if s.get(first) is not None and s.get(second) is not None:
             if not holds(s[first], s[second]):
                 raise SettingsError(message.format(**s) + _origin([first, second], from_checkpoint))
-    if spec.confidence == "raw" and s["temperature"] == 0:
+    # The sampler's confidence (a sampler may bring its own: Dimple's "dream" reads the processed
+    # distribution, where top-p acts at temperature 0 too).
+    confidence = spec.sampler_spec.get(s["sampler"], {}).get("confidence", spec.confidence)
+    if confidence == "raw" and s["temperature"] == 0:
         for name in ("top_p", "top_k"):
             if name in explicit:
                 raise SettingsError(

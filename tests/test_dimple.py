@@ -154,6 +154,35 @@ def test_greedy_tokens_match_the_dim_pipeline(loaded, ckpt, case, cache):
         assert full != want
 
 
+@pytest.mark.parametrize("cache", ["none", "prefill"])
+@pytest.mark.parametrize("case", [(12, 12), (16, 6)])
+def test_greedy_tokens_match_the_dream_pipeline(loaded, ckpt, case, cache):
+    """decoding_pipeline="dream" (lmms-eval's dimple.sh) is sampler "dream": Dream's schedule, the
+    confidence of the top-p filtered distribution (use_original_confidence=False), top-p acting
+    at temperature 0 (0.999 here: dimple.sh's 0.01 leaves one token a position, every confidence 1,
+    and the order of ties decides)."""
+    model, processor = loaded
+    gen, steps = case
+    ours, theirs, pv, grid = image_prompt(model, processor, seed=7)
+    kw = dict(max_tokens=gen, steps=steps, temperature=0.0, top_p=0.999, alg="maskgit_plus")
+    got = stream_tokens(model, processor, ours, sampler="dream", cache=cache, **kw)
+    want = ref.generate(
+        ckpt, theirs, pv, grid, MASK, gen, steps, "maskgit_plus", use_cache=cache == "prefill",
+        pipeline="dream", top_p=0.999,
+    )  # fmt: skip
+    assert got == cut_at_eos(want, EOS) and len(got) > 2
+
+
+def test_top_p_at_temperature_0_is_refused_only_where_it_changes_nothing(loaded):
+    from mlx_dllm_models.settings import SettingsError
+
+    model, processor = loaded
+    dimple_sh = dict(max_tokens=8, steps=8, temperature=0.0, top_p=0.01, alg="maskgit_plus")
+    assert stream_tokens(model, processor, [257, 72], sampler="dream", **dimple_sh)
+    with pytest.raises(SettingsError, match="top_p has no effect at temperature 0"):
+        stream_tokens(model, processor, [257, 72], **dimple_sh)  # "dimple": the model's own
+
+
 def test_confident_decoding_takes_fewer_steps(loaded):
     model, processor = loaded
     ours, *_ = image_prompt(model, processor, seed=7)
