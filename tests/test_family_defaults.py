@@ -121,6 +121,7 @@ DOCUMENTED = {
         alg="entropy",
         alg_temp=0.0,
         eps=1e-3,
+        alg_p_threshold=None,  # Dimple's sampler's (a Dream-family checkpoint), unset
         **D3LLM_UNSET,
     ),
     "sdar": SDAR,
