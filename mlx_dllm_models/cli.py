@@ -6,6 +6,8 @@ canvas filling in live on a terminal, and ends with a statistics line.
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -244,11 +246,17 @@ def convert_main(argv):
     convert = importlib.import_module("mlx_lm.convert")
     parser = convert.configure_parser()
     parser.prog = "mlx_dllm convert"
+    parser.add_argument(
+        "--model-type",
+        default=None,
+        help="write this model_type into the converted config: open_dcoder for an Open-dCoder "
+        "checkpoint, which is saved as a plain qwen2 (with its tokenizer's mask id)",
+    )
     args = parser.parse_args(argv)
     why = _quantization_problem(args)
     if why:
         raise SystemExit(f"error: {why}")
-    from .conversion import atomic_output, check_source, finish_conversion
+    from .conversion import atomic_output, check_source, finish_conversion, retyped_config
     from .loader import resolve_checkpoint
 
     # The source first: a local folder (mlx-lm took any other path for a malformed repo id), or a
@@ -260,16 +268,33 @@ def convert_main(argv):
             "weights, or a Hugging Face repo id ('org/name')"
         )
     check_source(source)
+    kwargs = vars(args)
+    model_type = kwargs.pop("model_type")
+    # mlx-lm's load reads the source's config.json with these entries over it, so that it builds
+    # (and saves the config of) that model_type.
+    overrides = retyped_config(source, model_type) if model_type else None
+    load = functools.partial(convert.load, model_config=overrides) if overrides else convert.load
     # Written beside --mlx-path and renamed into place once complete; an existing --mlx-path is
     # refused before any work.
-    with atomic_output(args.mlx_path, "--mlx-path") as out:
+    with atomic_output(args.mlx_path, "--mlx-path") as out, _patched(convert, "load", load):
         try:
-            convert.convert(**{**vars(args), "mlx_path": str(out)})
+            convert.convert(**{**kwargs, "mlx_path": str(out)})
         except ValueError as e:  # mlx-lm's and the loader's messages about the input
             raise SystemExit(f"error: {e}") from None
         # No remote code (auto_map, *.py) in the output, and a model card naming our commands.
         finish_conversion(out, args.hf_path)
     return 0
+
+
+@contextlib.contextmanager
+def _patched(module, name, value):
+    """`module.<name>` is `value` inside the block (mlx-lm's convert takes no model_config)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 # What mlx.core.quantize accepts in its "affine" mode (mlx-lm's default --q-mode); other modes fix

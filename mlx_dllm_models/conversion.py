@@ -417,3 +417,83 @@ def guard_mlx_lm_utils(utils) -> None:
         convert = sys.modules.get("mlx_lm.convert")
         if convert is not None and getattr(convert, "save", None) is save:
             convert.save = guarded_save
+
+
+# Families whose checkpoints are saved under their autoregressive body's model_type, which this
+# package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
+# `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
+RETYPES = {"open_dcoder": ("qwen2",)}
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tokenizer_mask_id(path):
+    """The id of the mask token that the checkpoint's tokenizer declares (tokenizer_config.json's
+    `mask_token`, looked up in its added tokens, added_tokens.json or tokenizer.json), or None."""
+    path = Path(path)
+    cfg = _read_json(path / "tokenizer_config.json")
+    name = cfg.get("mask_token") if isinstance(cfg, dict) else None
+    name = name.get("content") if isinstance(name, dict) else name
+    if not isinstance(name, str):
+        return None
+    for idx, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict) and entry.get("content") == name:
+            return int(idx)
+    added = _read_json(path / "added_tokens.json")
+    if isinstance(added, dict) and isinstance(added.get(name), int):
+        return added[name]
+    tok = _read_json(path / "tokenizer.json")
+    if isinstance(tok, dict):
+        for entry in tok.get("added_tokens") or ():
+            if isinstance(entry, dict) and entry.get("content") == name:
+                return entry.get("id")
+    return None
+
+
+def retyped_config(source, model_type: str) -> dict:
+    """The config.json entries that `mlx_dllm convert --model-type` writes over the source's: the
+    model_type, and the tokenizer's mask id where config.json names none (Open-dCoder's "<M>"
+    lives in its tokenizer only)."""
+    if model_type not in RETYPES:
+        raise CheckpointError(
+            f"--model-type {model_type!r} is not one this package writes; choose one of "
+            f"{', '.join(RETYPES)} (families saved under their autoregressive body's model_type)"
+        )
+    config = _read_json(Path(source) / "config.json") or {}
+    found, bodies = config.get("model_type"), RETYPES[model_type]
+    if found != model_type and found not in bodies:
+        raise CheckpointError(
+            f"--model-type {model_type} converts a checkpoint saved as {' / '.join(bodies)}; "
+            f"{source} has model_type {found!r}"
+        )
+    out = {"model_type": model_type}
+    if config.get("mask_token_id") is None:
+        mask = tokenizer_mask_id(source)
+        if mask is None:
+            raise CheckpointError(
+                f"{source}: neither config.json nor the tokenizer names a mask token, which a "
+                f"masked-diffusion {model_type} checkpoint has; is it one? (add mask_token_id to "
+                "config.json if so)"
+            )
+        out["mask_token_id"] = mask
+    return out
+
+
+def diffusion_hint(path, config) -> str:
+    """For a checkpoint the loader refuses: a pointer to `--model-type` when its model_type is an
+    autoregressive body that a RETYPES family is saved under and its tokenizer has a mask token
+    (what a masked-diffusion checkpoint needs, and a plain AR one has no use for); else ""."""
+    found = config.get("model_type")
+    types = [t for t, bodies in RETYPES.items() if found in bodies]
+    if not types or tokenizer_mask_id(path) is None:
+        return ""
+    return (
+        f". Its tokenizer has a mask token: if it is a masked-diffusion model saved as {found} "
+        f"(Open-dCoder), convert it with `mlx_dllm convert --hf-path {path} --mlx-path OUT "
+        f"--model-type {types[0]}`"
+    )

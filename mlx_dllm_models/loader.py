@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-lm)
 
-from .conversion import quiet_transformers, remote_generate_params
+from .conversion import diffusion_hint, quiet_transformers, remote_generate_params
 from .errors import (
     CheckpointError,  # noqa: F401  (raised here; importable from here as before)
     SettingsError,
@@ -107,7 +107,7 @@ def _check_checkpoint(path: Path):
         raise CheckpointError(
             f"model_type {config['model_type']!r} in {cfg_file} is not a diffusion model this package "
             f"provides; supported: {', '.join(sorted(set(MODEL_TYPES)))}. For autoregressive models "
-            "use mlx_lm.load"
+            f"use mlx_lm.load{diffusion_hint(path, config)}"
         )
     if not list(path.glob("*.safetensors")):
         raise CheckpointError(

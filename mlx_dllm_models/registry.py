@@ -31,6 +31,9 @@ MODEL_TYPES = {
     # BD3LM-trained; the sampler says which).
     "a2d-qwen3": "a2d_qwen3",
     "a2d-qwen2": "a2d_qwen2",
+    # Open-dLLM's Open-dCoder (a Qwen2.5-Coder body trained as masked diffusion): the checkpoint
+    # writes "qwen2", which stays mlx-lm's; `mlx_dllm convert --model-type open_dcoder` writes this.
+    "open_dcoder": "open_dcoder",
     # GSAI-ML's LLaDA-V (LLaDA 8B with a SigLIP tower, LLaVA-OneVision style).
     "llava_llada": "llava_llada",
     # NVIDIA's Nemotron-Labs-Diffusion-VLM (the Nemotron-Labs-Diffusion body, a Pixtral tower).

@@ -59,8 +59,8 @@ MAX_LOGPROBS = 20
 _DIFFUSION = ("diffusion",)  # Nemotron: the samplers act in diffusion mode, not self-speculation
 _WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
 _CANVAS = ("diffusion_gemma",)
-# Families whose sampler "dream" is Dream's diffusion_generate (CoDA's generation_utils.py is a copy).
-_DREAM = ("dream", "coda")
+# Families whose sampler "dream" is Dream's diffusion_generate (CoDA's, Open-dCoder's: adaptations).
+_DREAM = ("dream", "coda", "open_dcoder")
 
 
 # Dream's algorithms (decoding/dream.py) and those only Dimple's "dim" pipeline has

@@ -25,10 +25,15 @@ class TokenStats(_Stats):
     margin: top-1 minus top-2 probability of the processed distribution (Dream's topk_margin).
     processed_entropy: entropy of the processed (temperature / top-k / top-p) distribution (Dream's
     `entropy` alg ranks by its negative).
+    softmax_confidence: the probability of x0 under the processed distribution computed as torch's
+    softmax does, exp(s - max) / sum(exp(s - max)): near 1 it keeps the gap that exp(s - lse)
+    loses once the gap is below the rounding of a large logsumexp (Open-dCoder's p2 ranks
+    committed tokens whose probabilities all sit within 1e-6 of 1).
     """
 
     margin = None
     processed_entropy = None
+    softmax_confidence = None
 
 
 def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional[float] = None):
@@ -121,7 +126,7 @@ def token_stats(
         proposal = proposal - mx.log(-mx.log(u))
     x0 = mx.argmax(proposal, axis=-1)
 
-    unknown = set(extras) - {"margin", "processed_entropy"}
+    unknown = set(extras) - {"margin", "processed_entropy", "softmax_confidence"}
     if unknown:
         raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
     if confidence not in ("raw", "sampled"):
@@ -155,6 +160,10 @@ def token_stats(
         out.margin = mx.where(base.finite[..., 0], margin, 0.0)
     if "processed_entropy" in extras:
         out.processed_entropy = proc.entropy()
+    if "softmax_confidence" in extras:
+        shifted = mx.exp(proc.safe - proc.safe.max(axis=-1, keepdims=True))
+        at = mx.take_along_axis(shifted, x0[..., None], axis=-1)[..., 0]
+        out.softmax_confidence = mx.where(base.finite[..., 0], at / shifted.sum(axis=-1), 0.0)
     return out
 
 

@@ -187,6 +187,8 @@ class MaskedBlockDecoder:
         self.rule = rule
         self.schedule = getattr(rule, "schedule", None) or default_schedule
         self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
+        # A rule that re-masks committed tokens (Open-dCoder's p2) returns (commit, reopen).
+        self.reopens = bool(getattr(rule, "reopens", False))
         fills = getattr(rule, "fills_after_eos", lambda _: False)(settings)
         self.fills_after_eos = bool(fills) and bool(self.eos)
         # Alternatives listed per token (None: no log-probabilities); never the ids a step cannot
@@ -232,6 +234,11 @@ class MaskedBlockDecoder:
         decoder's), `consumed` the tokens each has already returned (a row the server restarts
         over [prompt ; committed]: its grammar continues after them)."""
         constraints = self.constraints if constraints is None else constraints
+        if self.reopens and constraints is not None and any(c is not None for c in constraints):
+            raise SettingsError(
+                f"sampler {self.s['sampler']!r} re-masks committed tokens, which a grammar "
+                "constraint cannot take back; use another sampler for structured output"
+            )
         batch = self._start(prompts, budgets, prior)
         batch.constraints = make_row_constraints(
             constraints, consumed, self.eos, self.spec.mask_token_id
@@ -368,7 +375,7 @@ class MaskedBlockDecoder:
             extras=getattr(self.rule, "stats_extras", ()),
             confidence_suppress_ids=self.confidence_suppressed,
         )
-        commit, x0 = self._commit(stats, blk, step, k_rule, idx)
+        commit, x0, reopen = self._commit(stats, blk, step, k_rule, idx)
         current = batch.x[:, blk.lo : blk.stop]
         if batch.constraints is not None:
             # A key of its own for the first column's masked draw: the rule's stays as it was.
@@ -380,6 +387,8 @@ class MaskedBlockDecoder:
                 edits = edits & ~batch.constraints.row_mask()
             commit = commit | edits
         block = mx.where(commit, x0.astype(mx.int32), current)
+        if reopen is not None:  # committed tokens the rule turns back into masks
+            block = mx.where(reopen, spec.mask_token_id, block)
         if self.fills_after_eos:  # the positions after a row's first EOS are that EOS from now on
             block = fill_after_eos(block, blk.gen, self.eos)
         batch.x[:, blk.lo : blk.stop] = block
@@ -411,8 +420,9 @@ class MaskedBlockDecoder:
         return suppress_logits(logits, self.logits_suppressed), idx
 
     def _commit(self, stats, blk: _Block, step: int, key, idx):
-        """The rule's (B, L) commit mask and the proposals; over the rows `idx` only, when the
-        forward ran over those: their proposals in place, nothing committed elsewhere."""
+        """The rule's (B, L) commit mask, the proposals and the positions it re-masks (None for
+        a rule that never does); over the rows `idx` only, when the forward ran over those: their
+        proposals in place, nothing committed elsewhere."""
         s, cand = self.s, blk.cand
         if step < blk.schedule.shape[1]:
             floor = blk.schedule[:, step]
@@ -420,13 +430,24 @@ class MaskedBlockDecoder:
             floor = mx.zeros((cand.shape[0],), mx.int32)
         if idx is None:
             ctx = StepContext(step, s["steps"], floor, key, s, self.spec, blk.gen)
-            return self.rule(stats, cand, ctx), stats.x0
+            commit, reopen = self._rule(stats, cand, ctx)
+            return commit, stats.x0, reopen
         ctx = StepContext(step, s["steps"], floor[idx], key[idx], s, self.spec, blk.gen[idx])
+        sub, sub_reopen = self._rule(stats, cand[idx], ctx)
         commit = mx.zeros(cand.shape, dtype=mx.bool_)
-        commit[idx] = self.rule(stats, cand[idx], ctx)
+        commit[idx] = sub
         x0 = mx.zeros(cand.shape, dtype=mx.int32)
         x0[idx] = stats.x0.astype(mx.int32)
-        return commit, x0
+        reopen = None
+        if sub_reopen is not None:
+            reopen = mx.zeros(cand.shape, dtype=mx.bool_)
+            reopen[idx] = sub_reopen
+        return commit, x0, reopen
+
+    def _rule(self, stats, cand, ctx):
+        """(commit, reopen) of the rule; reopen is None unless the rule re-masks."""
+        out = self.rule(stats, cand, ctx)
+        return out if self.reopens else (out, None)
 
     def _settle(self, blk: _Block, block: mx.array) -> None:
         """The block's candidates after a step's commit; without editing, the step's one host read
