@@ -269,6 +269,11 @@ def test_mlx_lm_and_mlx_vlm_load_and_mlx_vlm_convert_build_this_model(loaded, ck
         for m in (vlm_model, model)
     ]
     assert np.array_equal(*logits)
+    # mlx-lm's convert keeps vision_config (the tower sits at model.vision_tower, where its save
+    # looks) and the tower's weights, already in mlx's layout.
+    mlx_lm.convert(str(ckpt), mlx_path=str(tmp_path / "lm"))
+    converted, converted_processor = load(tmp_path / "lm")
+    assert stream_tokens(converted, converted_processor, prompt, image=image, **FAST) == want
     # mlx_vlm.convert asks AutoProcessor for the processor, which follows config.json's auto_map
     # to the remote code (the published repo ships it, the fixture does not): a copy without it.
     import shutil
