@@ -19,8 +19,14 @@ Images reach the engine as token ids (models/image_slots.py): `image_slots(pixel
 grid_thw)` runs the tower and projector once and returns one id per merged patch past the
 vocabulary; a second store, kept in step, holds each such id's grid index, from which the forward
 derives the M-RoPE positions of any window of columns. The engine, its caches, batching and the
-server see only ids. A forward that starts after column 0 (Fast-dLLM's approximate caches) reads
-the image offsets that the same run's forward from column 0 left on the cache.
+server see only ids. A forward that starts after column 0 (the prefill cache of Dimple's recipe,
+engine/prefill.py, and Fast-dLLM's) reads the image offsets that the same run's forward from
+column 0 left with the K/V (`cache.row_state`).
+
+Decoding: Dream's engine with Dimple's own pipeline, sampler "dimple" (decoding/dimple.py: the
+"dim" pipeline's confident decoding and fallback count), under the README's recipe (origin,
+alg_p_threshold 0.95, temperature 0.2, top-p 0.95, 64 tokens in 64 steps, cache "prefill" for its
+use_cache=True); sampler "dream" is its decoding_pipeline="dream" (lmms-eval's), Dream's own.
 
 mlx-vlm: the import hook answers `mlx_vlm.models.dimple` with this module (`ModelConfig`, `Model`,
 `VisionConfig` for the config's `vision_config`), so mlx_vlm.load builds this model and
