@@ -260,6 +260,25 @@ SETTINGS: Tuple[Setting, ...] = (
         true_or_false,
         families=("llada",),
     ),
+    # LaViDa's generate (decoding/lavida.py): the quota of each step follows a noise schedule.
+    Setting(
+        "schedule",
+        None,
+        "LaViDa (sampler 'lavida'): shift | linear, the noise schedule the step quotas follow",
+        str,
+        optional(choice(("shift", "linear"), " for sampler 'lavida'")),
+        families=("llada",),
+        samplers=("lavida",),
+    ),
+    Setting(
+        "schedule_shift",
+        None,
+        "LaViDa: the shift of schedule 'shift' (default 3; run_coco.sh uses 0.33)",
+        float,
+        optional(number(0, low_open=True, finite=True)),
+        families=("llada",),
+        samplers=("lavida",),
+    ),
     # RND1 sampling.py's entropy-bounded variant of its sampler.
     Setting(
         "eb_gamma",

@@ -85,8 +85,15 @@ SHARED = dict(
 D3LLM_UNSET = dict.fromkeys(
     ("block_size", "block_add_threshold", "decoded_token_threshold", "early_stop")
 )
+# The lavida sampler's schedule settings (LaViDa's generate) are unset under the other samplers.
 LLADA = dict(
-    SHARED, cfg_scale=0.0, logits_eos_inf=False, confidence_eos_eot_inf=False, **D3LLM_UNSET
+    SHARED,
+    cfg_scale=0.0,
+    logits_eos_inf=False,
+    confidence_eos_eot_inf=False,
+    schedule=None,
+    schedule_shift=None,
+    **D3LLM_UNSET,
 )
 # SDAR: block 4 = config.block_size (trained), denoising_steps = block, greedy (README evaluation),
 # low_confidence_dynamic at 0.9 (README's JetEngine / LMDeploy examples); eb_threshold only with

@@ -84,8 +84,16 @@ def test_prefix_dlm_logits_match_the_reference_prefix_cache(loaded, ckpt):
     assert far(np.array(model(mx.array([ids + answer]), head_span=(P, L))), want)
 
 
-# (max_tokens, block_length, the reference's step_per_block)
-CASES = [(16, 16, None), (16, 8, 4), (24, 8, 8)]
+# (max_tokens, block_length, the reference's step_per_block, step_ratio, schedule, its shift);
+# a schedule decodes with sampler "lavida".
+CASES = [
+    (16, 16, None, None, None, None),
+    (16, 8, 4, None, None, None),
+    (24, 8, 8, None, None, None),
+    (16, 16, None, 0.5, "shift", 3.0),  # predict.py's timed call
+    (24, 8, None, 0.5, "shift", 0.33),  # run_coco.sh
+    (16, 16, None, 0.75, "linear", None),
+]
 WANT = {}
 
 
@@ -95,7 +103,7 @@ def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
     from mlx_dllm_models import stream_generate_diffusion
 
     model, processor = loaded
-    gen, block, per_block = case
+    gen, block, per_block, ratio, schedule, shift = case
     before, slots, after = prompt(model, processor, 2)
     if case not in WANT:  # one reference run serves both caches
         image = ref.image_features(ckpt, processor.tiles(picture(2))[0], picture(2).size)[2]
@@ -106,9 +114,18 @@ def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
             block_length=block,
             mask_id=MASK,
             step_per_block=per_block,
+            step_ratio=ratio,
+            schedule=schedule,
+            shift=shift or 3,
         )
     want, nfe = WANT[case]
     steps = per_block or gen // (gen // block)
+    extra = {}
+    if schedule is not None:
+        steps = int(steps * ratio)
+        extra = dict(sampler="lavida", schedule=schedule)
+        if shift is not None:
+            extra["schedule_shift"] = shift
     runs = list(
         stream_generate_diffusion(
             model,
@@ -119,6 +136,7 @@ def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
             steps=steps,
             cache=cache,
             temperature=0.0,
+            **extra,
         )
     )
     got = [t for r in runs for t in r.tokens]
@@ -126,6 +144,20 @@ def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
     assert got == want and len(want) > 2
     if cache == "prefix":  # one prefill, then the reference's forwards
         assert runs[-1].nfe == nfe + 1
+
+
+def test_lavida_schedule_matches_get_num_transfer_tokens_sch():
+    import torch
+
+    from mlx_dllm_models.decoding.lavida import lavida_quotas
+
+    for schedule, shift in (("shift", 3.0), ("shift", 0.33), ("shift", 1.7), ("linear", 3.0)):
+        for masks in range(1, 70, 3):
+            for steps in (1, 2, 5, 8, 16, 32, 64):
+                got = lavida_quotas(masks, steps, schedule, shift)
+                mask_index = torch.ones(1, masks, dtype=torch.bool)
+                want = ref.num_transfer_tokens_sch(mask_index, steps, schedule, shift)
+                assert got == want[0].tolist(), (schedule, shift, masks, steps)
 
 
 def test_batch_rows_with_other_or_no_images_equal_single_runs(loaded):

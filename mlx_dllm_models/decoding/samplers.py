@@ -17,6 +17,7 @@ from .d3llm import d3llm_commit
 from .dimple import dimple_commit
 from .dllm import dllm_commit
 from .dream import dream_commit
+from .lavida import lavida_commit
 from .llada import random_commit
 from .p2 import p2_commit
 from .rnd1 import rnd1_commit
@@ -102,5 +103,6 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
     "mdlm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule
     "bd3lm": dllm_commit,  # dllm's BD3LMSampler: the same rule; its spec brings block-causal blocks
+    "lavida": lavida_commit,  # LaViDa's generate: low_confidence on a noise schedule's quotas
     "p2": p2_commit,  # Open-dCoder's _mdm_sample alg="p2": re-masks the least confident positions
 }

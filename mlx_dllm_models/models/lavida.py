@@ -16,8 +16,9 @@ LLaVA-NeXT's siglip_encoder.py, mm_utils.py and mlp2x_gelu).
 
 Decoding defaults: predict.py's first call and eval/run.sh's lmms-eval wrapper (greedy,
 low_confidence remasking, one block, a step per token), 64 tokens (predict.py's max_new_tokens).
-The reference's other schedules (step_ratio, schedule="shift" in predict.py's timed call and
-run_coco.sh) are not implemented. Its generate neither suppresses tokens nor stops early; the
+The faster recipe of predict.py's timed call and run_coco.sh (the README's "50% NFE" rows:
+step_ratio 0.5, schedule="shift") is sampler="lavida", schedule="shift" and half the steps
+(decoding/lavida.py). Its generate neither suppresses tokens nor stops early; the
 answer is read up to LLaDA's end of turn or end of text.
 """
 
@@ -44,8 +45,8 @@ REFERENCE_DEFAULTS = {
     "logits_eos_inf": False,
     "confidence_eos_eot_inf": False,
 }
-# LLaDA's remasking options that its generate offers (low_confidence, random).
-SAMPLERS = tuple(s for s in llada.LLADA_SAMPLERS if s != "d3llm")
+# LLaDA's remasking options that its generate offers (low_confidence, random), and its schedules.
+SAMPLERS = tuple(s for s in llada.LLADA_SAMPLERS if s != "d3llm") + ("lavida",)
 EOS_TOKEN_NAMES = ("<|eot_id|>",)
 POOL_MODES = ("bilinear", "average")
 

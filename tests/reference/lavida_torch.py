@@ -24,7 +24,8 @@
   at the last step) over timesteps linspace(1, eps, steps + 1), confidence by `alg`
   (maskgit_plus: the top probability; topk_margin: top1 - top2; entropy: sum p log(p + 1e-10)).
 * `generate(...)`: llada/generate.py's `generate` with prefix_lm=True at temperature 0 (greedy),
-  low_confidence remasking, the default schedule (schedule=None: get_num_transfer_tokens), cfg 0:
+  low_confidence remasking, schedule None (get_num_transfer_tokens) or shift / logit_normal /
+  linear (getnum_transfer_tokens_sch), cfg 0:
   steps = max_new_tokens split over the blocks (or step_per_block / step_ratio), x0_p past the
   block -inf. Returns the answer's tokens (the whole canvas; the caller cuts at its stop ids).
 """
@@ -273,6 +274,37 @@ def _num_transfer_tokens(mask_index, steps):
     return num
 
 
+def num_transfer_tokens_sch(mask_index, steps, schedule, shift):
+    """getnum_transfer_tokens_sch for schedule shift / logit_normal / anything else (linear)."""
+    mask_num = mask_index.sum(dim=1, keepdim=True)
+    steps = int(min(steps, mask_num[0]))
+    t = torch.linspace(0, 1, steps + 1)
+    if schedule == "logit_normal":
+        sigmas = 0.5 * (1 + torch.erf(torch.log(t / (1 - t)) / torch.sqrt(torch.tensor(2.0))))
+    elif schedule == "shift":
+        sigmas = shift * t / (1 + (shift - 1) * t)
+    else:
+        sigmas = t
+    num = torch.zeros(mask_num.size(0), steps, dtype=torch.int64)
+    for i in range(mask_num.size(0)):
+        sample = (sigmas * mask_num[i]).to(torch.int64)
+        sample = torch.clamp(sample[1:] - sample[:-1], 1, None)
+        delta = sample.sum() - mask_num[i]
+        assert delta >= 0
+        j = 0
+        while delta > 0:
+            j = j % len(sample)
+            if sample[j] == 1:
+                j += 1
+                continue
+            delta -= 1
+            sample[j] -= 1
+            j += 1
+        assert sample.sum() == mask_num[i]
+        num[i] = sample
+    return num.flip(-1)
+
+
 @torch.no_grad()
 def generate(
     ckpt,
@@ -283,8 +315,12 @@ def generate(
     mask_id,
     step_per_block=None,
     step_ratio=None,
+    schedule=None,
+    shift=3,
 ):
-    """generate(..., prefix_lm=True, temperature=0, remasking='low_confidence', schedule=None)."""
+    """generate(..., prefix_lm=True, temperature=0, remasking='low_confidence'), with
+    schedule=None (get_num_transfer_tokens) or a schedule (getnum_transfer_tokens_sch, its
+    schedule_kwargs' shift)."""
     steps = max_new_tokens  # the reference ignores its `steps` argument
     gen_length = max_new_tokens
     cache = prefix_cache(ckpt, inputs_embeds)
@@ -301,7 +337,11 @@ def generate(
     nfe = 0
     for b in range(num_blocks):
         lo, hi = b * block_length, (b + 1) * block_length
-        quota = _num_transfer_tokens(x[:, lo:hi] == mask_id, steps)
+        block_masks = x[:, lo:hi] == mask_id
+        if schedule is None:
+            quota = _num_transfer_tokens(block_masks, steps)
+        else:
+            quota = num_transfer_tokens_sch(block_masks, steps, schedule, shift)
         for i in range(steps):
             mask_index = x == mask_id
             if mask_index[:, lo:hi].sum() == 0:
