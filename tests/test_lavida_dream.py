@@ -90,6 +90,26 @@ def test_greedy_tokens_match_the_reference_sample(loaded, ckpt, alg, cache):
     assert got == want and len(want) > 2
 
 
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_the_seeded_first_token_reads_its_logprob_from_the_prefill(loaded, cache):
+    """The first column is the prefill's argmax: its log-probability is the prefill's, the top one
+    (the denoising forwards' logits there are its own hidden state's, not a prediction of it)."""
+    model, processor = loaded
+    runs = list(
+        stream_generate_diffusion(
+            model,
+            processor,
+            "<image>What?",
+            image=picture(6),
+            max_tokens=8,
+            logprobs=2,
+            cache=cache,
+        )
+    )
+    first = runs[0].logprobs[0]
+    assert first.token == runs[0].tokens[0] and first.top[0] == (first.token, first.logprob)
+
+
 def test_batch_rows_with_other_or_no_images_equal_single_runs(loaded):
     model, processor = loaded
     prompts = ["<image>What is it?", "No picture here", "<image> and <image>?"]

@@ -25,6 +25,7 @@ which attends to no answer column.
 
 import mlx.core as mx
 
+from ..decoding.logprobs import log_probs
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 
 
@@ -54,6 +55,8 @@ class PrefixDLMCache(CausalPrefixCache):
         logits = self.fwd.mixed(x, 0, 0, p, head_span=(p - 1, p))
         self.fwd.keep(p)
         self.seed = mx.argmax(logits[:, -1], axis=-1)
+        if self.settings.get("logprobs") is not None:  # the seeded column's, for masked.py
+            self.seed_log_probs = log_probs(logits[:, -1])
 
     def begin_block(self, x, start, stop):
         if self.seed is not None and start == self.prompt_end:

@@ -27,6 +27,12 @@ tokens in one block of 128, 128 steps, greedy, low-confidence remasking); the lo
 positions (never proposed, their probability mass removed: the spec's logit_suppressed_token_ids),
 and the answer ends at <|eot_id|> (its stopping_criteria).
 
+LaViDa-LLaDA's checkpoints (jacklishufan/LaViDa) share this model_type: their config.json is an
+LLaDAConfig (OLMo names, `d_model`), which ModelArgs.from_dict reads through models/lavida.py; their
+language model keeps LLaDA 8B's `model.transformer.*` names, their tiles are pooled before the
+packing, and they decode under the prefix-DLM layout (models/lavida.py has the details).
+LaViDa-Dream (models/llava_dream.py) is this class over Dream's body.
+
 mlx-vlm: the import hook answers `mlx_vlm.models.llava_llada` with this module (`ModelConfig`,
 `Model`, `model.config`), so mlx_vlm.load builds this model and mlx_vlm.convert converts the
 checkpoint; the processor that decodes images is this module's `Processor` (what
