@@ -69,6 +69,21 @@ def test_processor_matches_transformers_qwen2vl_image_processor(loaded):
         np.testing.assert_allclose(got, want["pixel_values"], atol=1e-5)
 
 
+def test_the_checkpoints_preprocessor_config_bounds_the_pixels(ckpt, tmp_path):
+    """Qwen2.5-VL-7B-Instruct's bounds unless the checkpoint's preprocessor_config.json says
+    otherwise (as DimpleImageProcessor.from_pretrained reads it)."""
+    import shutil
+
+    path = shutil.copytree(ckpt, tmp_path / "small")
+    bounds = {"min_pixels": 3136, "max_pixels": 28 * 28 * 4}
+    (path / "preprocessor_config.json").write_text(json.dumps(bounds))
+    _, processor = load(path)
+    assert (processor.min_pixels, processor.max_pixels) == (3136, 28 * 28 * 4)
+    assert processor.preprocess(picture(0))[1] == (1, 2, 4)  # 28 x 56 pixels
+    (path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 6272}}))
+    assert load(path)[1].max_pixels == 6272
+
+
 def test_vision_and_projector_match_reference(loaded, ckpt):
     model, processor = loaded
     pv, grid = processor.preprocess(picture(2))

@@ -35,7 +35,9 @@ mlx_dllm_models.load returns). The tower sits at `model.vision_tower`, where mlx
 before keeping `vision_config`.
 """
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -389,8 +391,9 @@ class Model(nn.Module):
         return predicate
 
     def load_processor(self, tokenizer):
-        """The processor `mlx_dllm_models.load` returns with this model (see Processor)."""
-        return Processor(self, tokenizer)
+        """The processor `mlx_dllm_models.load` returns with this model (see Processor), with the
+        pixel bounds of the checkpoint's preprocessor_config.json when it has one."""
+        return Processor(self, tokenizer, **pixel_bounds(getattr(tokenizer, "name_or_path", None)))
 
     @cached_spec
     def diffusion_spec(self):
@@ -476,6 +479,21 @@ class Processor:
             ids += [a.vision_end_token_id]
             ids += self.tokenizer.encode(chunk, add_special_tokens=False)
         return {"input_ids": [ids], "pixel_values": None}
+
+
+def pixel_bounds(path) -> dict:
+    """{min_pixels, max_pixels} of a checkpoint folder's preprocessor_config.json (Qwen2-VL's
+    keys, or transformers 5's size {shortest_edge, longest_edge}); {} without one."""
+    file = Path(path) / "preprocessor_config.json" if path else None
+    if file is None or not file.is_file():
+        return {}
+    config = json.loads(file.read_text())
+    size = config.get("size") or {}
+    found = {
+        "min_pixels": config.get("min_pixels", size.get("min_pixels", size.get("shortest_edge"))),
+        "max_pixels": config.get("max_pixels", size.get("max_pixels", size.get("longest_edge"))),
+    }
+    return {k: int(v) for k, v in found.items() if v is not None}
 
 
 def smart_resize(height, width, factor, min_pixels, max_pixels):
