@@ -1,7 +1,8 @@
 """LaViDa-LLaDA (model_type llava_llada, told apart from LLaDA-V by its LLaDAConfig fields): the
 vision path (LLaDA-V's tower and projector, then LaViDa's 2D pool before the anyres packing), the
 prefix-DLM logits (the prompt's K/V computed alone, the answer against them) and greedy decoding
-with its prefix cache, each against the torch transcription of jacklishufan/LaViDa
+with its prefix cache (and, cache "none", without: prefix_lm=False), each against the torch
+transcription of jacklishufan/LaViDa
 (tests/reference/lavida_torch.py); then images through the public API, mlx-vlm, the CLI and the
 server."""
 
@@ -94,31 +95,30 @@ CASES = [
     (24, 8, None, 0.5, "shift", 0.33),  # run_coco.sh
     (16, 16, None, 0.75, "linear", None),
 ]
-WANT = {}
+# cache "prefix" is the reference's prefix_lm=True, "none" its prefix_lm=False (KV cache off).
+RUNS = [(c, "prefix") for c in CASES] + [(c, "none") for c in (CASES[0], CASES[1], CASES[3])]
 
 
-@pytest.mark.parametrize("cache", ["prefix", "none"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case, cache", RUNS)
 def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
     from mlx_dllm_models import stream_generate_diffusion
 
     model, processor = loaded
     gen, block, per_block, ratio, schedule, shift = case
     before, slots, after = prompt(model, processor, 2)
-    if case not in WANT:  # one reference run serves both caches
-        image = ref.image_features(ckpt, processor.tiles(picture(2))[0], picture(2).size)[2]
-        WANT[case] = ref.generate(
-            ckpt,
-            ref.embed_prompt(ckpt, before, image, after),
-            max_new_tokens=gen,
-            block_length=block,
-            mask_id=MASK,
-            step_per_block=per_block,
-            step_ratio=ratio,
-            schedule=schedule,
-            shift=shift or 3,
-        )
-    want, nfe = WANT[case]
+    image = ref.image_features(ckpt, processor.tiles(picture(2))[0], picture(2).size)[2]
+    want, nfe = ref.generate(
+        ckpt,
+        ref.embed_prompt(ckpt, before, image, after),
+        max_new_tokens=gen,
+        block_length=block,
+        mask_id=MASK,
+        step_per_block=per_block,
+        step_ratio=ratio,
+        schedule=schedule,
+        shift=shift or 3,
+        prefix_lm=cache == "prefix",
+    )
     steps = per_block or gen // (gen // block)
     extra = {}
     if schedule is not None:
@@ -142,8 +142,8 @@ def test_greedy_tokens_match_the_reference_generate(loaded, ckpt, case, cache):
     got = [t for r in runs for t in r.tokens]
     want = cut_at_eos(want[0].tolist(), STOP)
     assert got == want and len(want) > 2
-    if cache == "prefix":  # one prefill, then the reference's forwards
-        assert runs[-1].nfe == nfe + 1
+    # The prefix cache's one prefill, then the reference's forwards.
+    assert runs[-1].nfe == nfe + (cache == "prefix")
 
 
 def test_lavida_schedule_matches_get_num_transfer_tokens_sch():

@@ -1,7 +1,8 @@
 """LaViDa-Dream (model_type llava_dream): Dream's body under the prefix-DLM layout with LaViDa's
-vision path; logits against the prompt's cached K/V and greedy tokens of its prefix_lm `_sample`
-(the prefill's seed, the shifted answer logits, Dream's schedule) against the torch transcription
-(tests/reference/lavida_torch.py); batch rows with images; mlx_vlm.load."""
+vision path; logits against the prompt's cached K/V and greedy tokens of its `_sample` with
+prefix_lm (cache "prefix": the prefill's seed, the shifted answer logits, Dream's schedule) and
+without (cache "none") against the torch transcription (tests/reference/lavida_torch.py); batch
+rows with images; mlx_vlm.load."""
 
 import json
 from pathlib import Path
@@ -63,25 +64,27 @@ def test_vision_and_prefix_dlm_logits_match_the_reference(loaded, ckpt):
     assert far(np.array(model(mx.array([ids + answer]), head_span=(P, L))), want)
 
 
-WANT = {}
+# cache "prefix" is the reference's prefix_lm=True, "none" its prefix_lm=False (KV cache off).
+RUNS = [(alg, "prefix") for alg in ("topk_margin", "entropy", "maskgit_plus")] + [
+    ("topk_margin", "none"),
+    ("maskgit_plus", "none"),
+]
 
 
-@pytest.mark.parametrize("cache", ["prefix", "none"])
-@pytest.mark.parametrize("alg", ["topk_margin", "entropy", "maskgit_plus"])
+@pytest.mark.parametrize("alg, cache", RUNS)
 def test_greedy_tokens_match_the_reference_sample(loaded, ckpt, alg, cache):
     model, processor = loaded
     before, slots, after, (_, _, image_ref) = prompt(model, processor, ckpt, 2)
     gen = 16
-    if alg not in WANT:  # one reference run serves both caches
-        WANT[alg] = ref.dream_generate(
-            ckpt,
-            ref.embed_prompt(ckpt, before, image_ref, after),
-            max_new_tokens=gen,
-            steps=gen,
-            mask_id=MASK,
-            alg=alg,
-        )
-    want = WANT[alg]
+    want = ref.dream_generate(
+        ckpt,
+        ref.embed_prompt(ckpt, before, image_ref, after),
+        max_new_tokens=gen,
+        steps=gen,
+        mask_id=MASK,
+        alg=alg,
+        prefix_lm=cache == "prefix",
+    )
     runs = stream_generate_diffusion(
         model, processor, before + slots + after, max_tokens=gen, alg=alg, cache=cache
     )
@@ -90,8 +93,7 @@ def test_greedy_tokens_match_the_reference_sample(loaded, ckpt, alg, cache):
     assert got == want and len(want) > 2
 
 
-@pytest.mark.parametrize("cache", ["prefix", "none"])
-def test_the_seeded_first_token_reads_its_logprob_from_the_prefill(loaded, cache):
+def test_the_seeded_first_token_reads_its_logprob_from_the_prefill(loaded):
     """The first column is the prefill's argmax: its log-probability is the prefill's, the top one
     (the denoising forwards' logits there are its own hidden state's, not a prediction of it)."""
     model, processor = loaded
@@ -103,7 +105,6 @@ def test_the_seeded_first_token_reads_its_logprob_from_the_prefill(loaded, cache
             image=picture(6),
             max_tokens=8,
             logprobs=2,
-            cache=cache,
         )
     )
     first = runs[0].logprobs[0]

@@ -6,11 +6,13 @@ This is causal_prefix.py's `causal_context=False` layout with one difference: th
 segment however many blocks it has. The reference runs every denoising forward over the whole
 answer (the masks of later blocks included) against the prompt's cached K/V, and only the block's
 confidences compete for the commit; no finished block is ever encoded into the cache. So the
-backends here are the causal-prefix ones (the prompt encoded bidirectionally by `prefill`, the
-cache written in place and never extended past the prompt) whose denoising forward spans the
-answer, with the logits of the block's columns read from it. `cache="none"` runs the same
-attention by full recompute (masks.prompt_block_mask with the answer as one segment), the exact
-mode the cache must reproduce.
+backend here is the causal-prefix one (the prompt encoded bidirectionally by `prefill`, the cache
+written in place and never extended past the prompt) whose denoising forward spans the answer,
+with the logits of the block's columns read from it; the same forward over the whole sequence
+under masks.prompt_block_mask (the answer as one segment) gives the same logits (a test holds it
+to that). `cache="none"` is the reference's other mode, prefix_lm=False (the README's "KV cache
+off"): full recompute with every position attending everywhere, LLaDA's and Dream's own generate,
+a different attention (the README reports other scores for it), not a recompute of this one.
 
 LaViDa-Dream (Dream's logit shift: column c is predicted from hidden state c - 1) adds two things,
 both from its `_sample` with prefix_lm=True: the prefill's last logit seeds the answer's first
@@ -26,7 +28,7 @@ which attends to no answer column.
 import mlx.core as mx
 
 from ..decoding.logprobs import log_probs
-from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
+from .causal_prefix import CausalPrefixCache
 
 
 class PrefixDLMCache(CausalPrefixCache):
@@ -74,12 +76,3 @@ class PrefixDLMCache(CausalPrefixCache):
 
     def end_block(self, x, start, stop):
         pass  # no block's K/V are final: the answer is recomputed at every step
-
-
-class PrefixDLMRecompute(PrefixDLMCache):
-    """The same decoding by full recompute."""
-
-    forwards = CausalPrefixRecompute.forwards
-    row_forwards = CausalPrefixRecompute.row_forwards
-    resume = None
-    kv_prefix = None

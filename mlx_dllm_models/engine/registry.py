@@ -26,7 +26,7 @@ from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
 from .prefill import PrefillCache
-from .prefix_dlm import PrefixDLMCache, PrefixDLMRecompute
+from .prefix_dlm import PrefixDLMCache
 from .self_spec import SelfSpeculativeDecoder
 from .sub_block_cache import SubBlockCache
 from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
@@ -48,9 +48,10 @@ BACKENDS: Dict[str, Dict[str, type]] = {
     ENCODER_CANVAS: {},
     # WeDLM's window over a causal K/V cache, or every forward over the whole row.
     CAUSAL_WINDOW: {"prefix": WindowKV, "none": WindowRecompute},
-    # LaViDa: the prompt's K/V kept (exact: the prompt never attends to the answer), or every
-    # forward over the whole sequence under the same mask.
-    PREFIX_DLM: {"prefix": PrefixDLMCache, "none": PrefixDLMRecompute},
+    # LaViDa's two modes: prefix_lm=True, the prompt's K/V kept (exact: the prompt never attends
+    # to the answer; the README's "KV cache on"), or prefix_lm=False, every forward over the whole
+    # sequence attending everywhere ("KV cache off", as LLaDA's and Dream's own generate).
+    PREFIX_DLM: {"prefix": PrefixDLMCache, "none": FullRecompute},
 }
 
 # Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`

@@ -11,15 +11,17 @@ ALWASY_DO_2DPOOL is on unless NOT_ALWASY_DO_2DPOOL is set; `mm_spatial_pool_mode
 training default) or average, stride 2; the base tile's side is read from the pooled features) and
 `llava/model/language_model/llada/generate.py` (`generate` with prefix_lm=True: the prompt's K/V
 computed once, alone, then every step runs the whole answer against them: spec.PREFIX_DLM and
-engine/prefix_dlm.py). The vision tower, projector and preprocessing are LLaDA-V's (both come from
-LLaVA-NeXT's siglip_encoder.py, mm_utils.py and mlp2x_gelu).
+engine/prefix_dlm.py, `cache="prefix"`, the default; its prefix_lm=False, the README's "KV cache
+off" rows and eval/run.sh's run (its `refix_lm=True` never reaches generate), is `cache="none"`,
+LLaDA's full recompute attending everywhere). The vision tower, projector and preprocessing are
+LLaDA-V's (both come from LLaVA-NeXT's siglip_encoder.py, mm_utils.py and mlp2x_gelu).
 
 Decoding defaults: predict.py's first call and eval/run.sh's lmms-eval wrapper (greedy,
 low_confidence remasking, one block, a step per token), 64 tokens (predict.py's max_new_tokens).
 The faster recipe of predict.py's timed call and run_coco.sh (the README's "50% NFE" rows:
 step_ratio 0.5, schedule="shift") is sampler="lavida", schedule="shift" and half the steps
-(decoding/lavida.py). Its generate neither suppresses tokens nor stops early; the
-answer is read up to LLaDA's end of turn or end of text.
+(decoding/lavida.py). Its generate neither suppresses tokens nor stops early; the answer is read
+up to LLaDA's end of turn or end of text.
 """
 
 import math

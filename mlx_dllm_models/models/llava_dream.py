@@ -10,7 +10,8 @@ Transcribed from jacklishufan/LaViDa `llava/model/language_model/llava_dream.py`
 generation_utils.py` (`_sample` with prefix_lm=True: the prompt's K/V computed alone, once
 (`DreamPrefixLMCache` never grows past the prefill); the prefill's last logit, argmax, seeds the
 answer's first column; then Dream's diffusion_generate over the answer against that cache, the
-answer's logits shifted right by one within it: spec.PREFIX_DLM, engine/prefix_dlm.py).
+answer's logits shifted right by one within it: spec.PREFIX_DLM, engine/prefix_dlm.py,
+`cache="prefix"`, the default; prefix_lm=False is `cache="none"`, Dream's own full recompute).
 
 Decoding defaults: eval/run_dream.sh and the lmms-eval wrapper (`alg=topk_margin`, prefix_lm,
 temperature 0, top_p None, steps = max_new_tokens (generate's steps=512 capped by

@@ -23,6 +23,9 @@
   (`cat([logits[:, :1], logits[:, :-1]])`), Dream's quota int(masks * (1 - s / t)) (all the masks
   at the last step) over timesteps linspace(1, eps, steps + 1), confidence by `alg`
   (maskgit_plus: the top probability; topk_margin: top1 - top2; entropy: sum p log(p + 1e-10)).
+* prefix_lm=False (`full_logits`, the `prefix_lm` argument of both generates): every step one
+  forward over [prompt; answer] attending everywhere, no cache, no seed (Dream's answer's first
+  column is then predicted from the prompt's last hidden state).
 * `generate(...)`: llada/generate.py's `generate` with prefix_lm=True at temperature 0 (greedy),
   low_confidence remasking, schedule None (get_num_transfer_tokens) or shift / logit_normal /
   linear (getnum_transfer_tokens_sch), cfg 0:
@@ -266,6 +269,21 @@ def answer_logits(ckpt, cache, ids):
     return out.logits.float()
 
 
+@torch.no_grad()
+def full_logits(ckpt, prompt_embeds, ids, shift=0):
+    """prefix_lm=False: the answer's logits from one forward over [prompt; answer] attending
+    everywhere (LLaDA's `model(None, input_embeddings=...)`, Dream's forward_dream with no cache),
+    Dream's logits shifted right by one over the whole sequence (the answer's first column reads
+    the prompt's last hidden state)."""
+    lm = load(ckpt)[4]
+    ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    embeds = torch.cat([prompt_embeds, lm.model.embed_tokens(ids)], dim=1)
+    B, T, _ = embeds.shape
+    logits = lm(inputs_embeds=embeds, attention_mask=torch.zeros(B, 1, T, T)).logits.float()
+    P = prompt_embeds.shape[1]
+    return logits[:, P - shift : T - shift]
+
+
 def _num_transfer_tokens(mask_index, steps):
     mask_num = mask_index.sum(dim=1, keepdim=True)
     num = torch.zeros(mask_num.size(0), steps, dtype=torch.int64) + mask_num // steps
@@ -317,13 +335,14 @@ def generate(
     step_ratio=None,
     schedule=None,
     shift=3,
+    prefix_lm=True,
 ):
     """generate(..., prefix_lm=True, temperature=0, remasking='low_confidence'), with
     schedule=None (get_num_transfer_tokens) or a schedule (getnum_transfer_tokens_sch, its
     schedule_kwargs' shift)."""
     steps = max_new_tokens  # the reference ignores its `steps` argument
     gen_length = max_new_tokens
-    cache = prefix_cache(ckpt, inputs_embeds)
+    cache = prefix_cache(ckpt, inputs_embeds) if prefix_lm else None
     bsz = inputs_embeds.shape[0]
     x = torch.full((bsz, gen_length), mask_id, dtype=torch.long)
     assert gen_length % block_length == 0
@@ -346,7 +365,10 @@ def generate(
             mask_index = x == mask_id
             if mask_index[:, lo:hi].sum() == 0:
                 continue
-            logits = answer_logits(ckpt, cache, x)
+            if prefix_lm:
+                logits = answer_logits(ckpt, cache, x)
+            else:
+                logits = full_logits(ckpt, inputs_embeds, x)
             nfe += 1
             x0 = torch.argmax(logits, dim=-1)
             p = F.softmax(logits.to(torch.float64), dim=-1)
@@ -363,17 +385,23 @@ def generate(
 
 
 @torch.no_grad()
-def dream_generate(ckpt, inputs_embeds, *, max_new_tokens, steps, mask_id, alg, eps=1e-3):
-    """LaViDa-Dream's `_sample(..., prefix_lm=True)` at temperature 0, top_p None, alg_temp 0."""
+def dream_generate(
+    ckpt, inputs_embeds, *, max_new_tokens, steps, mask_id, alg, eps=1e-3, prefix_lm=True
+):
+    """LaViDa-Dream's `_sample(..., prefix_lm)` at temperature 0, top_p None, alg_temp 0."""
     steps = min(steps, max_new_tokens)
-    cache, prefill = prefix_cache(ckpt, inputs_embeds, with_logits=True)
     x = torch.full((inputs_embeds.shape[0], max_new_tokens), mask_id, dtype=torch.long)
-    x[:, :1] = prefill[:, -1:].argmax(dim=-1)
+    if prefix_lm:
+        cache, prefill = prefix_cache(ckpt, inputs_embeds, with_logits=True)
+        x[:, :1] = prefill[:, -1:].argmax(dim=-1)
     timesteps = torch.linspace(1, eps, steps + 1)
     for i in range(steps):
         mask_index = x == mask_id
-        logits = answer_logits(ckpt, cache, x)
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        if prefix_lm:
+            logits = answer_logits(ckpt, cache, x)
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        else:
+            logits = full_logits(ckpt, inputs_embeds, x, shift=1)
         probs = torch.softmax(logits[mask_index], dim=-1)
         confidence, x0 = probs.max(dim=-1)
         if alg == "topk_margin":
