@@ -19,6 +19,7 @@ from fixtures import build_once
 from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
 from mlx_dllm_models import batch_generate_diffusion, load
+from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.masks import prompt_block_mask
 from mlx_dllm_models.models import lavida, llava_llada
 from mlx_dllm_models.spec import PREFIX_DLM
@@ -189,6 +190,11 @@ def test_config_tells_lavida_from_llada_v_and_sets_the_recipe(loaded):
         llava_llada.ModelArgs.from_dict(dict(real, mm_spatial_pool_mode="max"))
     with pytest.raises(ValueError, match="include_bias=true is not supported"):
         llava_llada.ModelArgs.from_dict(dict(real, include_bias=True))
+    _, processor = loaded
+    with pytest.raises(SettingsError, match="schedule only acts with sampler='lavida'"):
+        stream_tokens(model, processor, "hi", max_tokens=4, schedule="shift")
+    with pytest.raises(SettingsError, match="unknown schedule 'cosine'"):
+        stream_tokens(model, processor, "hi", max_tokens=4, sampler="lavida", schedule="cosine")
 
 
 def test_mlx_vlm_load_cli_and_serve(loaded, ckpt, tmp_path, capsys):
