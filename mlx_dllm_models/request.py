@@ -181,7 +181,22 @@ def token_ids(prompt) -> List[int]:
     return [int(t) for t in prompt]
 
 
-def encode(tokenizer, prompt: Prompt) -> List[int]:
+def encode(tokenizer, prompt: Prompt, prefix: Sequence[int] = ()) -> List[int]:
+    """A prompt's ids; `prefix` (spec.prompt_prefix) goes first unless they already start with it,
+    and makes an empty prompt valid (the prefix alone)."""
+    if isinstance(prompt, str):
+        empty = prompt == ""
+    else:  # token ids (anything else is _encode's error)
+        empty = isinstance(prompt, (list, tuple, range)) or hasattr(prompt, "tolist")
+        empty = empty and len(prompt) == 0
+    if prefix and empty:
+        return list(prefix)
+    ids = _encode(tokenizer, prompt)
+    prefix = list(prefix)
+    return ids if ids[: len(prefix)] == prefix else prefix + ids
+
+
+def _encode(tokenizer, prompt: Prompt) -> List[int]:
     tokenizer = text_tokenizer(tokenizer)
     if isinstance(prompt, str) and prompt == "":
         raise SettingsError("the prompt is empty: give at least one token of text to condition on")
@@ -223,7 +238,7 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
     if images is not None and any(i is not None for i in images):
         ids, pixel_values = encode_with_images(model, tokenizer, prompts, images)
     else:
-        ids = [encode(tokenizer, p) for p in prompts]
+        ids = [encode(tokenizer, p, spec.prompt_prefix) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
     # The family's default suffix (RND1's pad) sits after the canvas: max_tokens leaves it room.

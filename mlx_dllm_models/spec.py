@@ -122,6 +122,14 @@ class DiffusionSpec:
     # how it was trained: dllm's A2D conversions are one model_type whether MDLM- or BD3LM-trained,
     # and its BD3LM sampler reads them block-causally (for_settings applies them).
     sampler_spec: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Token ids every prompt starts with: request.prepare puts them before a prompt that does not
+    # already begin with them, so an empty prompt is these alone (BD3-LM's _semi_ar_sampler
+    # samples after the BOS at position 0: its unconditional generation).
+    prompt_prefix: Tuple[int, ...] = ()
+    # Block-causal families whose steps read the whole aligned block, the prompt's columns in it
+    # included (BD3-LM's sampler draws over its x_block): a step's draws then sit on the same
+    # columns whether a row decodes alone or beside rows of other prompt lengths.
+    whole_block_window: bool = False
 
 
 def for_settings(spec: DiffusionSpec, settings: Mapping) -> DiffusionSpec:

@@ -8,6 +8,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
+from .bd3lm import top_p_within
+
 _NEG_INF = float("-inf")
 
 
@@ -111,6 +113,8 @@ def token_stats(
             scores = filter_logits(scores, top_k=top_k)
         elif op == "top_p":
             scores = filter_logits(scores, top_p=top_p)
+        elif op == "top_p_within":  # BD3-LM's nucleus: stops before the token that crosses p
+            scores = top_p_within(scores, top_p)
         else:
             raise ValueError(f"unknown logits processing step {op!r} in order={tuple(order)}")
     proposal = scores

@@ -321,6 +321,8 @@ class MaskedBlockDecoder:
         # counts both, so that every mask is filled; LLaDA's generate.py counts only the block's,
         # and would end with as many masks as the prompt held.
         lo = layout.window_start(x, mask_id, start)
+        if self.spec.whole_block_window:
+            lo = min(lo, start - start % s["block_length"])
         if batch.constraints is not None:
             batch.x = x = batch.constraints.open_block(x, lo, stop, layout)
         gen = layout.decoded[:, lo:stop] | layout.infill[:, lo:stop]
@@ -362,7 +364,12 @@ class MaskedBlockDecoder:
         edits), the new candidates."""
         s, spec = self.s, self.spec
         logits, idx = self._forward(batch, blk)
-        batch.key, k_stats, k_rule = split_rows(batch.key, 3)
+        keys, k_stats, k_rule = split_rows(batch.key, 3)
+        if blk.editing is None and not all(blk.rows_left):
+            # A row without masks left takes no step: its stream stays where a run of that row
+            # alone leaves it (which never steps a block it has finished, or not yet begun).
+            keys = mx.where(mx.array(blk.rows_left, dtype=mx.bool_)[:, None], keys, batch.key)
+        batch.key = keys
         stats = token_stats(
             logits,
             temperature=s["temperature"],
