@@ -42,6 +42,8 @@ MODEL_TYPES = {
     "dimple": "dimple",
     # LaViDa-Dream (Dream 7B with LaViDa's SigLIP path; LaViDa-LLaDA is a llava_llada).
     "llava_dream": "llava_dream",
+    # kuleshov-group's BD3-LM (bd3lm-owt-block_size4 / 8 / 16: a 110M DiT over GPT-2's tokenizer).
+    "bd3lm": "bd3lm",
 }
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
