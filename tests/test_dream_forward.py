@@ -101,7 +101,9 @@ def test_diffusion_spec_from_config(model, ckpt):
     assert spec.logit_shift == 1 and spec.confidence == "sampled" and spec.quota_base == "masks"
     assert spec.samplers == ("dream", "d3llm", "quota", "threshold", "factor", "entropy")
     d3llm = {"block_size", "block_add_threshold", "decoded_token_threshold", "early_stop"}
-    assert set(family_settings(spec.family)) == {"alg", "alg_temp", "eps"} | d3llm
+    # alg_p_threshold: Dimple's (a Dream-family checkpoint), with its sampler "dimple" only.
+    dimple = {"alg_p_threshold"}
+    assert set(family_settings(spec.family)) == {"alg", "alg_temp", "eps"} | d3llm | dimple
     # Dream README recipe (issue #12): alg entropy; eps as diffusion_generate.
     assert spec.defaults["alg"] == "entropy" and spec.defaults["eps"] == 1e-3
     assert spec.max_position_embeddings == cfg["max_position_embeddings"]

@@ -270,7 +270,8 @@ def test_nan_weights_canvas_decoder(monkeypatch, loaded):
         "Noise", (), {"ids": staticmethod(lambda r, n, v: mx.zeros((1, n), mx.int32))}
     )
     with pytest.raises(CheckpointError, match="/somewhere/dg gave NaN"):
-        list(decoder._denoise(None, [0], 4, None, mx.zeros((1, 0), mx.int32)))
+        rows = canvas._Rows([0], None, None, mx.zeros((1, 0), mx.int32))
+        list(decoder._denoise(rows, 4, frozenset()))
     assert calls == [1]
 
 
