@@ -1,4 +1,5 @@
 import contextlib
+import json
 import os
 import select
 import subprocess
@@ -118,6 +119,46 @@ def mlx_lm_convert(src, dst, *flags):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return dst
+
+
+_CONVERT_AND_GENERATE = """
+import json, runpy, sys
+import mlx_dllm_models_hook
+src, dst, prompts, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", dst]
+try:
+    runpy.run_module("mlx_lm", run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+from mlx_lm import load
+from mlx_dllm_models import batch_generate_diffusion
+model, tokenizer = load(dst)
+tokens = batch_generate_diffusion(model, tokenizer, prompts, **settings).tokens
+print("RESULT " + json.dumps({"module": type(model).__module__, "tokens": tokens}))
+"""
+
+
+def convert_and_generate(src, dst, prompts, **settings):
+    """`python -m mlx_lm convert` of `src` into `dst`, then plain `mlx_lm.load` of the result and
+    batch_generate_diffusion(prompts, **settings), in one fresh interpreter (one start where a
+    convert and a load took two): {"config": the config.json written, "module": the model's
+    module, "tokens": each row's}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    args = [str(src), str(dst), json.dumps(prompts), json.dumps(settings)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_AND_GENERATE, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT ") :])
+    out["config"] = json.loads((Path(dst) / "config.json").read_text())
+    return out
 
 
 def stream_tokens(model, tok, prompt, **settings):

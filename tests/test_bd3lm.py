@@ -5,8 +5,6 @@ its nucleus (the same draws replayed on both sides, and greedy at a tiny nucleus
 mlx-lm's convert and load, and the errors."""
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 from mlx_lm.models.cache import KVCache
 from safetensors.numpy import load_file
 
-from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from conftest import ROOT, assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
 from mlx_dllm_models import (
@@ -235,28 +233,11 @@ def test_spec_is_the_published_recipe():
 
 def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
     model, tok = loaded
-    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "bd3lm" and "auto_map" not in cfg
-    code = (
-        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
-        "from mlx_dllm_models import batch_generate_diffusion as g;"
-        "m, t = load(sys.argv[1]); print(type(m).__module__);"
-        "print(json.dumps(g(m, t, [''], max_tokens=8, seed=1).tokens[0]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    module, tokens = proc.stdout.strip().splitlines()[-2:]
-    assert module == "mlx_dllm_models.models.bd3lm"
+    got = convert_and_generate(ckpt, tmp_path / "mlx", [""], max_tokens=8, seed=1)
+    assert got["config"]["model_type"] == "bd3lm" and "auto_map" not in got["config"]
+    assert got["module"] == "mlx_dllm_models.models.bd3lm"
     want = batch_generate_diffusion(model, tok, [""], max_tokens=8, seed=1)
-    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
 
 
 def test_bad_inputs_are_clear_errors(loaded, ckpt, tmp_path):

@@ -3,8 +3,6 @@ decoding against a transcription of CoDA's generation_utils.py (tests/reference/
 published config and recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches, sharding and serve."""
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.coda import IM_END, MASK, build
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
@@ -206,28 +204,13 @@ def test_bad_settings_are_clear_errors(loaded):
 
 def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
     model, tok = loaded
-    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "CoDA" and "auto_map" not in cfg
-    code = (
-        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
-        "from mlx_dllm_models import batch_generate_diffusion as g;"
-        "m, t = load(sys.argv[1]); print(type(m).__module__);"
-        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=8, steps=4, seed=1).tokens[0]))"
+    got = convert_and_generate(
+        ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4, seed=1
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    module, tokens = proc.stdout.strip().splitlines()[-2:]
-    assert module == "mlx_dllm_models.models.coda"
+    assert got["config"]["model_type"] == "CoDA" and "auto_map" not in got["config"]
+    assert got["module"] == "mlx_dllm_models.models.coda"
     want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
-    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
 
 
 class _Ranks:

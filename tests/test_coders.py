@@ -8,14 +8,12 @@ Tiny checkpoints in their layout go through plain `python -m mlx_lm convert` and
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import ROOT, mlx_lm_convert
+from conftest import convert_and_generate
 from fixtures import build_once
 from fixtures import dream as dream_fixture
 from mlx_dllm_models import batch_generate_diffusion, load
@@ -173,29 +171,13 @@ def test_a_row_ends_at_dlm_pad(fixture_dir, tmp_path):
 
 def test_plain_mlx_lm_convert_and_load(tiny, tmp_path):
     name, path, model, tok = tiny
-    out = mlx_lm_convert(path, tmp_path / "mlx")
-    cfg = json.loads((out / "config.json").read_text())
+    got = convert_and_generate(path, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, seed=1)
+    cfg = got["config"]
     assert cfg["model_type"] == "Dream" and "auto_map" not in cfg
     assert (cfg["mask_token_id"], cfg["bos_token_id"]) == (
         MASK,
         BEGINOFTEXT if name == "dream_coder" else ENDOFTEXT,
     )
-    code = (
-        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
-        "from mlx_dllm_models import batch_generate_diffusion as g;"
-        "m, t = load(sys.argv[1]); print(type(m).__module__);"
-        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=8, seed=1).tokens[0]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    module, tokens = proc.stdout.strip().splitlines()[-2:]
-    assert module == "mlx_dllm_models.models.dream"
+    assert got["module"] == "mlx_dllm_models.models.dream"
     want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, seed=1)
-    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) > 0
+    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0

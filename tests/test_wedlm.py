@@ -7,8 +7,6 @@ one process and serve."""
 import importlib
 import json
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, assert_close, far, load_fixture, mlx_lm_convert
+from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.wedlm import IM_END, MASK, build, build_qwen2
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
@@ -385,28 +383,11 @@ def test_logprobs_are_those_of_the_step_that_filled_each_token(loaded):
 
 def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
     model, tok = loaded
-    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "wedlm" and "auto_map" not in cfg
-    code = (
-        "import sys, json, mlx_dllm_models_hook; from mlx_lm import load;"
-        "from mlx_dllm_models import batch_generate_diffusion as g;"
-        "m, t = load(sys.argv[1]); print(type(m).__module__);"
-        "print(json.dumps(g(m, t, [[40, 41, 42]], max_tokens=12).tokens[0]))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    module, tokens = proc.stdout.strip().splitlines()[-2:]
-    assert module == "mlx_dllm_models.models.wedlm"
+    got = convert_and_generate(ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=12)
+    assert got["config"]["model_type"] == "wedlm" and "auto_map" not in got["config"]
+    assert got["module"] == "mlx_dllm_models.models.wedlm"
     want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=12)
-    assert json.loads(tokens) == want.tokens[0] and len(want.tokens[0]) == 12
+    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) == 12
 
 
 class _Ranks:
