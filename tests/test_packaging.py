@@ -279,68 +279,90 @@ def test_patched_mlx_lm_finds_models_through_entry_points_alone(installed, mlx_l
     assert "not supported" in got["unknown"]
 
 
-# `python -m mlx_lm convert` (run as __main__, as the CLI does) plain, -q 4 bit and -q 8 bit, in
-# one interpreter per checkpoint.
+# `python -m mlx_lm convert` (run as __main__, as the CLI does) plain, -q 4 bit and -q 8 bit, of
+# every family's checkpoint (arguments: family=src=work), in one fresh interpreter: what was
+# imported before mlx-lm needed it, and each family's failure, if any.
 CONVERT = """
-import json, runpy, sys
+import json, runpy, sys, traceback
 before = sorted(m for m in ("mlx_dllm_models", "mlx", "mlx_lm") if m in sys.modules)
-src, work = sys.argv[1], sys.argv[2]
 variants = {"plain": [], "q4": ["-q", "--q-bits", "4", "--q-group-size", "32"],
             "q8": ["-q", "--q-bits", "8", "--q-group-size", "32"]}
-for name, flags in variants.items():
-    sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", f"{work}/{name}", *flags]
-    runpy.run_module("mlx_lm", run_name="__main__")
-print("RESULT", json.dumps({"before": before}))
+errors = {}
+for arg in sys.argv[1:]:
+    family, src, work = arg.split("=", 2)
+    try:
+        for name, flags in variants.items():
+            sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", f"{work}/{name}", *flags]
+            runpy.run_module("mlx_lm", run_name="__main__")
+    except BaseException:
+        errors[family] = traceback.format_exc()[-3000:]
+print("RESULT", json.dumps({"before": before, "errors": errors}))
 """
 
 # Then plain `mlx_lm.load` (no tokenizer_config) in a fresh interpreter whose stdin is a terminal,
-# of the Hugging Face folder (its auto_map kept), of the same folder without auto_map, and of each
-# conversion: each load timed (after one untimed load, which imports transformers' tokenizer
+# for every family (arguments: family=variant=path): of the Hugging Face folder (its auto_map
+# kept), of the same folder without auto_map, and of each conversion: each load timed (after one
+# untimed load of the family's folder without auto_map, which imports transformers' tokenizer
 # modules), a forward, generate_diffusion, and `mlx_dllm generate` of the plain conversion (the
 # command's main, in this interpreter).
 LOAD_AND_GENERATE = """
-import contextlib, io, json, sys, time
+import contextlib, io, json, sys, time, traceback
 import mlx.core as mx
 import mlx_lm
 import mlx_dllm_models
 from mlx_dllm_models.cli import main as mlx_dllm
 
-paths = dict(arg.split("=", 1) for arg in sys.argv[1:])
-out = {"package": mlx_dllm_models.__file__, "models": {}}
-mlx_lm.load(paths["hf_bare"])  # the first load also imports transformers' tokenizer modules
-reference = None
-for name, path in paths.items():
-    t = time.perf_counter()
-    model, tokenizer = mlx_lm.load(path)
-    seconds = time.perf_counter() - t
-    ids = tokenizer.encode("hello world")
-    logits = model(mx.array([ids]))
-    mx.eval(logits)
-    if reference is None:
-        reference = logits.astype(mx.float32)
-    diff = mx.abs(logits.astype(mx.float32) - reference).max() / (mx.abs(reference).max() + 1e-6)
-    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+families = {}
+for arg in sys.argv[1:]:
+    family, variant, path = arg.split("=", 2)
+    families.setdefault(family, {})[variant] = path
+results = {}
+
+
+def one(paths):
+    out = {"package": mlx_dllm_models.__file__, "models": {}}
+    mlx_lm.load(paths["hf_bare"])  # the first load also imports transformers' tokenizer modules
+    reference = None
+    for name, path in paths.items():
+        t = time.perf_counter()
+        model, tokenizer = mlx_lm.load(path)
+        seconds = time.perf_counter() - t
+        ids = tokenizer.encode("hello world")
+        logits = model(mx.array([ids]))
+        mx.eval(logits)
+        if reference is None:
+            reference = logits.astype(mx.float32)
+        diff = mx.abs(logits.astype(mx.float32) - reference).max() / (mx.abs(reference).max() + 1e-6)
+        bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+        try:
+            text = mlx_dllm_models.generate_diffusion(model, tokenizer, ids, max_tokens=8)
+            generated = {"ok": True, "type": type(text).__name__}
+        except Exception as e:  # reported, and asserted on by the test
+            generated = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        out["models"][name] = {
+            "seconds": seconds,
+            "generated": generated,
+            "module": type(model).__module__,
+            "ids": len(ids),
+            "shape": list(logits.shape),
+            "finite": bool(mx.isfinite(logits).all()),
+            "rel_diff": float(diff),
+            "bits": bits,
+        }
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = mlx_dllm(["generate", "--model", paths["plain"], "--prompt", "hello",
+                         "--max-tokens", "8", "--no-live"])
+    out["cli"] = {"code": code, "stdout": printed.getvalue()}
+    return out
+
+
+for family, paths in families.items():
     try:
-        text = mlx_dllm_models.generate_diffusion(model, tokenizer, ids, max_tokens=8)
-        generated = {"ok": True, "type": type(text).__name__}
-    except Exception as e:  # reported, and asserted on by the test
-        generated = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    out["models"][name] = {
-        "seconds": seconds,
-        "generated": generated,
-        "module": type(model).__module__,
-        "ids": len(ids),
-        "shape": list(logits.shape),
-        "finite": bool(mx.isfinite(logits).all()),
-        "rel_diff": float(diff),
-        "bits": bits,
-    }
-printed = io.StringIO()
-with contextlib.redirect_stdout(printed):
-    code = mlx_dllm(["generate", "--model", paths["plain"], "--prompt", "hello",
-                     "--max-tokens", "8", "--no-live"])
-out["cli"] = {"code": code, "stdout": printed.getvalue()}
-print("RESULT", json.dumps(out))
+        results[family] = one(paths)
+    except BaseException:
+        results[family] = {"error": traceback.format_exc()[-3000:]}
+print("RESULT", json.dumps(results))
 """
 
 
@@ -391,21 +413,43 @@ def _pty_result(installed, code, *args, timeout=600):
     return json.loads(line[len("RESULT ") :]), text
 
 
+@pytest.fixture(scope="module")
+def fresh_runs(installed, tmp_path_factory):
+    """Every family's checkpoint converted in one fresh interpreter, then loaded in another (two
+    interpreter starts for all families, not two a family): (the families' folders, the convert
+    run's result, the load run's result by family)."""
+    root = tmp_path_factory.mktemp("fresh")
+    folders = {}
+    for name, build in sorted(all_checkpoints().items()):
+        src = build(root / name / "hf")
+        _remote_code_that_exits(src)
+        bare = _without_auto_map(Path(src), root / name / "hf_bare")
+        work = root / name / "mlx"
+        work.mkdir()
+        folders[name] = SimpleNamespace(src=Path(src), bare=bare, work=work)
+    pairs = [f"{n}={f.src}={f.work}" for n, f in folders.items()]
+    converted, _ = _pty_result(installed, CONVERT, *pairs, timeout=1800)
+    args = []
+    for n, f in folders.items():
+        paths = [("hf", f.src), ("hf_bare", f.bare)]
+        paths += [(v, f.work / v) for v in ("plain", "q4", "q8")]
+        args += [f"{n}={v}={p}" for v, p in paths if n not in converted["errors"] or v[:2] == "hf"]
+    loaded, _ = _pty_result(installed, LOAD_AND_GENERATE, *args, timeout=1800)
+    return folders, converted, loaded
+
+
 @pytest.mark.parametrize("name", sorted(all_checkpoints()))
-def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, installed, tmp_path):
+def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, installed, fresh_runs):
     """Issue 25 §1, the main path: `python -m mlx_lm convert` (with and without -q) of the
     Hugging Face layout, then plain `mlx_lm.load` in a fresh interpreter on a terminal: no
     question about remote code, none run, no wait (each load within 1 s of the same checkpoint
-    without auto_map), and `mlx_dllm generate` on the result."""
-    src = all_checkpoints()[name](tmp_path / "hf")
-    config = json.loads((Path(src) / "config.json").read_text())
-    model_type = config["model_type"]
-    _remote_code_that_exits(src)
-    bare = _without_auto_map(Path(src), tmp_path / "hf_bare")
-    work = tmp_path / "mlx"
-    work.mkdir()
-    converted, _ = _pty_result(installed, CONVERT, src, work)
+    without auto_map), and `mlx_dllm generate` on the result. (All families share the two
+    interpreters: fresh_runs.)"""
+    folders, converted, loaded = fresh_runs
+    src, work = folders[name].src, folders[name].work
+    model_type = json.loads((src / "config.json").read_text())["model_type"]
     assert converted["before"] == [], "the interpreter imported these before mlx-lm needed them"
+    assert name not in converted["errors"], converted["errors"].get(name)
     variants = ("plain", "q4", "q8")
     for variant in variants:
         out = work / variant
@@ -415,8 +459,8 @@ def test_mlx_lm_converts_and_loads_and_generates_in_a_fresh_process(name, instal
         assert not list(out.glob("*.py")), f"{variant}: the remote code was copied"
         assert "mlx_dllm generate --model" in (out / "README.md").read_text(), variant
 
-    paths = [("hf", src), ("hf_bare", bare)] + [(v, work / v) for v in variants]
-    got, _ = _pty_result(installed, LOAD_AND_GENERATE, *(f"{n}={p}" for n, p in paths))
+    got = loaded[name]
+    assert "error" not in got, got.get("error")
 
     assert Path(got["package"]).is_relative_to(installed.site), "not the installed wheel"
     expected_module = f"mlx_dllm_models.models.{MODEL_TYPES[model_type]}"
