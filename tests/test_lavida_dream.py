@@ -147,3 +147,66 @@ def test_recipe_and_mlx_vlm_load(loaded, ckpt):
         llava_dream.ModelArgs.from_dict(dict(real, mm_spatial_pool_mode="max"))
     with pytest.raises(ValueError, match="mm_patch_merge_type 'flat' is not supported"):
         llava_dream.ModelArgs.from_dict(dict(real, mm_patch_merge_type="flat"))
+
+
+def test_mlx_vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys):
+    """mlx_vlm.convert's output loads through mlx_vlm.load as this model with the same logits;
+    `mlx_dllm generate --image` and one chat request with an image_url part answer what
+    generate_diffusion does on the chat prompt."""
+    import base64
+    import io
+    import threading
+    import urllib.request
+
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    from mlx_dllm_models import generate_diffusion
+    from mlx_dllm_models.cli import main as cli_main
+    from mlx_dllm_models.server import make_server, shutdown
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, processor = loaded
+    convert(str(ckpt), mlx_path=str(tmp_path / "vlm"))
+    vlm_model, vlm_processor = mlx_vlm.load(str(tmp_path / "vlm"))
+    assert isinstance(vlm_model, llava_dream.Model)
+    ids = [[IM_START] + vlm_model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3]
+    mine = [[IM_START] + model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3]
+    assert np.array_equal(np.array(vlm_model(mx.array(ids))), np.array(model(mx.array(mine))))
+
+    settings = dict(max_tokens=16)
+    messages = [{"role": "user", "content": "<image>describe"}]
+    chat = text_tokenizer(processor).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    path = tmp_path / "picture.png"
+    picture(8).save(path)
+    want = generate_diffusion(model, processor, chat, image=str(path), **settings)
+    assert want.strip()
+    converted = generate_diffusion(vlm_model, vlm_processor, chat, image=str(path), **settings)
+    assert converted == want
+    args = ["generate", "--model", str(ckpt), "--prompt", "<image>describe", "--image", str(path)]
+    assert cli_main(args + ["--max-tokens", "16", "--no-live"]) == 0
+    assert want in capsys.readouterr().out
+
+    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="lavida-dream")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        buf = io.BytesIO()
+        picture(8).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        content = [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "describe"},
+        ]
+        body = dict(settings, messages=[{"role": "user", "content": content}])
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = json.loads(r.read())["choices"][0]["message"]["content"]
+    finally:
+        shutdown(server)
+    assert text == want
