@@ -23,9 +23,11 @@ from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from . import sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -241,6 +243,25 @@ class Model(nn.Module):
     @property
     def layers(self):
         return self.backbone.blocks
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism over `group`, as mlx-lm's models split theirs: each block's fused
+        q/k/v by heads (three segments of one weight), its output projection and MLP (4x the
+        width) over the group; the embedding, the adaLN modulations and the output layer stay
+        replicated, so every rank computes the same logits."""
+        group = sharding.group_of(group)
+        a = self.args
+        sizes = {"n_heads": a.n_heads, "4 * hidden_dim": 4 * a.hidden_dim}
+        sharding.check_divisible("bd3lm", group, sizes, model=self)
+        for block in self.backbone.blocks:
+            block.attn_qkv = shard_linear(block.attn_qkv, "all-to-sharded", segments=3, group=group)
+            block.attn_out = shard_linear(block.attn_out, "sharded-to-all", group=group)
+            block.n_heads //= group.size()
+            first, second = block.mlp
+            block.mlp = [
+                shard_linear(first, "all-to-sharded", group=group),
+                shard_linear(second, "sharded-to-all", group=group),
+            ]
 
     def sanitize(self, weights):
         out = {}
