@@ -1,21 +1,17 @@
 """Fast-dLLM v2 through the package's workflows: plain `python -m mlx_lm convert` and `mlx_lm.load`
-in a fresh process, an earlier run's K/V reused (chat turns), sharding (one rank in process, two
-ranks of mlx.launch's ring backend), and `serve`: one completion, and rows joining a running batch
+in a fresh process, an earlier run's K/V reused (chat turns), sharding (one rank in process; two
+ranks of mlx.launch's ring backend: tests/test_sharded_families.py), and `serve`: one completion, and rows joining a running batch
 with the tokens of single calls."""
 
-import json
 import threading
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from distributed_worker import run
 
 from conftest import (
-    assert_sharded_is_one_process,
     convert_and_generate,
-    launch_two_ranks,
     load_fixture,
 )
 from fixtures import build_once
@@ -100,25 +96,6 @@ def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(checkpoint
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
     with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
         load_fixture(checkpoint)[0].shard(_Ranks(3))
-
-
-@pytest.mark.distributed
-def test_two_ranks_compute_one_process_logits_and_tokens(checkpoint, tmp_path):
-    plan = {
-        "checkpoints": {
-            "fast_dllm_v2": {
-                "path": str(checkpoint),
-                "prompt": prompt(40),
-                "settings": {"max_tokens": 40},
-            }
-        }
-    }
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    run(plan, tmp_path / "single")
-    out = tmp_path / "sharded"
-    ranks = launch_two_ranks(WORKER, tmp_path / "plan.json", out, out=out)
-    one = np.load(tmp_path / "single" / "rank0.npz")
-    assert_sharded_is_one_process(one, ranks, "fast_dllm_v2")
 
 
 def _single(model, tok, text, **settings):
