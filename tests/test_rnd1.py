@@ -257,7 +257,9 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
 
 def test_rnd1_sampler_needs_no_dream_settings(loaded):
     model, tok = loaded
-    with pytest.raises(SettingsError, match="alg is a setting of the dream / coda family"):
+    with pytest.raises(
+        SettingsError, match="alg is a setting of the dream / coda / open_dcoder family"
+    ):
         batch_generate_diffusion(model, tok, [[40]], max_tokens=4, alg="entropy")
 
 

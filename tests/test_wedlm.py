@@ -142,7 +142,7 @@ def test_a_generation_config_is_not_read(loaded):
         ({"block_length": 0}, "block_length"),
         ({"sampler": "quota"}, "unknown sampler 'quota' for the wedlm family"),
         ({"cache": "dual"}, "cache='dual' is not available for the wedlm family"),
-        ({"alg": "entropy"}, "alg is a setting of the dream / coda family"),
+        ({"alg": "entropy"}, "alg is a setting of the dream / coda / open_dcoder family"),
     ],
 )
 def test_bad_settings_are_clear_errors(loaded, kw, match):
