@@ -302,11 +302,12 @@ def load(path, **kwargs):
     from .models.cpu_layers import use_float32_matmuls
 
     use_float32_matmuls(model)
-    if hasattr(model, "load_processor"):
-        tokenizer = model.load_processor(tokenizer)  # LLaDA-V: images become feature ids
-    elif getattr(model, "vision_tower", None) is not None:
-        from .vision import load_processor, vision_config_of
+    from .vision import load_processor, model_processor, vision_config_of
 
+    if hasattr(model, "load_processor"):
+        # LLaDA-V and the families after it: images become feature ids (as mlx_vlm.load's).
+        tokenizer = model_processor(model, tokenizer)
+    elif getattr(model, "vision_tower", None) is not None:
         with quiet_transformers():
             tokenizer = load_processor(
                 path, tokenizer_config["trust_remote_code"], vision_config_of(path)

@@ -57,7 +57,7 @@ from .common import (
     project,
     refuse_autoregressive_tools,
 )
-from .image_slots import ImageSlotError, SlotStore
+from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "dimple"
 
@@ -428,7 +428,7 @@ IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056
 
 
-class Processor:
+class Processor(SlotProcessor):
     """Dimple's prompt encoding: text through the checkpoint's tokenizer; each
     `<|vision_start|><|image_pad|><|vision_end|>` (what the chat template writes for an image)
     becomes vision_start, that image's feature ids (`Model.image_slots`), vision_end.
@@ -441,15 +441,8 @@ class Processor:
     image_token = "<|vision_start|><|image_pad|><|vision_end|>"
 
     def __init__(self, model, tokenizer, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.image_processor = self.preprocess
+        super().__init__(model, tokenizer)
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
-
-    def __getattr__(self, name):  # the tokenizer's own (decode, chat template, eos ids, ...)
-        if name in ("model", "tokenizer"):
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
 
     def preprocess(self, image):
         """(pixel_values (patches, 1176) float32, grid_thw (t, h, w)) of one PIL image."""
@@ -463,22 +456,10 @@ class Processor:
             self.max_pixels,
         )
 
-    def __call__(self, text, images=(), add_special_tokens=True):
-        (prompt,) = text
-        chunks = prompt.split(self.image_token)
-        if len(chunks) - 1 != len(images):
-            raise ValueError(
-                f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
-                f"{len(images)} images; give one per image"
-            )
-        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
+    def image_ids(self, image):
         a = self.model.args
-        for image, chunk in zip(images, chunks[1:]):
-            ids += [a.vision_start_token_id]
-            ids += self.model.image_slots(*self.preprocess(image))
-            ids += [a.vision_end_token_id]
-            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
-        return {"input_ids": [ids], "pixel_values": None}
+        slots = self.model.image_slots(*self.preprocess(image))
+        return [a.vision_start_token_id] + slots + [a.vision_end_token_id]
 
 
 def pixel_bounds(path) -> dict:

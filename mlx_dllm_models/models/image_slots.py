@@ -69,3 +69,43 @@ class SlotStore:
             )
         feats = table.astype(h.dtype)[mx.where(is_image, index, 0)]
         return mx.where(is_image[..., None], feats, h)
+
+
+class SlotProcessor:
+    """What the processors of these families share (`load` returns one with the model): the
+    tokenizer's own attributes (decode, chat template, EOS ids, ...) pass through; a prompt is split
+    at `image_token`, its text encoded by the tokenizer and each placeholder replaced by
+    `image_ids(image)` (the family's markers around the image's feature ids). A family defines
+    `image_token`, `preprocess` and `image_ids`."""
+
+    image_token = "<image>"
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = self.preprocess
+
+    def __getattr__(self, name):
+        if name in ("model", "tokenizer"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def preprocess(self, image):
+        raise NotImplementedError
+
+    def image_ids(self, image) -> List[int]:
+        raise NotImplementedError
+
+    def __call__(self, text, images=(), add_special_tokens=True):
+        (prompt,) = text
+        chunks = prompt.split(self.image_token)
+        if len(chunks) - 1 != len(images):
+            raise ValueError(
+                f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
+                f"{len(images)} images; give one per image"
+            )
+        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
+        for image, chunk in zip(images, chunks[1:]):
+            ids += self.image_ids(image)
+            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+        return {"input_ids": [ids], "pixel_values": None}

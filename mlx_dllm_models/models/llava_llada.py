@@ -59,7 +59,7 @@ from .common import (
     refuse_autoregressive_tools,
     run_layers,
 )
-from .image_slots import ImageSlotError, SlotStore
+from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "llava_llada"
 
@@ -384,7 +384,7 @@ class Model(nn.Module):
 # ------------------------------------------------------------------------------------ processor
 
 
-class Processor:
+class Processor(SlotProcessor):
     """LLaDA-V's prompt encoding: text through the checkpoint's tokenizer, each `<image>` (LLaVA's
     DEFAULT_IMAGE_TOKEN, not a token of LLaDA's vocabulary: tokenizer_image_token splits the text
     there) replaced by the ids of that image's features (`Model.image_slots`).
@@ -398,15 +398,8 @@ class Processor:
     image_token = "<image>"
 
     def __init__(self, model, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.image_processor = self.preprocess
+        super().__init__(model, tokenizer)
         self.size = model.args.tower["image_size"]
-
-    def __getattr__(self, name):  # the tokenizer's own (decode, chat template, eos ids, ...)
-        if name in ("model", "tokenizer"):
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
 
     def preprocess(self, image) -> np.ndarray:
         """(1, 3, S, S) float32 pixel values of one PIL image."""
@@ -420,19 +413,8 @@ class Processor:
             return self.preprocess(image), None
         return anyres_tiles(image, self.size, args.image_grid_pinpoints)
 
-    def __call__(self, text, images=(), add_special_tokens=True):
-        (prompt,) = text
-        chunks = prompt.split(self.image_token)
-        if len(chunks) - 1 != len(images):
-            raise ValueError(
-                f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
-                f"{len(images)} images; give one per image"
-            )
-        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
-        for image, chunk in zip(images, chunks[1:]):
-            ids += self.model.image_slots(*self.tiles(image))
-            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
-        return {"input_ids": [ids], "pixel_values": None}
+    def image_ids(self, image):
+        return self.model.image_slots(*self.tiles(image))
 
 
 def best_resolution(size, pinpoints):

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import nemotron_labs_diffusion as text
 from .common import check_weights, drop_tied_head, drop_unused_buffers
-from .image_slots import ImageSlotError, SlotStore
+from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "nemotron_labs_diffusion_vlm"
 
@@ -266,7 +266,7 @@ def encode_image(image, cell: int = 28, max_edge: int = MAX_EDGE):
     return x.transpose(2, 0, 1)[None].astype(np.float32), (w, h)
 
 
-class Processor:
+class Processor(SlotProcessor):
     """The prompt encoding of Nemotron-Labs-Diffusion-VLM: text through the checkpoint's
     tokenizer; each `<image>` placeholder (split out of the text, not a token) replaced by
     build_image_token_str's block, whose pads are the ids of that image's features
@@ -275,19 +275,12 @@ class Processor:
     image_token = "<image>"
 
     def __init__(self, model, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.image_processor = self.preprocess
+        super().__init__(model, tokenizer)
         tower = model.vision_tower.vision_model
         self.cell = tower.patch_size * model.args.spatial_merge_size
         # The tower's RoPE covers image_size / patch_size patches a side: a checkpoint whose
         # image_size is below 1400 (a test's) caps its images there instead.
         self.max_edge = min(MAX_EDGE, tower.config.image_size)
-
-    def __getattr__(self, name):  # the tokenizer's own (decode, chat template, eos ids, ...)
-        if name in ("model", "tokenizer"):
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
 
     def preprocess(self, image):
         """((1, 3, H, W) float32 pixel values, (w, h) merged tokens) of one PIL image."""
@@ -313,17 +306,3 @@ class Processor:
         for row in range(h):
             ids += slots[row * w : (row + 1) * w] + [end if row == h - 1 else brk]
         return ids
-
-    def __call__(self, text, images=(), add_special_tokens=True):
-        (prompt,) = text
-        chunks = prompt.split(self.image_token)
-        if len(chunks) - 1 != len(images):
-            raise ValueError(
-                f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
-                f"{len(images)} images; give one per image"
-            )
-        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
-        for image, chunk in zip(images, chunks[1:]):
-            ids += self.image_ids(image)
-            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
-        return {"input_ids": [ids], "pixel_values": None}
