@@ -161,6 +161,44 @@ def convert_and_generate(src, dst, prompts, **settings):
     return out
 
 
+def data_url(image) -> str:
+    """A PIL image as the PNG data URL an `image_url` content part carries."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
+    """The answer of `mlx_dllm serve` (on loopback, over the checkpoint) to one chat message of an
+    image_url part (`image`) then a text part (`text`), with `settings` as body fields."""
+    import threading
+    import urllib.request
+
+    from mlx_dllm_models import load
+    from mlx_dllm_models.server import make_server, shutdown
+
+    server = make_server(lambda: load(checkpoint), host="127.0.0.1", port=0, model_id=model_id)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": text},
+        ]
+        body = dict(settings, messages=[{"role": "user", "content": content}])
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+    finally:
+        shutdown(server)
+
+
 def stream_tokens(model, tok, prompt, **settings):
     """Every token the public stream returns for one prompt."""
     from mlx_dllm_models import stream_generate_diffusion

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, stream_tokens
+from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
@@ -323,32 +323,11 @@ def test_cli_generate_with_an_image(loaded, ckpt, tmp_path, capsys):
 
 
 def test_serve_answers_an_image_url_part(loaded, ckpt):
-    import base64
-    import io
-    import threading
-    import urllib.request
 
-    from mlx_dllm_models.server import make_server, shutdown
     from mlx_dllm_models.vision import text_tokenizer
 
     model, processor = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="dimple")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        buf = io.BytesIO()
-        picture(15).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
-        body = dict(FAST, messages=[{"role": "user", "content": content}])
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = json.loads(r.read())["choices"][0]["message"]["content"]
-    finally:
-        shutdown(server)
+    text = served_image_answer(ckpt, "dimple", picture(15), "x", **FAST)
     messages = [{"role": "user", "content": processor.image_token + "x"}]
     prompt = text_tokenizer(processor).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, stream_tokens
+from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK
 from fixtures.lavida import build_lavida_dream
@@ -153,17 +153,12 @@ def test_mlx_vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys):
     """mlx_vlm.convert's output loads through mlx_vlm.load as this model with the same logits;
     `mlx_dllm generate --image` and one chat request with an image_url part answer what
     generate_diffusion does on the chat prompt."""
-    import base64
-    import io
-    import threading
-    import urllib.request
 
     import mlx_vlm
     from mlx_vlm.convert import convert
 
     from mlx_dllm_models import generate_diffusion
     from mlx_dllm_models.cli import main as cli_main
-    from mlx_dllm_models.server import make_server, shutdown
     from mlx_dllm_models.vision import text_tokenizer
 
     model, processor = loaded
@@ -189,24 +184,5 @@ def test_mlx_vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys):
     assert cli_main(args + ["--max-tokens", "16", "--no-live"]) == 0
     assert want in capsys.readouterr().out
 
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="lavida-dream")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        buf = io.BytesIO()
-        picture(8).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        content = [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": "describe"},
-        ]
-        body = dict(settings, messages=[{"role": "user", "content": content}])
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = json.loads(r.read())["choices"][0]["message"]["content"]
-    finally:
-        shutdown(server)
+    text = served_image_answer(ckpt, "lavida-dream", picture(8), "describe", **settings)
     assert text == want

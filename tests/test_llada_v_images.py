@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import stream_tokens
+from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.llada_v import TILE, build_llada_v
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
@@ -99,13 +99,8 @@ def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_di
     """The chat endpoint with an image_url data URL answers the tokens of one generate call on the
     chat prompt with the image where the part was; the scheduler batches image and text rows, each
     equal to its run alone."""
-    import base64
-    import io
-    import json
-    import threading
-    import urllib.request
 
-    from mlx_dllm_models.server import Job, Scheduler, make_server, shutdown
+    from mlx_dllm_models.server import Job, Scheduler
     from mlx_dllm_models.vision import text_tokenizer
 
     model, processor = loaded
@@ -131,23 +126,7 @@ def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_di
         assert job.tokens == stream_tokens(model, processor, p, image=im, **SETTINGS)
 
     path = fixture_dir / "llada_v"
-    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id="llada-v")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        buf = io.BytesIO()
-        picture(8).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
-        body = dict(SETTINGS, messages=[{"role": "user", "content": content}])
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = json.loads(r.read())["choices"][0]["message"]["content"]
-    finally:
-        shutdown(server)
+    text = served_image_answer(path, "llada-v", picture(8), "x", **SETTINGS)
     runs = stream_generate_diffusion(
         model, processor, chat("<image>x"), image=[picture(8)], **SETTINGS
     )

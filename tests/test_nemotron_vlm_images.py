@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import stream_tokens
+from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures import nemotron_vlm as fx
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
@@ -124,33 +124,11 @@ def test_cli_generate_with_an_image(loaded, path, tmp_path, capsys):
 def test_serve_answers_an_image_url_part(loaded, path):
     """The chat endpoint with an image_url data URL answers the text of one generate call on the
     chat prompt with the image where the part was."""
-    import base64
-    import io
-    import json
-    import threading
-    import urllib.request
 
-    from mlx_dllm_models.server import make_server, shutdown
     from mlx_dllm_models.vision import text_tokenizer
 
     model, processor = loaded
-    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id="nemotron-vlm")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        buf = io.BytesIO()
-        picture(9).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]
-        body = dict(SETTINGS, messages=[{"role": "user", "content": content}])
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())["choices"][0]["message"]["content"]
-    finally:
-        shutdown(server)
+    answer = served_image_answer(path, "nemotron-vlm", picture(9), "x", **SETTINGS)
     messages = [{"role": "user", "content": "<image>x"}]
     prompt = text_tokenizer(processor).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False

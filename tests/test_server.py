@@ -2,8 +2,6 @@
 disconnects, images (DiffusionGemma), and concurrent requests that share forwards, each answered
 with exactly the tokens of a single `generate_diffusion` call at temperature 0."""
 
-import base64
-import io
 import json
 import re
 import socket
@@ -18,6 +16,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from conftest import data_url
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
@@ -416,12 +415,6 @@ def picture(seed):
     rng = np.random.default_rng(seed)
     size = dgfx.IMAGE_SIZE
     return Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
-
-
-def data_url(image):
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
