@@ -201,12 +201,8 @@ def test_linear_and_table_widen_exactly(bits, group_size, monkeypatch):
         assert _rel(cpu_layers.rows_times(table, p), p @ e) < 1e-5
 
 
-@pytest.mark.parametrize("bits", [None, 4, 8])
-@pytest.mark.parametrize("tokens", [2, 40])
-def test_expert_gather_widens_exactly(bits, tokens):
-    """SwitchGLU through gather_mm / gather_qmm: 2 tokens x 4 experts (fewer pairs than the 16
-    experts: only those selected widened) and 40 tokens (every expert once, mlx-lm's sorted
-    gather)."""
+def _switch_glu(bits):
+    """A bf16 (or quantized) SwitchGLU of 16 experts and its float32 upcast."""
     mx.random.seed(1)
     glu = SwitchGLU(64, 32, 16)
     glu.set_dtype(mx.bfloat16)
@@ -217,10 +213,44 @@ def test_expert_gather_widens_exactly(bits, tokens):
         layer = getattr(glu, name)
         wide = _dequantized(layer) if bits else layer.weight.astype(mx.float32)
         getattr(reference, name).weight = wide
+    return glu, reference
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("tokens, among", [(2, 16), (40, 16), (40, 10)])
+def test_expert_gather_widens_exactly(bits, tokens, among):
+    """SwitchGLU through gather_mm / gather_qmm, top-4 of 16 experts drawn from the first `among`:
+    2 tokens (8 pairs, mlx-lm's unsorted gather), 40 tokens over all 16 experts (160 pairs, its
+    sorted gather, every expert selected) and over 10 of them (more pairs than experts, fewer
+    experts selected), and inside mx.compile."""
+    glu, reference = _switch_glu(bits)
     x = mx.random.normal((1, tokens, 64))
-    idx = mx.random.randint(0, 16, (1, tokens, 4)).astype(mx.uint32)
+    idx = mx.random.randint(0, among, (1, tokens, 4)).astype(mx.uint32)
     assert use_float32_matmuls(glu) == 3
     assert _rel(glu(x, idx), reference(x, idx)) < 1e-5
+    # Inside mx.compile the indices cannot be read on the host: every expert widened.
+    compiled = mx.compile(lambda x, idx: glu(x, idx))
+    assert _rel(compiled(x, idx), reference(x, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_expert_gather_widens_only_the_selected_experts(bits, monkeypatch):
+    """160 pairs over 10 of 16 experts: each projection widens those 10 experts, once each (not
+    every expert because the pairs outnumber the experts, nor one copy per pair)."""
+    glu, _ = _switch_glu(bits)
+    use_float32_matmuls(glu)
+    idx = mx.random.randint(0, 10, (1, 40, 4)).astype(mx.uint32)
+    assert len(np.unique(np.array(idx))) == 10
+    widened = []
+    layer_pieces = cpu_layers._layer_pieces
+
+    def record(layer, rows=None, experts=None):
+        widened.append(None if experts is None else sorted(np.array(experts).tolist()))
+        return layer_pieces(layer, rows, experts)
+
+    monkeypatch.setattr(cpu_layers, "_layer_pieces", record)
+    mx.eval(glu(mx.random.normal((1, 40, 64)), idx))
+    assert widened == [sorted(np.unique(np.array(idx)).tolist())] * 3
 
 
 def test_widened_weights_do_not_accumulate():
