@@ -15,6 +15,14 @@ if str(ROOT) not in sys.path:
 
 import mlx_dllm_models_hook  # noqa: E402,F401  (registers our model types with mlx-lm)
 
+# Every fresh interpreter the tests start runs without torch, as a user's does (tests/no_torch);
+# subprocess environments copy os.environ, so setting it once here reaches them all.
+NO_TORCH = str(ROOT / "tests" / "no_torch")
+if NO_TORCH not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (NO_TORCH, os.environ.get("PYTHONPATH")) if p
+    )
+
 
 def load_fixture(path):
     """(model, tokenizer) through mlx-lm's own loader, in float32 (fixtures are written in float32).

@@ -5,13 +5,13 @@ real decoding (wrong position committed, a mask left in, a stale cache) shows up
 accuracy on a model whose answers can be checked.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.default import (
     ASSET,
@@ -59,7 +59,7 @@ def test_held_out_accuracy_above_floor(default_model, sampler):
 
 def test_cli_answers_the_default_prompt():
     answer = dict(held_out_problems(2))[DEFAULT_PROMPT]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = cli_env()
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_dllm_models", "generate", "--no-live"],
         capture_output=True,

@@ -2,7 +2,6 @@
 algorithms) with a plain transcription of the reference on the torch forward, the shared samplers
 block-wise, batching, settings and errors, the CLI."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import cli_env
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
@@ -436,7 +436,7 @@ def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
 
 
 def test_cli_generates_with_dream_settings(ckpt):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = cli_env()
     cmd = [
         sys.executable,
         "-m",

@@ -3,7 +3,6 @@ the suffix, and mask tokens inside a prompt are filled too. Token parity at temp
 transcriptions of LLaDA's generate.py (every mask before the block's end is a candidate) and
 Dream's diffusion_generate (the whole canvas); refusals for the other layouts; the CLI's --suffix."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
+from conftest import cli_env, cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.dream import MASK as DREAM_MASK
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA
@@ -210,7 +209,7 @@ def test_other_layouts_refuse_infilling(family, tmp_path_factory):
 
 def test_cli_suffix(llada):
     path, model, tok = llada
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     args = [
         "--model",
         str(path),

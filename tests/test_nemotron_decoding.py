@@ -8,7 +8,6 @@ greedy AR decoding with mlx-lm.
 """
 
 import dataclasses
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -18,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture, spy_forwards
+from conftest import cli_env, load_fixture, spy_forwards
 from fixtures import nemotron as fx
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent, make_decoder
@@ -264,7 +263,7 @@ def test_bad_settings_raise_clear_errors(loaded):
 
 
 def _cli(checkpoint, *extra):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cli_env()
     cmd = [
         sys.executable,
         "-m",

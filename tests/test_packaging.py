@@ -113,6 +113,8 @@ def installed(tmp_path_factory, wheel):
     ]
     # Sorts before mlx_dllm_models.pth, so the dependencies are importable when the hook loads.
     lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in parents)
+    # Without torch, as a user's install (torch is the tests' reference only; tests/no_torch).
+    lines += "import sys; sys.modules.setdefault('torch', None)\n"
     (site_dir / "_test_parent_env.pth").write_text(lines)
     # The test environment's pip, so that nothing outside the throwaway venv is touched.
     _run(
@@ -227,7 +229,7 @@ def test_startup_hook_is_installed_and_imports_nothing_heavy(installed):
         print("RESULT", json.dumps({{
             "hook_file": getattr(hook, "__file__", None),
             "finders": [type(f).__name__ for f in sys.meta_path],
-            "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules),
+            "heavy": sorted(m for m in {HEAVY!r} if sys.modules.get(m) is not None),
         }}))
         """,
     )

@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import mlx_lm_convert, run_cli, spy_forwards
+from conftest import cli_env, mlx_lm_convert, run_cli, spy_forwards
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.default import DEFAULT_PROMPT, default_checkpoint
@@ -559,7 +559,7 @@ def test_conversion_prints_no_transformers_model_type_warning(tmp_path):
     proc = run_cli("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "a"))
     assert proc.returncode == 0, proc.stderr
     assert "You are using a model of type" not in proc.stdout + proc.stderr
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = cli_env()
     code = (
         "import mlx_dllm_models_hook, runpy, sys; sys.argv = ['mlx_lm', 'convert', '--hf-path', "
         f"{str(src)!r}, '--mlx-path', {str(tmp_path / 'b')!r}]; "
