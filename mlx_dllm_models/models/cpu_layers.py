@@ -21,8 +21,8 @@ know. Each checks the device again when called and otherwise runs its parent's f
 Metal or CUDA nothing changes. Float32 layers are left alone.
 
 Widening: a half-precision weight by `astype`; an affine-quantized one (2, 4 or 8 bits) as `32 /
-bits` float32 pieces, piece p holding the columns p, p + 32/bits, ... (one compiled kernel over
-contiguous arrays, every packed word read once; `mx.dequantize` is 2-4x slower here), multiplied by
+bits` float32 pieces, piece p holding the columns p, p + 32/bits, ... (one compiled kernel, the
+shift an input; `mx.dequantize` is 2-4x slower here), multiplied by
 the matching columns of the input and summed. Other quantization modes and widths go through
 `mx.dequantize`. An expert gather widens each expert its pairs select once (the distinct experts
 read from the indices on the host), then runs float32 gather_mm.
@@ -54,18 +54,17 @@ def on_cpu() -> bool:
 # ------------------------------------------------------------------------------------ widening
 
 
-def _unpacker(bits):
-    """A compiled kernel: packed affine words and their (repeated) scales and biases -> the
-    32 / bits float32 pieces, every packed word read once."""
-    per, mask = 32 // bits, (1 << bits) - 1
-
-    def unpack(packed, scales, biases):
-        return [scales * ((packed >> p * bits) & mask).astype(F32) + biases for p in range(per)]
-
-    return mx.compile(unpack, shapeless=True)
+def _unpack_piece(packed, shift, mask, scales, biases):
+    return scales * ((packed >> shift) & mask).astype(F32) + biases
 
 
-UNPACK = {bits: _unpacker(bits) for bits in (2, 4, 8)}
+# One compiled kernel serves every piece of every width: the shift and the mask are inputs, not
+# constants. MLX's CPU backend compiles each fused kernel with the system C++ compiler at its
+# first use (about 1 s each here, cached in $TMPDIR/mlx), and a constant shift made a kernel per
+# piece: 2 x 28 of them for 2, 4 and 8 bits, which a first 4-bit forward paid for 16. (MLX ran
+# those pieces as separate kernels anyway, each reading the packed words.)
+UNPACK_PIECE = mx.compile(_unpack_piece, shapeless=True)
+PIECE_BITS = (2, 4, 8)
 
 
 def _pieces(
@@ -77,13 +76,14 @@ def _pieces(
     if scales is None:
         return [weight.astype(F32)]
     per = 32 // bits
-    split = not whole and bits in UNPACK and group_size % per == 0
+    split = not whole and bits in PIECE_BITS and group_size % per == 0
     if split and mode == "affine" and biases is not None:
         # Packed word j of a row holds columns per * j ... per * j + per - 1, all in group
         # j // (group_size / per): its scale and bias repeated per word.
         s = mx.repeat(scales.astype(F32), group_size // per, axis=-1)
         b = mx.repeat(biases.astype(F32), group_size // per, axis=-1)
-        return UNPACK[bits](weight, s, b)
+        mask = mx.array((1 << bits) - 1, mx.uint32)
+        return [UNPACK_PIECE(weight, mx.array(p * bits, mx.uint32), mask, s, b) for p in range(per)]
     if mode == "affine":
         scales = scales.astype(F32)
         biases = None if biases is None else biases.astype(F32)
