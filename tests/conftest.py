@@ -15,10 +15,16 @@ if str(ROOT) not in sys.path:
 
 import mlx_dllm_models_hook  # noqa: E402,F401  (registers our model types with mlx-lm)
 
-# Every fresh interpreter the tests start runs without torch, as a user's does (tests/no_torch);
-# subprocess environments copy os.environ, so setting it once here reaches them all.
 NO_TORCH = str(ROOT / "tests" / "no_torch")
-if NO_TORCH not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+
+
+def pytest_configure(config):
+    """Every fresh interpreter the tests start runs without torch, as a user's does
+    (tests/no_torch); subprocess environments copy os.environ, so setting it once here reaches
+    them all. Not in pytest-xdist's controller: the workers it starts run the torch references."""
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if controller or NO_TORCH in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        return
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (NO_TORCH, os.environ.get("PYTHONPATH")) if p
     )
