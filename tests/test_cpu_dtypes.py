@@ -9,7 +9,10 @@ rounds every activation to bfloat16 (and `quantized_matmul` accumulates in it): 
 its logits sit 1e-2 to 8e-1 (of the largest) from the float32 upcast's, which the new path matches
 to float32 rounding."""
 
+import os
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -314,3 +317,27 @@ def test_rank_is_reused_only_for_the_same_arrays():
     assert quota_commit(conf, mx.array([[True, False, True, True]]), 1).tolist() == [
         [False, False, False, True]
     ]
+
+
+_FIRST_FORWARDS = """
+import mlx.core as mx, mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_dllm_models.models import cpu_layers
+for bits in (2, 4, 8):
+    lin = nn.QuantizedLinear.from_linear(nn.Linear(256, 96), 64, bits)
+    mx.eval(cpu_layers.linear(lin, mx.ones((2, 5, 256))))
+    experts = SwitchLinear(64, 32, 8).to_quantized(32, bits)
+    idx = mx.array([[[0, 3], [5, 3]]], dtype=mx.uint32)
+    mx.eval(cpu_layers.gathered(experts, mx.ones((1, 2, 1, 1, 64)), idx))
+"""
+
+
+def test_widening_compiles_one_kernel_for_every_width(tmp_path):
+    """MLX's CPU backend builds each fused kernel with the system C++ compiler at its first use
+    (about 1 s each, cached under $TMPDIR/mlx): widening 2-, 4- and 8-bit linears and expert
+    gathers in a fresh interpreter with an empty cache builds one kernel (a shift baked into the
+    kernel built 28, one per piece and layout)."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_FORWARDS], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert len(list(tmp_path.glob("mlx/*/cpu/*.so"))) == 1
