@@ -275,7 +275,7 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
             )
     vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
     if vocab is not None:
-        # LLaDA-V's image feature ids lie past the vocabulary; the model checks them itself.
+        # The vision families' image feature ids lie past the vocabulary: those of stored images.
         is_image_id = getattr(model, "is_image_id", None)
         bad = [
             t
@@ -284,8 +284,14 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
             if not 0 <= t < vocab and not (is_image_id is not None and is_image_id(t))
         ]
         if bad:
+            images = (
+                "; ids past it stand only for the features of images given through the processor"
+                " (image=...)"
+                if is_image_id is not None
+                else ""
+            )
             raise SettingsError(
-                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1}){images}"
             )
     return spec, s, ids, pixel_values
 

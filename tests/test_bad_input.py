@@ -144,3 +144,18 @@ def test_steps_follow_block_length_unless_set(loaded):
     assert resolve_settings(spec, {})["steps"] == spec.defaults["block_length"]
     assert resolve_settings(spec, {"block_length": 16})["steps"] == 16
     assert resolve_settings(spec, {"block_length": 16, "steps": 4})["steps"] == 4
+
+
+@pytest.mark.parametrize("name", ["dimple", "lavida", "llada_v", "nemotron_vlm"])
+def test_ids_past_the_vocabulary_that_name_no_stored_image_are_refused(tmp_path, name):
+    """The vision families' image feature ids lie past the vocabulary, but only those of stored
+    images: the first id past it and one too large for any integer type are refused before
+    decoding, with what to do (they used to reach the model's embedding, or MLX's std::bad_cast)."""
+    from fixtures import all_checkpoints
+    from mlx_dllm_models import SettingsError
+
+    model, tok = load(all_checkpoints()[name](tmp_path / name))
+    vocab = getattr(model.args, "vocab_size", None) or model.diffusion_spec.vocab_size
+    for token in (vocab, 2**70):
+        with pytest.raises(SettingsError, match=f"prompt token id {token} is outside the vocab"):
+            generate_diffusion(model, tok, [5, token], max_tokens=4)

@@ -44,7 +44,11 @@ class SlotStore:
         return list(range(first, first + features.shape[0]))
 
     def is_image_id(self, token_id: int) -> bool:
-        return token_id >= self.vocab_size
+        """Whether `token_id` stands for a stored feature row: ids past the vocabulary that name
+        no stored row (never given, or dropped since) are not, so a request's check refuses them
+        before decoding."""
+        first = self.vocab_size + self.base
+        return first <= token_id < first + sum(f.shape[0] for f in self.features)
 
     def embed(self, embed_tokens, inputs: mx.array) -> mx.array:
         """Token embeddings of `inputs`, with image ids read from the stored features."""
