@@ -236,6 +236,31 @@ def test_expert_gather_widens_exactly(bits, tokens, among):
     assert _rel(compiled(x, idx), reference(x, idx)) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_gather_of_about_one_pair_an_expert_runs_gather_qmm(bits, monkeypatch):
+    """2 tokens x top-4 over distinct experts (one pair an expert: a small block) go through
+    MLX's gather_qmm, nothing widened; 40 tokens over 10 experts are widened. Both within
+    float32 rounding of the float32 upcast."""
+    glu, reference = _switch_glu(bits)
+    use_float32_matmuls(glu)
+    widened = []
+    layer_pieces = cpu_layers._layer_pieces
+
+    def record(layer, rows=None, experts=None):
+        widened.append(layer)
+        return layer_pieces(layer, rows, experts)
+
+    monkeypatch.setattr(cpu_layers, "_layer_pieces", record)
+    x = mx.random.normal((1, 2, 64))
+    idx = mx.array([[[0, 1, 2, 3], [4, 5, 6, 7]]], dtype=mx.uint32)
+    y = glu(x, idx)
+    assert y.dtype == mx.float32 and not widened
+    assert _rel(y, reference(x, idx)) < 1e-5
+    many = mx.random.randint(0, 10, (1, 40, 4)).astype(mx.uint32)
+    x = mx.random.normal((1, 40, 64))
+    assert _rel(glu(x, many), reference(x, many)) < 1e-5 and len(widened) == 3
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_expert_gather_widens_only_the_selected_experts(bits, monkeypatch):
     """160 pairs over 10 of 16 experts: each projection widens those 10 experts, once each (not

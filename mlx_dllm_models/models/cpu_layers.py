@@ -25,7 +25,8 @@ bits` float32 pieces, piece p holding the columns p, p + 32/bits, ... (one compi
 shift an input; `mx.dequantize` is 2-4x slower here), multiplied by
 the matching columns of the input and summed. Other quantization modes and widths go through
 `mx.dequantize`. An expert gather widens each expert its pairs select once (the distinct experts
-read from the indices on the host), then runs float32 gather_mm.
+read from the indices on the host), then runs float32 gather_mm; a quantized one whose experts
+serve about one pair each runs MLX's gather_qmm, faster there.
 
 Freed buffers of a widened weight are reused by the next layer of the same shape only when MLX's
 allocator keeps them (its CPU buffer cache is 32 MB by default): `use_float32_matmuls` raises that
@@ -41,6 +42,9 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 # The most elements of one widened slice of an LM head or embedding table (256 MB of float32).
 CHUNK_ELEMENTS = 1 << 26
+# Below this many token-expert pairs per distinct selected expert, a quantized expert gather runs
+# MLX's gather_qmm instead of widening (see `gathered`).
+QMM_PAIRS_PER_EXPERT = 1.3
 
 HALF = (mx.float16, mx.bfloat16)
 F32 = mx.float32
@@ -205,6 +209,13 @@ def gathered(layer, x, indices, sorted_indices=False):
         pieces, rhs = _layer_pieces(layer), indices
     else:
         chosen, rhs = selected
+        if "scales" in layer and indices.size < QMM_PAIRS_PER_EXPERT * chosen.size:
+            # Each expert serves about one pair (a small block, one token): one-row products,
+            # where MLX's own gather_qmm reads the packed weight once and beats widening it
+            # (a 256 x 512 x 2048 4-bit layer against float32 gather_mm: 1.55x / 2.08x widened at
+            # 1 row, 1.91x / 2.12x at 4, 1.74x / 2.36x at 8, 1.88x / 2.04x at 16; 1.99x / 1.88x
+            # at 32 rows, 256 pairs over 170 experts). Its output is float32 for float32 input.
+            return QuantizedSwitchLinear.__call__(layer, x, indices, sorted_indices)
         pieces = _layer_pieces(layer, experts=chosen)
     y = None
     for xp, wp in zip(_columns(x, len(pieces)), pieces):
