@@ -35,12 +35,14 @@ One checkpoint at a time, each phase in its own subprocess so that each peak is 
    load) against weights + the K/V the layout needs in theory (2 x layers x kv_heads x head_dim x
    bytes x (prompt + max_tokens), bytes of the activations' dtype) + one block's float32 logits,
    and the largest logits any forward returned (rows x vocabulary) against the full canvas.
-5. mlx-vlm (LLaDA2.x, Nemotron), in the generate process: mlx-vlm's model built from the same
-   config and given the same 4-bit arrays (no copy: the arrays are shared); one block decoded by
-   each at temperature 0 with the same sampler, alternating runs: tok/s ratio and whether the
-   tokens agree. mlx-vlm's layers are put on the same CPU matmul path as ours when ours is on it
-   (cpu_layers' variants; its own QuantizedSwitchLinear is given ours' class), else a 4-bit matmul
-   on this CPU would be compared with a float32 one.
+5. mlx-vlm (LLaDA2.x, Nemotron), in a process of its own after generate (its JSON line apart, so
+   that a run killed there, e.g. by the OOM killer on a shared machine, keeps the generation
+   rows; `run --prompts` with no lengths measures this phase only): mlx-vlm's model built from
+   the same config and given the same 4-bit arrays (no copy: the arrays are shared); one block
+   decoded by each at temperature 0 with the same sampler, alternating runs: tok/s ratio and
+   whether the tokens agree. mlx-vlm's layers are put on the same CPU matmul path as ours when
+   ours is on it (cpu_layers' variants; its own QuantizedSwitchLinear is given ours' class), else
+   a 4-bit matmul on this CPU would be compared with a float32 one.
 
 Run with OpenBLAS preloaded (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3),
 as the other benchmarks here: float32 matmuls are about 10x faster with it on this CPU.
@@ -604,14 +606,11 @@ def decode_steps(model, tok, prompt, settings, steps):
     )
 
 
-def phase_generate(out, key, prompts, steps, vlm_pairs):
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_flatten
-
+def _load_ours(out):
+    """mlx_dllm_models.load, and how many layers it put on the CPU's float32-matmul path with
+    what one forward then holds widened."""
     from mlx_dllm_models import load
 
-    base = _rss()[0]
     model, tok = load(str(out))
     try:
         from mlx_dllm_models.models import cpu_layers
@@ -620,6 +619,16 @@ def phase_generate(out, key, prompts, steps, vlm_pairs):
         widened = cpu_layers.widened_bytes(model) if swapped else 0
     except ImportError:
         swapped, widened = None, 0
+    return model, tok, swapped, widened
+
+
+def phase_generate(out, key, prompts, steps):
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    base = _rss()[0]
+    model, tok, swapped, widened = _load_ours(out)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     layers, kv_heads, head_dim = _kv_dims(model)
     vocab = _vocab(model)
@@ -665,9 +674,13 @@ def phase_generate(out, key, prompts, steps, vlm_pairs):
         rss_peak=_rss()[1],
         rows=rows,
     )
-    if vlm_pairs and CHECKPOINTS[key].get("vlm"):
-        result["vlm"] = versus_vlm(model, tok, out, vlm_pairs, bool(swapped))
     return result
+
+
+def phase_vlm(out, key, pairs):
+    model, tok, swapped, _ = _load_ours(out)
+    result = versus_vlm(model, tok, out, pairs, bool(swapped))
+    return dict(phase="vlm", key=key, rss_peak=_rss()[1], **result)
 
 
 # --------------------------------------------------------------------------------- mlx-vlm
@@ -855,8 +868,10 @@ def run(key, work, prompts, steps, vlm_pairs, keep="none"):
             if keep != "all":
                 shutil.rmtree(ckpt)
             _child(["_load", out], log)
-        args = ["_generate", out, key, "--steps", steps, "--vlm-pairs", vlm_pairs]
-        _child(args + ["--prompts", *prompts], log)
+        if prompts:
+            _child(["_generate", out, key, "--steps", steps, "--prompts", *prompts], log)
+        if vlm_pairs and CHECKPOINTS[key].get("vlm"):
+            _child(["_vlm", out, key, "--pairs", vlm_pairs], log)
     finally:
         with open(log, "a") as f:
             f.write(json.dumps(dict(phase="end", key=key, loadavg=os.getloadavg())) + "\n")
@@ -943,7 +958,8 @@ def table(files):
     )
     print("|---|---|---:|---:|---:|---:|---|")
     for key, r in recs.items():
-        v = (r.get("generate") or {}).get("vlm")
+        # Older results files carry it inside the generate record.
+        v = r.get("vlm") or (r.get("generate") or {}).get("vlm")
         if not v:
             continue
         print(
@@ -961,7 +977,8 @@ def main():
     r = sub.add_parser("run")
     r.add_argument("key", choices=CHECKPOINTS)
     r.add_argument("--work", default="/tmp/bench_real_shapes")
-    r.add_argument("--prompts", nargs="+", type=int, default=[512])
+    # No lengths: no generate phase (with --keep 4bit, the mlx-vlm side-by-side alone).
+    r.add_argument("--prompts", nargs="*", type=int, default=[512])
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--vlm-pairs", type=int, default=2)
     r.add_argument("--keep", choices=("none", "4bit", "all"), default="none")
@@ -984,7 +1001,10 @@ def main():
     p.add_argument("key")
     p.add_argument("--prompts", nargs="+", type=int, default=[512])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--vlm-pairs", type=int, default=0)
+    p = sub.add_parser("_vlm")
+    p.add_argument("out")
+    p.add_argument("key")
+    p.add_argument("--pairs", type=int, default=2)
     args = ap.parse_args()
 
     if args.cmd == "list":
@@ -1006,8 +1026,10 @@ def main():
         res = phase_convert(args.ckpt, args.out)
     elif args.cmd == "_load":
         res = phase_load(args.out)
+    elif args.cmd == "_generate":
+        res = phase_generate(args.out, args.key, args.prompts, args.steps)
     else:
-        res = phase_generate(args.out, args.key, args.prompts, args.steps, args.vlm_pairs)
+        res = phase_vlm(args.out, args.key, args.pairs)
     print(json.dumps(res, default=str), flush=True)
 
 
