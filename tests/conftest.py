@@ -242,11 +242,13 @@ def cut_at_eos(tokens, eos):
 
 def read_pty(fd, pid, timeout=120):
     """Everything a child on a pseudo-terminal writes until it closes the terminal, decoded;
-    reaps the child."""
+    reaps the child (killed first if it wrote nothing for `timeout` seconds: a hung child fails
+    its test instead of holding the suite)."""
     out = b""
     while True:
         ready, _, _ = select.select([fd], [], [], timeout)
         if not ready:
+            os.kill(pid, 9)
             break
         try:
             data = os.read(fd, 65536)
