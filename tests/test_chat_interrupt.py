@@ -15,7 +15,7 @@ import pytest
 
 from conftest import read_pty
 from fixtures import sdar as sdar_fx
-from mlx_dllm_models import chat, load
+from mlx_dllm_models import chat, generate_diffusion, load
 from mlx_dllm_models.chat import INTERRUPTED, ChatSession, chat_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +78,12 @@ def test_ctrl_c_on_a_terminal(sdar):
     """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
     command at the prompt that follows, then ^C at the prompt."""
     args = ["chat", "--model", str(sdar), "--max-tokens", "440", "--block-length", "4"]
+    # MLX builds each fused CPU kernel with the system compiler at its first use on a machine
+    # ($TMPDIR/mlx, which the child shares): a ^C that lands during such a build goes to the
+    # compiler too and is lost to the chat (a cold CI cache hit it). A reply here first builds
+    # the kernels the chat's decoding uses, so the test's ^C lands in decoding.
+    model, tokenizer = load(sdar)
+    generate_diffusion(model, tokenizer, "hi", max_tokens=8, block_length=4)
     pid, fd = pty.fork()
     if pid == 0:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
