@@ -79,9 +79,9 @@ def test_ctrl_c_on_a_terminal(sdar):
     command at the prompt that follows, then ^C at the prompt."""
     args = ["chat", "--model", str(sdar), "--max-tokens", "440", "--block-length", "4"]
     # MLX builds each fused CPU kernel with the system compiler at its first use on a machine
-    # ($TMPDIR/mlx, which the child shares): a ^C that lands during such a build goes to the
-    # compiler too and is lost to the chat (a cold CI cache hit it). A reply here first builds
-    # the kernels the chat's decoding uses, so the test's ^C lands in decoding.
+    # ($TMPDIR/mlx, which the child shares), and a ^C during such a build would reach the compiler
+    # too. A reply here first builds the kernels the chat's decoding uses, so the test's ^C lands
+    # in decoding. (This was a guess at the lost ^C below; the loss recurred with them built.)
     model, tokenizer = load(sdar)
     generate_diffusion(model, tokenizer, "hi", max_tokens=8, block_length=4)
     pid, fd = pty.fork()
