@@ -15,7 +15,7 @@ import pytest
 
 from conftest import read_pty
 from fixtures import sdar as sdar_fx
-from mlx_dllm_models import chat, generate_diffusion, load
+from mlx_dllm_models import chat, load
 from mlx_dllm_models.chat import INTERRUPTED, ChatSession, chat_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,6 @@ def test_ctrl_c_on_a_terminal(sdar):
     """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
     command at the prompt that follows, then ^C at the prompt."""
     args = ["chat", "--model", str(sdar), "--max-tokens", "440", "--block-length", "4"]
-    # MLX builds each fused CPU kernel with the system compiler at its first use on a machine
-    # ($TMPDIR/mlx, which the child shares), and a ^C during such a build would reach the compiler
-    # too. A reply here first builds the kernels the chat's decoding uses, so the test's ^C lands
-    # in decoding. (This was a guess at the lost ^C below; the loss recurred with them built.)
-    model, tokenizer = load(sdar)
-    generate_diffusion(model, tokenizer, "hi", max_tokens=8, block_length=4)
     pid, fd = pty.fork()
     if pid == 0:
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -107,15 +101,6 @@ def test_ctrl_c_on_a_terminal(sdar):
     os.write(fd, b"tell me a long story\n")
     until(lambda o: "░".encode() in o.partition(b"tell me a long story")[2])
     os.write(fd, b"\x03")  # the terminal sends SIGINT to the chat
-    # In 2 of 3 full runs of the suite on a quiet machine one ^C during decoding was not acted on
-    # (the reply ran to its end; alone the test passes; cause not found): pressed again, as a
-    # person would, while the chat shows no prompt.
-    for _ in range(10):
-        try:
-            until(lambda o: o.count(b">> ") == 2, timeout=5)
-            break
-        except AssertionError:
-            os.write(fd, b"\x03")
     until(lambda o: o.count(b">> ") == 2)
     os.write(fd, b"/reset\n")
     until(lambda o: o.count(b">> ") == 3)
