@@ -102,6 +102,9 @@ CHECKPOINTS = {
     "llada-8b": dict(data="GSAI-ML__LLaDA-8B-Instruct"),
     "nemotron-8b": dict(data="nvidia__Nemotron-Labs-Diffusion-8B", fixture="nemotron", vlm=True),
     "sdar-30b-a3b": dict(data="JetLM__SDAR-30B-A3B-Chat"),
+    # A reconstructed config (tests/data/README.md); the names are its modeling code's, as
+    # tests/fixtures/llada.py writes them.
+    "llada-moe-7b-a1b": dict(data="inclusionAI__LLaDA-MoE-7B-A1B-Instruct", names="llada_moe"),
     "diffusiongemma-26b-a4b": dict(data="google__diffusiongemma-26B-A4B-it"),
 }
 
@@ -187,7 +190,24 @@ def hf_names(key, cfg):
             names,
             "tests/fixtures/nemotron.py's names over the real layer count (no index found)",
         )
+    if entry.get("names") == "llada_moe":
+        return _llada_moe_names(cfg), "LLaDA-MoE's modeling code's names (no index found)"
     raise SystemExit(f"{key}: no weight names (no index in tests/data, no fixture names)")
+
+
+def _llada_moe_names(cfg):
+    """LLaDA-MoE's weight names (tests/fixtures/llada.py's, over the real layers): q/k norms, a
+    router `mlp.gate` and unstacked experts in its MoE layers, a dense MLP elsewhere."""
+    names = ["model.embed_tokens.weight"]
+    attention = "q_proj k_proj v_proj o_proj q_norm k_norm".split()
+    for i, moe in enumerate(cfg["moe_layer_freq"]):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{n}.weight" for n in attention]
+        mlps = [f"{p}mlp.experts.{e}." for e in range(cfg["num_experts"])] if moe else [p + "mlp."]
+        names += [p + "mlp.gate.weight"] if moe else []
+        names += [f"{q}{n}.weight" for q in mlps for n in ("gate_proj", "up_proj", "down_proj")]
+    return names + ["model.norm.weight", "lm_head.weight"]
 
 
 def hf_shapes(module, model, names):
