@@ -281,6 +281,32 @@ def test_expert_gather_widens_only_the_selected_experts(bits, monkeypatch):
     assert widened == [sorted(np.unique(np.array(idx)).tolist())] * 3
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_many_pairs_an_expert_multiply_expert_by_expert(bits, monkeypatch):
+    """160 sorted pairs over 10 experts (16 an expert, as in a prefill or a full-recompute
+    forward) run one BLAS matmul per expert and no gather_mm (MLX's CPU gather_mm multiplies
+    pair by pair: 3.5-5.4x slower at 72 pairs an expert), within float32 rounding of the upcast;
+    80 sorted pairs at 5 an expert keep gather_mm."""
+    glu, reference = _switch_glu(bits)
+    use_float32_matmuls(glu)
+    x = mx.random.normal((1, 40, 64))
+    idx = mx.random.randint(0, 10, (1, 40, 4)).astype(mx.uint32)
+    few = mx.random.randint(0, 16, (1, 20, 4)).astype(mx.uint32)
+    want = reference(x, idx)
+    mx.eval(want, few)
+    calls = []
+    gather_mm = mx.gather_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("sorted_indices"))
+        return gather_mm(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "gather_mm", spy)
+    assert _rel(glu(x, idx), want) < 1e-5 and calls == []
+    mx.eval(glu(x[:, :20], few))
+    assert calls and all(calls)
+
+
 def test_widened_weights_do_not_accumulate():
     """A forward holds the widened weights of the layers MLX has scheduled ahead (its CPU
     scheduler runs about a hundred ops ahead of the computation: some 25 layers of this bare chain
