@@ -188,3 +188,43 @@ def test_backends_that_draw_for_the_batch_keep_seeds_apart(fixture_dir):
         model, tok = load(build_once(Path(fixture_dir) / f"invariance_{name}", build))
         request = prepare(model, tok, ["hi"], dict(max_tokens=8, temperature=0.5))
         assert join_policy(request.spec, request.settings).row_seeds is own, name
+
+
+MOE = ("diffusion_gemma", "llada2_moe", "llada_moe", "sdar_moe")
+
+
+@pytest.mark.parametrize("form", ["bf16", "q4"])
+@pytest.mark.parametrize("name", MOE)
+def test_narrow_moe_rows_equal_single_runs_on_the_cpu_path(name, form, fixture_dir, monkeypatch):
+    """The MoE families in bfloat16 and 4 bits on the CPU's float32 path (models/cpu_layers.py),
+    where an expert gather runs expert by expert once its sorted pairs are many an expert: a
+    batch's gathers take that path where a row alone may not (or the other way round), and each
+    row still gets its tokens alone."""
+    from test_cpu_dtypes import narrow
+
+    from mlx_dllm_models.models import cpu_layers
+
+    path = build_once(Path(fixture_dir) / f"invariance_{name}", BUILDERS[name])
+    model, tok = load(path)
+    narrow(model, form)
+    assert cpu_layers.use_float32_matmuls(model) > 0
+    grouped = []
+    original = cpu_layers._grouped
+
+    def spy(x, pieces, rhs):
+        grouped.append(rhs.size)
+        return original(x, pieces, rhs)
+
+    monkeypatch.setattr(cpu_layers, "_grouped", spy)
+    chat = text_tokenizer(tok)
+    prompts = [
+        chat.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in QUESTIONS
+    ]
+    alone = [batch_generate_diffusion(model, tok, [p], max_tokens=MAX_TOKENS) for p in prompts]
+    batch = batch_generate_diffusion(model, tok, prompts, max_tokens=MAX_TOKENS)
+    for row, single in enumerate(alone):
+        assert batch.tokens[row] == single.tokens[0], f"{name} {form}: row {row} differs"
+    assert grouped, "no gather ran expert by expert: the test shows nothing"
