@@ -197,8 +197,8 @@ def _host(indices):
 def _grouped(x, pieces, rhs):
     """gather_mm of sorted pairs (x: (pairs, 1, columns), rhs: their experts on the host, in
     order) as one BLAS matmul per run of pairs of the same expert. MLX's CPU gather_mm multiplies
-    pair by pair: 4,608 pairs over 64 experts (a 576-token LLaDA-MoE forward, 2,048 -> 1,024)
-    took 13-15 s against 0.4-0.5 s for these 64 matmuls."""
+    pair by pair: at 72 pairs an expert (64 experts, 2,048 -> 1,024) this is 3.5-3.9x faster in
+    bf16 and 4.8-5.4x in 4 bits, and a 576-token LLaDA-MoE-7B-A1B forward took 36 s, not 166."""
     rhs = rhs.astype(np.int64)
     starts = np.flatnonzero(np.diff(rhs, prepend=-1))
     ends = np.append(starts[1:], rhs.size)
