@@ -243,9 +243,8 @@ def test_a_few_steps_lower_the_loss(family, tmp_path):
 def test_lora_trains_only_the_adapters(tmp_path):
     model, tok = load_fixture(build_llada(tmp_path / "llada"))
     base = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-    mx.random.seed(
-        0
-    )  # the adapters' initial draw, not whatever earlier tests left in the generator
+    # The adapters' initial draw, not whatever earlier tests left in the generator.
+    mx.random.seed(0)
     apply_lora(model, rank=4, scale=10.0)
     trainable = [k for k, _ in tree_flatten(model.trainable_parameters())]
     assert trainable and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in trainable)

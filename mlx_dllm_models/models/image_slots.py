@@ -30,10 +30,14 @@ class SlotStore:
         self.base = 0  # the slot of features[0]'s first row
         self.table = None  # features concatenated: built once per change, not every forward
 
+    @property
+    def stored_rows(self) -> int:
+        return sum(f.shape[0] for f in self.features)
+
     def add(self, features: mx.array) -> List[int]:
         """Ids that stand for one image's features (n, H); the oldest images go past `limit`."""
         mx.eval(features)
-        stored = sum(f.shape[0] for f in self.features)
+        stored = self.stored_rows
         while self.features and stored + features.shape[0] > self.limit:
             dropped = self.features.pop(0)
             self.base += dropped.shape[0]
@@ -48,7 +52,7 @@ class SlotStore:
         no stored row (never given, or dropped since) are not, so a request's check refuses them
         before decoding."""
         first = self.vocab_size + self.base
-        return first <= token_id < first + sum(f.shape[0] for f in self.features)
+        return first <= token_id < first + self.stored_rows
 
     def embed(self, embed_tokens, inputs: mx.array) -> mx.array:
         """Token embeddings of `inputs`, with image ids read from the stored features."""
