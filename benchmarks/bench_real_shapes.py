@@ -191,23 +191,10 @@ def hf_names(key, cfg):
             "tests/fixtures/nemotron.py's names over the real layer count (no index found)",
         )
     if entry.get("names") == "llada_moe":
-        return _llada_moe_names(cfg), "LLaDA-MoE's modeling code's names (no index found)"
+        from fixtures.llada import llada_moe_names
+
+        return llada_moe_names(cfg), "LLaDA-MoE's modeling code's names (no index found)"
     raise SystemExit(f"{key}: no weight names (no index in tests/data, no fixture names)")
-
-
-def _llada_moe_names(cfg):
-    """LLaDA-MoE's weight names (tests/fixtures/llada.py's, over the real layers): q/k norms, a
-    router `mlp.gate` and unstacked experts in its MoE layers, a dense MLP elsewhere."""
-    names = ["model.embed_tokens.weight"]
-    attention = "q_proj k_proj v_proj o_proj q_norm k_norm".split()
-    for i, moe in enumerate(cfg["moe_layer_freq"]):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{n}.weight" for n in attention]
-        mlps = [f"{p}mlp.experts.{e}." for e in range(cfg["num_experts"])] if moe else [p + "mlp."]
-        names += [p + "mlp.gate.weight"] if moe else []
-        names += [f"{q}{n}.weight" for q in mlps for n in ("gate_proj", "up_proj", "down_proj")]
-    return names + ["model.norm.weight", "lm_head.weight"]
 
 
 def hf_shapes(module, model, names):

@@ -44,6 +44,7 @@ from mlx.utils import tree_flatten
 from test_real_configs import hf_shape
 
 from conftest import parity
+from fixtures.llada import llada_moe_names
 from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
 from mlx_dllm_models.registry import MODEL_TYPES
 
@@ -365,28 +366,8 @@ def _llada_moe(tmp):
         "expert_intermediate_size": NARROW,
     }
     config = _config("inclusionAI__LLaDA-MoE-7B-A1B-Instruct", overrides)
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    layer = "model.layers.0"
-    shapes = {
-        embed[0]: (vocab, hidden),
-        embed[1]: (vocab, hidden),
-        "model.norm.weight": (hidden,),
-        f"{layer}.input_layernorm.weight": (hidden,),
-        f"{layer}.post_attention_layernorm.weight": (hidden,),
-        f"{layer}.self_attn.q_proj.weight": (hidden, hidden),
-        f"{layer}.self_attn.k_proj.weight": (kv, hidden),
-        f"{layer}.self_attn.v_proj.weight": (kv, hidden),
-        f"{layer}.self_attn.o_proj.weight": (hidden, hidden),
-        f"{layer}.self_attn.q_norm.weight": (head_dim,),
-        f"{layer}.self_attn.k_norm.weight": (head_dim,),
-        f"{layer}.mlp.gate.weight": (config["num_experts"], hidden),
-    }
-    for e in range(config["num_experts"]):
-        for name, shape in (("gate_proj", (NARROW, hidden)), ("up_proj", (NARROW, hidden))):
-            shapes[f"{layer}.mlp.experts.{e}.{name}.weight"] = shape
-        shapes[f"{layer}.mlp.experts.{e}.down_proj.weight"] = (hidden, NARROW)
+    expected = _mlx_shapes(config)
+    shapes = {n: hf_shape(n, expected, lambda k: k) for n in llada_moe_names(config)}
     tensors = _random_tensors(shapes, np.random.default_rng(0), HEAD, embed, 156895)
     return _write(tmp / "hf", config, tensors, tokens, roles), config
 
