@@ -69,13 +69,42 @@ def test_trace_of_every_family(name, fixture_dir, tmp_path):
     assert "<script src" not in html and "<link" not in html
 
 
-def test_a_masked_decoder_reports_the_confidence_it_commits_with(fixture_dir, tmp_path):
+@pytest.mark.parametrize("name", ["llada", "diffusion_gemma", "wedlm"])
+def test_the_decoders_report_the_confidence_they_commit_with(name, fixture_dir, tmp_path):
+    """Masked, canvas and window decoding: every position a step commits has the confidence
+    that step gave it."""
+    path = build_once(fixture_dir / name, all_checkpoints()[name])
+    responses, data = traced(path, tmp_path / "trace.html")
+    news = 0
+    for s in data["steps"]:
+        fresh = [p for p, k in enumerate(s["kind"]) if KINDS[k] in ("new", "edited")]
+        news += len(fresh)
+        assert all(s["conf"][p] is not None for p in fresh), s
+    assert news > 0
+
+
+def test_step_events_carry_confidence_only_when_asked(fixture_dir):
+    from mlx_dllm_models.engine import StepEvent
+    from mlx_dllm_models.generate import stream_events
+
+    model, tok = load(str(build_once(fixture_dir / "llada", all_checkpoints()["llada"])))
+    for asked in (False, True):
+        _, ids, decoder = stream_events(model, tok, ["hi"], max_tokens=8)
+        decoder.step_confidence = asked
+        steps = [e for e in decoder.run(ids) if isinstance(e, StepEvent)]
+        assert steps and all((e.confidence is not None) == asked for e in steps)
+        if asked:
+            e = steps[0]
+            assert e.confidence.shape == e.generated.shape
+            values = np.array(e.confidence)
+            lo, hi = e.block
+            assert np.isfinite(values[:, lo:hi]).all() and not np.isfinite(values[:, hi:]).any()
+
+
+def test_a_masked_decoder_commits_within_its_block(fixture_dir, tmp_path):
     path = build_once(fixture_dir / "llada", all_checkpoints()["llada"])
     out = tmp_path / "llada.html"
     responses, data = traced(path, out, block_length=4, steps=4)
-    for s in data["steps"]:
-        fresh = [p for p, k in enumerate(s["kind"]) if KINDS[k] == "new"]
-        assert fresh and all(s["conf"][p] is not None for p in fresh)
     # Two blocks, one step a block's quarter: each step's block is where its new tokens are.
     blocks = [tuple(s["block"]) for s in data["steps"]]
     assert blocks[0] == (0, 4) and blocks[-1] == (4, 8)

@@ -14,9 +14,10 @@ from ..errors import CheckpointError
 @dataclass
 class StepEvent:
     """One denoising step: the current generated region of every active row (masks included).
-    `confidence` (same shape as `generated`, float32, lazy; None where a decoder keeps none): the
-    step's confidence in its proposal at each position of its window, NaN elsewhere (read at the
-    positions the step commits, it is the confidence they were committed with)."""
+    `confidence` (same shape as `generated`, float32, lazy): the step's confidence in its
+    proposal at each position of its window, NaN elsewhere (read at the positions the step
+    commits, it is the confidence they were committed with); None unless the decoder's
+    `step_confidence` is set (the masked, canvas and WeDLM decoders have one)."""
 
     rows: List[int]
     generated: mx.array  # (B, max_tokens), lazy: only evaluated by a consumer that looks

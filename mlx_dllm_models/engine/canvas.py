@@ -152,6 +152,9 @@ class CanvasDecoder:
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next denoising step.
     drops_cancelled_rows = True
+    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
+    # statistic would hold the step's logits alive into the next forward.
+    step_confidence = False
 
     def __init__(
         self,
@@ -354,7 +357,7 @@ class CanvasDecoder:
             generated = mx.concatenate([batch.before, st.argmax], axis=1)
             start = batch.before.shape[1]
             span = (start, start + length)
-            conf = placed(st.confidence, start, start + length)
+            conf = None if st.confidence is None else placed(st.confidence, start, start + length)
             yield CanvasStepEvent(list(batch.rows), generated, span, self.nfe, conf, pending)
             if all(st.done):
                 break
@@ -384,7 +387,8 @@ class CanvasDecoder:
             everywhere = mx.ones(st.canvas.shape, dtype=mx.bool_)
             accept = keep = entropy_commit(stats.entropy, everywhere, s["entropy_bound"])
         accepted = mx.where(accept, stats.sample, st.canvas)
-        st.confidence = stats.confidence
+        if self.step_confidence:
+            st.confidence = stats.confidence
         fresh = self._draw(self.noise.ids, rows, st.done, length, vocab)
         new_canvas = renoise(accepted, keep, fresh)
         new_argmax, processed = stats.argmax, stats.processed

@@ -134,6 +134,9 @@ class MaskedBlockDecoder:
     # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
     # joins).
     drops_cancelled_rows = True
+    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
+    # statistic would hold the step's logits alive into the next forward.
+    step_confidence = False
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
     # Every draw (temperature, Dream's alg_temp, random remasking) comes from a stream per row,
@@ -311,7 +314,9 @@ class MaskedBlockDecoder:
             self._step(batch, blk, step)
             # The view ends at max_tokens: decoded positions past it are never returned.
             view = batch.x[:, first : max(batch.layout.ends)]
-            conf = placed(blk.confidence, blk.lo - first, view.shape[1])
+            conf = None
+            if blk.confidence is not None:
+                conf = placed(blk.confidence, blk.lo - first, view.shape[1])
             yield StepEvent(batch.rows, view, (start - first, stop - first), self.nfe, conf)
         return self._close_block(batch, blk)
 
@@ -385,8 +390,9 @@ class MaskedBlockDecoder:
             confidence_suppress_ids=self.confidence_suppressed,
         )
         commit, x0, reopen = self._commit(stats, blk, step, k_rule, idx)
-        blk.confidence = stats.confidence
-        if idx is not None:  # the rows the forward skipped have no statistic this step
+        if self.step_confidence:
+            blk.confidence = stats.confidence
+        if self.step_confidence and idx is not None:  # the rows the forward skipped have none
             blk.confidence = mx.full(blk.cand.shape, float("nan"), dtype=mx.float32)
             blk.confidence[idx] = stats.confidence.astype(mx.float32)
         current = batch.x[:, blk.lo : blk.stop]
