@@ -136,6 +136,19 @@ def test_re_masked_positions_show_as_such(fixture_dir, tmp_path):
     assert "remasked" in kinds
 
 
+def test_edited_positions_show_as_such(fixture_dir, tmp_path):
+    """LLaDA2.1's token editing rewrites committed tokens: those steps mark them edited, with the
+    confidence of the edit."""
+    path = build_once(fixture_dir / "llada2_moe", all_checkpoints()["llada2_moe"])
+    out = tmp_path / "edit.html"
+    responses, data = traced(path, out, max_tokens=16, editing_mode="quality")
+    check_record(responses, data, out.with_suffix(".svg"))
+    edited = [
+        (s, p) for s in data["steps"] for p, k in enumerate(s["kind"]) if KINDS[k] == "edited"
+    ]
+    assert edited and all(s["conf"][p] is not None for s, p in edited)
+
+
 def test_the_uniform_noise_canvas_marks_unaccepted_positions(fixture_dir, tmp_path):
     path = build_once(fixture_dir / "diffusion_gemma", all_checkpoints()["diffusion_gemma"])
     out = tmp_path / "canvas.html"
@@ -146,24 +159,36 @@ def test_the_uniform_noise_canvas_marks_unaccepted_positions(fixture_dir, tmp_pa
     assert all(KINDS[k] != "masked" for k in data["steps"][-1]["kind"])
 
 
-def test_an_image_in_the_prompt_is_one_placeholder(fixture_dir, tmp_path):
-    from fixtures.llada_v import build_llada_v
+VISION = ["diffusion_gemma", "dimple", "lavida", "lavida_dream", "llada_v", "nemotron_vlm"]
 
-    path = build_once(fixture_dir / "llada_v", build_llada_v)
+
+@pytest.mark.parametrize("name", VISION)
+def test_images_in_the_prompt_are_placeholders(name, fixture_dir, tmp_path):
+    """A prompt's image ids (past the vocabulary, or the image token) show as placeholders, one
+    per run of them; the prompt's text around them stays."""
+    path = build_once(fixture_dir / name, all_checkpoints()[name])
     rng = np.random.default_rng(0)
     image = Image.fromarray((rng.random((40, 70, 3)) * 255).astype(np.uint8))
     out = tmp_path / "image.html"
     model, processor = load(str(path))
     responses = list(
         stream_generate_diffusion(
-            model, processor, "<image>What is it?", image=image, trace=out, **SETTINGS
+            model, processor, "What is it?", image=image, trace=out, **SETTINGS
         )
     )
     data = embedded_data(out.read_text(encoding="utf-8"))
     check_record(responses, data, out.with_suffix(".svg"))
-    images = [seg for seg in data["prompt"] if "image" in seg]
-    assert len(images) == 1 and images[0]["image"] > 0
+    images = [seg["image"] for seg in data["prompt"] if "image" in seg]
+    assert images and all(n > 0 for n in images)
     assert "What is it?" in "".join(seg.get("text", "") for seg in data["prompt"])
+    assert sum(images) < len(model_prompt_ids(model, processor, image))
+
+
+def model_prompt_ids(model, processor, image):
+    from mlx_dllm_models.generate import stream_events
+
+    _, ids, _ = stream_events(model, processor, ["What is it?"], images=[image], **SETTINGS)
+    return ids[0]
 
 
 def test_generate_trace_flag_writes_page_and_still(fixture_dir, tmp_path, capsys):
