@@ -63,6 +63,7 @@ class TraceRecorder:
         self.title = {
             "family": getattr(getattr(model, "args", None), "model_type", type(model).__module__),
             "decoder": type(decoder).__name__,
+            "mode": settings.get("mode"),
             "sampler": settings.get("sampler"),
             "steps": settings.get("steps"),
             "block_length": settings.get("block_length"),

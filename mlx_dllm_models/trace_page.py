@@ -155,6 +155,7 @@ const play = document.getElementById("play");
 const eos = new Set(D.eos);
 const t = D.title;
 document.getElementById("meta").textContent = [t.family, t.decoder,
+  t.mode ? "mode " + t.mode : null,
   t.sampler ? "sampler " + t.sampler : null, t.steps ? "steps " + t.steps : null,
   t.block_length ? "block_length " + t.block_length : null, "max_tokens " + t.max_tokens,
   D.steps.length + " recorded steps", D.nfe + " forwards"].filter(Boolean).join(" \\u00b7 ");
