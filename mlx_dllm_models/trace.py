@@ -89,7 +89,10 @@ class TraceRecorder:
                 span = (len(self.tokens), len(ids))
                 filler = [self.mask_id if self.mask_id is not None else -1] * todo
                 masked = [False] * len(ids) + [True] * todo
-                self.steps.append(TraceStep(event.nfe, span, ids + filler, masked))
+                conf = None
+                if event.confidence is not None:
+                    conf = [None] * len(self.tokens) + list(event.confidence[row]) + [None] * todo
+                self.steps.append(TraceStep(event.nfe, span, ids + filler, masked, conf))
             else:
                 self.read_out()
             self.tokens += new

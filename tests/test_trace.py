@@ -2,6 +2,7 @@
 the run's steps, tokens and forwards, the SVG still parses; self-speculation, re-masking and an
 image in the prompt show as such; the page replays in a real headless browser."""
 
+import math
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -68,12 +69,15 @@ def test_trace_of_every_family(name, fixture_dir, tmp_path):
     assert "<script src" not in html and "<link" not in html
 
 
-@pytest.mark.parametrize("name", ["llada", "diffusion_gemma", "wedlm"])
-def test_the_decoders_report_the_confidence_they_commit_with(name, fixture_dir, tmp_path):
-    """Masked, canvas and window decoding: every position a step commits has the confidence
-    that step gave it."""
+@pytest.mark.parametrize(
+    "name, settings",
+    [("llada", {}), ("diffusion_gemma", {}), ("wedlm", {}), ("nemotron", {"mode": "self_spec"})],
+)
+def test_the_decoders_report_the_confidence_they_commit_with(name, settings, fixture_dir, tmp_path):
+    """Masked, canvas, window decoding and self-speculation: every position a step commits has
+    the confidence that step gave it."""
     path = build_once(fixture_dir / name, all_checkpoints()[name])
-    responses, data = traced(path, tmp_path / "trace.html")
+    responses, data = traced(path, tmp_path / "trace.html", **settings)
     news = 0
     for s in data["steps"]:
         fresh = [p for p, k in enumerate(s["kind"]) if KINDS[k] in ("new", "edited")]
@@ -115,14 +119,19 @@ def test_a_masked_decoder_commits_within_its_block(fixture_dir, tmp_path):
 def test_self_speculation_records_a_step_a_round(fixture_dir, tmp_path):
     path = build_once(fixture_dir / "nemotron", all_checkpoints()["nemotron"])
     out = tmp_path / "self_spec.html"
-    responses, data = traced(path, out, mode="self_spec")
+    responses, data = traced(path, out, mode="self_spec", logprobs=1)
     check_record(responses, data, out.with_suffix(".svg"))
     assert data["title"]["decoder"] == "SelfSpeculativeDecoder"
-    # Each round's step holds the tokens confirmed so far, then the positions still to come.
+    # Each round's step holds the tokens confirmed so far, then the positions still to come; a
+    # token's confidence is its probability, which the logprobs setting reports as a log.
     sofar = []
     for s, r in zip(data["steps"], responses):
+        start = len(sofar)
         sofar += r.tokens
         assert s["ids"][: len(sofar)] == sofar
+        assert all(KINDS[k] == "masked" for k in s["kind"][len(sofar) :])
+        for p, entry in enumerate(r.logprobs, start):
+            assert s["conf"][p] == pytest.approx(math.exp(entry.logprob), abs=2e-4)
 
 
 def test_re_masked_positions_show_as_such(fixture_dir, tmp_path):

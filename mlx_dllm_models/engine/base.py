@@ -44,7 +44,9 @@ class BlockEvent:
     """A block was committed. `tokens[i]` are row `rows[i]`'s new tokens (cut before its EOS);
     `eos[i]` says the row met an EOS in this block; `finished[i]` that the row is done (EOS, or
     max_tokens reached); `logprobs[i]` (with the `logprobs` setting, else None) one TokenLogprob
-    per token of `tokens[i]`."""
+    per token of `tokens[i]`. `confidence[i]` (a decoder that yields no StepEvent, with its
+    `step_confidence` set: self-speculation; else None): each token's probability under the
+    forward row that confirmed it."""
 
     rows: List[int]
     tokens: List[List[int]]
@@ -52,6 +54,7 @@ class BlockEvent:
     finished: List[bool]
     nfe: int
     logprobs: Optional[List[List[TokenLogprob]]] = None
+    confidence: Optional[List[List[float]]] = None
 
 
 def block_event(
