@@ -93,6 +93,13 @@ def generate_parser():
         metavar="PATH",
         help="an image for the prompt (repeatable; checkpoints with a vision tower)",
     )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="OUT.html",
+        help="write a page replaying the decoding step by step to OUT.html, and the final "
+        "order of commitment to OUT.svg beside it",
+    )
     add_setting_flags(p)
     return p
 
@@ -202,7 +209,12 @@ def generate_main(argv):
 
     text, last = "", None
     entries = []
-    for last in responses(decoder, ids, tokenizer, on_step=on_step):
+    trace = None
+    if args.trace is not None:
+        from .trace import TraceRecorder
+
+        trace = TraceRecorder(model, tokenizer, ids[0], s, decoder, args.trace)
+    for last in responses(decoder, ids, tokenizer, on_step=on_step, trace=trace):
         text += last.text
         entries += last.logprobs or []
         if view is None:
@@ -216,6 +228,8 @@ def generate_main(argv):
     if args.verbose:
         print("=" * 10)
         print(stats_line(last))
+    if trace is not None and args.verbose:  # on stderr: standard output stays the text
+        print(f"Trace: {trace.path} and {trace.path.with_suffix('.svg')}", file=sys.stderr)
     return 0
 
 

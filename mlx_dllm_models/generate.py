@@ -65,11 +65,13 @@ def stream_events(
 
 
 def stream_generate_diffusion(
-    model, tokenizer, prompt: Prompt, image=None, suffix=None, **settings
+    model, tokenizer, prompt: Prompt, image=None, suffix=None, trace=None, **settings
 ) -> Iterator[DiffusionResponse]:
     """Yield a DiffusionResponse each time a block (a canvas) is committed, as it happens.
     `image`: a path, PIL image or array, or a list of them, with the processor of a multimodal
-    checkpoint; a prompt without image placeholders gets the images first.
+    checkpoint; a prompt without image placeholders gets the images first. `trace`: a path
+    ("out.html"): once generation ends, a page replaying the decoding step by step is written
+    there, and the final order of commitment as an SVG beside it ("out.svg"; trace.py).
 
     Infilling (LLaDA, LLaDA-MoE, Dream): with `suffix` (text or ids), max_tokens masks go between
     the prompt and the suffix and are filled; mask tokens inside the prompt are filled too. The
@@ -79,13 +81,21 @@ def stream_generate_diffusion(
     s, ids, decoder = stream_events(
         model, tokenizer, [prompt], images=images, suffix=suffix, **settings
     )
-    yield from responses(decoder, ids, tokenizer)
+    recorder = None
+    if trace is not None:
+        from .trace import TraceRecorder
+
+        recorder = TraceRecorder(model, tokenizer, ids[0], s, decoder, trace)
+    yield from responses(decoder, ids, tokenizer, trace=recorder)
 
 
-def responses(decoder, ids, tokenizer, on_step=None, prior=None) -> Iterator[DiffusionResponse]:
+def responses(
+    decoder, ids, tokenizer, on_step=None, prior=None, trace=None
+) -> Iterator[DiffusionResponse]:
     """DiffusionResponses of a one-prompt decoder run; `on_step(StepEvent)` sees every denoising
     step (the CLI's live view draws from it); `prior` (a cache.PriorKV from the decoder's
-    `kv_prefix` after an earlier run) lets the prefill reuse that run's K/V (chat.py)."""
+    `kv_prefix` after an earlier run) lets the prefill reuse that run's K/V (chat.py); `trace`
+    (a trace.TraceRecorder) records every event, and writes its page when the run ends."""
     detok = Detokenizer(tokenizer)
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -95,6 +105,8 @@ def responses(decoder, ids, tokenizer, on_step=None, prior=None) -> Iterator[Dif
     for event in events:
         if prompt_time is None and decoder.nfe > 0:
             prompt_time = time.perf_counter() - tic
+        if trace is not None:
+            trace.event(event)
         if not isinstance(event, BlockEvent):
             if on_step is not None:
                 on_step(event)
@@ -109,6 +121,8 @@ def responses(decoder, ids, tokenizer, on_step=None, prior=None) -> Iterator[Dif
         reason = None
         if done:
             reason = "stop" if event.eos[0] else "length"
+        if done and trace is not None:  # before the last response: its reader may stop there
+            trace.write()
         yield DiffusionResponse(
             text=text,
             tokens=toks,
@@ -134,14 +148,15 @@ def generate_diffusion(
     max_tokens: Optional[int] = None,
     verbose: bool = False,
     image=None,
+    trace=None,
     **settings,
 ) -> str:
-    """Generate a completion of `prompt` and return its text (`image`: see
+    """Generate a completion of `prompt` and return its text (`image`, `trace`: see
     stream_generate_diffusion)."""
     text = ""
     last = None
     for last in stream_generate_diffusion(
-        model, tokenizer, prompt, image=image, max_tokens=max_tokens, **settings
+        model, tokenizer, prompt, image=image, max_tokens=max_tokens, trace=trace, **settings
     ):
         if verbose:
             print(last.text, end="", flush=True)

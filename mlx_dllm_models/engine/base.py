@@ -13,12 +13,17 @@ from ..errors import CheckpointError
 
 @dataclass
 class StepEvent:
-    """One denoising step: the current generated region of every active row (masks included)."""
+    """One denoising step: the current generated region of every active row (masks included).
+    `confidence` (same shape as `generated`, float32, lazy): the step's confidence in its
+    proposal at each position of its window, NaN elsewhere (read at the positions the step
+    commits, it is the confidence they were committed with); None unless the decoder's
+    `step_confidence` is set (the masked, canvas and WeDLM decoders have one)."""
 
     rows: List[int]
     generated: mx.array  # (B, max_tokens), lazy: only evaluated by a consumer that looks
     block: tuple
     nfe: int
+    confidence: Optional[mx.array] = None
 
     @property
     def canvas(self) -> List[List[int]]:
@@ -39,7 +44,9 @@ class BlockEvent:
     """A block was committed. `tokens[i]` are row `rows[i]`'s new tokens (cut before its EOS);
     `eos[i]` says the row met an EOS in this block; `finished[i]` that the row is done (EOS, or
     max_tokens reached); `logprobs[i]` (with the `logprobs` setting, else None) one TokenLogprob
-    per token of `tokens[i]`."""
+    per token of `tokens[i]`. `confidence[i]` (a decoder that yields no StepEvent, with its
+    `step_confidence` set: self-speculation; else None): each token's probability under the
+    forward row that confirmed it."""
 
     rows: List[int]
     tokens: List[List[int]]
@@ -47,6 +54,7 @@ class BlockEvent:
     finished: List[bool]
     nfe: int
     logprobs: Optional[List[List[TokenLogprob]]] = None
+    confidence: Optional[List[List[float]]] = None
 
 
 def block_event(
@@ -71,6 +79,16 @@ def block_event(
     return BlockEvent(
         list(rows), emitted, hit, finished, nfe, kept if logprobs is not None else None
     )
+
+
+def placed(values: mx.array, offset: int, width: int) -> mx.array:
+    """`values` (B, W) at columns [offset, offset + W) of a (B, width) float32 array of NaN,
+    clipped to it: a step's per-position statistic over its window, placed in an event's view."""
+    out = mx.full((values.shape[0], width), float("nan"), dtype=mx.float32)
+    lo, hi = max(offset, 0), min(offset + values.shape[1], width)
+    if hi > lo:
+        out[:, lo:hi] = values[:, lo - offset : hi - offset].astype(mx.float32)
+    return out
 
 
 def check_finite(logits: mx.array, model) -> None:

@@ -40,7 +40,7 @@ from ..decoding import (
 from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.logprobs import log_probs
 from ..settings import SettingsError
-from .base import StepEvent, block_event, check_finite
+from .base import StepEvent, block_event, check_finite, placed
 from .constrained import CanvasConstraint
 from .logprobs import PositionLogprobs
 
@@ -126,10 +126,11 @@ class _Canvas:
     history: Optional[mx.array] = None
     lp: Optional[PositionLogprobs] = None
     last: Optional[mx.array] = None
+    confidence: Optional[mx.array] = None  # the last step's, of each position's draw
 
     def select(self, keep: List[int]) -> None:
         idx = mx.array(keep)
-        for name in ("canvas", "argmax", "revealed", "stopped", "self_cond", "last"):
+        for name in ("canvas", "argmax", "revealed", "stopped", "self_cond", "last", "confidence"):
             value = getattr(self, name)
             setattr(self, name, None if value is None else value[idx])
         self.history = None if self.history is None else self.history[:, idx]
@@ -151,6 +152,9 @@ class CanvasDecoder:
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next denoising step.
     drops_cancelled_rows = True
+    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
+    # statistic would hold the step's logits alive into the next forward.
+    step_confidence = False
 
     def __init__(
         self,
@@ -353,7 +357,8 @@ class CanvasDecoder:
             generated = mx.concatenate([batch.before, st.argmax], axis=1)
             start = batch.before.shape[1]
             span = (start, start + length)
-            yield CanvasStepEvent(list(batch.rows), generated, span, self.nfe, pending)
+            conf = None if st.confidence is None else placed(st.confidence, start, start + length)
+            yield CanvasStepEvent(list(batch.rows), generated, span, self.nfe, conf, pending)
             if all(st.done):
                 break
         return st
@@ -382,6 +387,8 @@ class CanvasDecoder:
             everywhere = mx.ones(st.canvas.shape, dtype=mx.bool_)
             accept = keep = entropy_commit(stats.entropy, everywhere, s["entropy_bound"])
         accepted = mx.where(accept, stats.sample, st.canvas)
+        if self.step_confidence:
+            st.confidence = stats.confidence
         fresh = self._draw(self.noise.ids, rows, st.done, length, vocab)
         new_canvas = renoise(accepted, keep, fresh)
         new_argmax, processed = stats.argmax, stats.processed

@@ -41,7 +41,7 @@ from ..decoding.llada import confidence_suppressed_ids, suppress_logits
 from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL, for_settings
-from .base import BlockEvent, StepEvent, block_event, check_finite, split_rows
+from .base import BlockEvent, StepEvent, block_event, check_finite, placed, split_rows
 from .constrained import RowConstraints, make_row_constraints
 from .editing import BlockEditing
 from .layout import Layout
@@ -121,6 +121,7 @@ class _Block:
     editing: Optional[BlockEditing]  # token editing, for families that declare it
     part: Optional[tuple] = None  # (rows, their backend view) while only some rows have masks left
     logprobs: Optional[PositionLogprobs] = None  # the window's, with the logprobs setting
+    confidence: Optional[mx.array] = None  # (B, stop - lo) the last step's, NaN for rows it skipped
 
 
 class MaskedBlockDecoder:
@@ -133,6 +134,9 @@ class MaskedBlockDecoder:
     # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
     # joins).
     drops_cancelled_rows = True
+    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
+    # statistic would hold the step's logits alive into the next forward.
+    step_confidence = False
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
     # Every draw (temperature, Dream's alg_temp, random remasking) comes from a stream per row,
@@ -310,7 +314,10 @@ class MaskedBlockDecoder:
             self._step(batch, blk, step)
             # The view ends at max_tokens: decoded positions past it are never returned.
             view = batch.x[:, first : max(batch.layout.ends)]
-            yield StepEvent(batch.rows, view, (start - first, stop - first), self.nfe)
+            conf = None
+            if blk.confidence is not None:
+                conf = placed(blk.confidence, blk.lo - first, view.shape[1])
+            yield StepEvent(batch.rows, view, (start - first, stop - first), self.nfe, conf)
         return self._close_block(batch, blk)
 
     def _open_block(self, batch: _Batch, start: int, stop: int) -> _Block:
@@ -383,6 +390,11 @@ class MaskedBlockDecoder:
             confidence_suppress_ids=self.confidence_suppressed,
         )
         commit, x0, reopen = self._commit(stats, blk, step, k_rule, idx)
+        if self.step_confidence:
+            blk.confidence = stats.confidence
+        if self.step_confidence and idx is not None:  # the rows the forward skipped have none
+            blk.confidence = mx.full(blk.cand.shape, float("nan"), dtype=mx.float32)
+            blk.confidence[idx] = stats.confidence.astype(mx.float32)
         current = batch.x[:, blk.lo : blk.stop]
         if batch.constraints is not None:
             # A key of its own for the first column's masked draw: the rule's stays as it was.

@@ -138,6 +138,8 @@ class SelfSpeculativeDecoder:
     # over [prompt ; returned tokens] with what is left of their max_tokens (the server's joins).
     drops_cancelled_rows = True
     join_reencodes = True  # a restart runs the rows' prefill again
+    # BlockEvent.confidence only when a consumer asks (trace.py sets it): one more read a round.
+    step_confidence = False
 
     @classmethod
     def joins_exactly(cls, settings) -> bool:
@@ -211,24 +213,36 @@ class SelfSpeculativeDecoder:
         causal rows that gave them, in order (one more read)."""
         if self.s.get("logprobs") is None:
             return None
-        if len(new) > logits.shape[0]:
-            # Closing tokens the budget guard placed past the verified rows (structured
-            # output) had no forward of their own: the last verified row's distribution.
-            extra = mx.repeat(logits[-1:], len(new) - logits.shape[0], axis=0)
-            logits = mx.concatenate([logits, extra])
-        return entries(logits, new, self.s["logprobs"])
+        return entries(one_row_a_token(logits, len(new)), new, self.s["logprobs"])
+
+    def _confidence(self, news, logits) -> Optional[List[List[float]]]:
+        """With `step_confidence`, each row's newly confirmed tokens' probabilities under the
+        causal rows that gave them (one read for the batch)."""
+        if not self.step_confidence:
+            return None
+        probs = []
+        for new, lg in zip(news, logits):
+            lg = one_row_a_token(lg, len(new)).astype(mx.float32)
+            at = mx.take_along_axis(lg, mx.array(new, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+            probs.append(mx.exp(at - mx.logsumexp(lg, axis=-1)))
+        mx.eval(probs)
+        return [p.tolist() for p in probs]
 
     def _emit(self, rows: List[_Row], news, logits):
         """The block event of the rows' newly confirmed tokens `news`, which join their outputs;
         `logits[i]`: the causal rows that gave row i's, in order (their log-probabilities, with
         the logprobs setting: one more read)."""
         logprobs = [self._logprobs(new, lg) for new, lg in zip(news, logits)]
+        confidence = self._confidence(news, logits)
         for r, new in zip(rows, news):
             r.out += new
         at_limit = [len(r.out) >= r.budget for r in rows]
         if self.s.get("logprobs") is None:
             logprobs = None
-        return block_event([r.index for r in rows], news, at_limit, self.eos, self.nfe, logprobs)
+        event = block_event([r.index for r in rows], news, at_limit, self.eos, self.nfe, logprobs)
+        if confidence is not None:  # cut as the tokens are
+            event.confidence = [c[: len(t)] for c, t in zip(confidence, event.tokens)]
+        return event
 
     @staticmethod
     def _leave(rows: List[_Row], run, event, cancelled):
@@ -437,3 +451,12 @@ class SelfSpeculativeDecoder:
             rows, run = self._leave(rows, run, event, cancelled)
             if rows:
                 news, logits = self._verify_linear(rows, run)
+
+
+def one_row_a_token(logits, count: int):
+    """`logits`' first `count` rows; closing tokens the budget guard placed past the verified
+    rows (structured output) had no forward of their own: the last verified row's distribution."""
+    if count > logits.shape[0]:
+        extra = mx.repeat(logits[-1:], count - logits.shape[0], axis=0)
+        logits = mx.concatenate([logits, extra])
+    return logits[:count]

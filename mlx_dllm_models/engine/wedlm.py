@@ -168,6 +168,9 @@ class WeDLMDecoder:
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next step.
     drops_cancelled_rows = True
+    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
+    # statistic would hold the step's logits alive into the next forward.
+    step_confidence = False
 
     def __init__(
         self,
@@ -186,6 +189,7 @@ class WeDLMDecoder:
         self.backend = backend
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
+        self.confidence = {}  # row -> its window's confidence at the last step (step_confidence)
 
     def _fill(self, logits: List[mx.array], windows: List[_Window], rows: List[int]):
         """Step 4: fill the masks the rule picks in each row's window, from its step's logits
@@ -210,6 +214,8 @@ class WeDLMDecoder:
         pick = wedlm_commit(
             stats.entropy, mx.array(masked), s["entropy_threshold"], s["pos_penalty_factor"]
         )
+        if self.step_confidence:  # each window's, read before its masks are filled
+            self.confidence = dict(zip(rows, stats.confidence.tolist()))
         ruled = [i for i, r in enumerate(rows) if r in self.rules]
         firsts = self._first_draws([logits[i] for i in ruled], [self.rules[rows[i]] for i in ruled])
         firsts = dict(zip(ruled, firsts))
@@ -267,7 +273,15 @@ class WeDLMDecoder:
             canvas = (outs[r] + windows[r].tokens)[:limit]
             canvases.append(canvas + [mask_id] * (limit - len(canvas)))
         block = (min(len(outs[r]) for r in rows), limit)
-        return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe)
+        conf = None
+        if self.step_confidence:
+            nan = float("nan")
+            conf = []
+            for r in rows:
+                row = ([nan] * len(outs[r]) + self.confidence[r][: len(windows[r].tokens)])[:limit]
+                conf.append(row + [nan] * (limit - len(row)))
+            conf = mx.array(conf, dtype=mx.float32)
+        return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe, conf)
 
     def run(
         self,
