@@ -113,6 +113,7 @@ def constraint_args(args) -> dict:
 
 def generate_main(argv):
     from .generate import responses, stats_line, stream_events
+    from .loader import read_weights
     from .vision import is_processor, text_tokenizer
 
     args = generate_parser().parse_args(argv)
@@ -132,7 +133,9 @@ def generate_main(argv):
     elif prompt == "-":
         prompt = sys.stdin.read()
 
-    model, tokenizer = load_for_cli(args)
+    # The weights are read once the request is ready: a setting the family does not take is
+    # refused before a large checkpoint's weights are read.
+    model, tokenizer = load_for_cli(args, weights=False)
     text_tok = text_tokenizer(tokenizer)
     if not args.ignore_chat_template and getattr(text_tok, "chat_template", None):
         content = prompt
@@ -157,6 +160,7 @@ def generate_main(argv):
         )
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
+    read_weights(model)
 
     spec = model.diffusion_spec
     live = sys.stdout.isatty() and not args.no_live and args.verbose

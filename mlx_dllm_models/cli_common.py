@@ -211,7 +211,8 @@ def template_kwargs(args) -> dict:
 def load_for_cli(args, weights: bool = True):
     """(model, tokenizer or processor) for the loading flags; every failure is a one-line error.
     The weights are read with a progress bar (loader.read_weights) on a terminal; `weights=False`
-    leaves them unread (lazy): enough for the model's spec and settings."""
+    leaves them unread (lazy, for loader.read_weights later): enough for the model's spec, its
+    settings and the tokenizer."""
     from .default import model_or_default
     from .distributed import launch_group, rank0_prints
     from .loader import load, read_weights

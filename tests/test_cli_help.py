@@ -61,6 +61,18 @@ def test_top_level_help_lists_every_command_with_a_line():
     assert bare.returncode == 2 and "generate" in bare.stderr and "settings" in bare.stderr
 
 
+def test_the_command_list_imports_no_mlx():
+    code = (
+        "import sys\nfrom mlx_dllm_models.cli import main\nassert main(['--help']) == 0\n"
+        "print(sorted(m for m in ('mlx', 'mlx_lm', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_misspelt_command_is_refused_with_a_suggestion(capsys):
     assert cli_main(["genrate"]) == 2
     err = capsys.readouterr().err
@@ -234,6 +246,20 @@ def test_weights_are_read_with_a_progress_bar_on_a_terminal(ckpt, monkeypatch):
     monkeypatch.setattr(sys, "stderr", quiet)
     read_weights(load(ckpt, lazy=True)[0])
     assert quiet.getvalue() == ""
+
+
+def test_a_setting_the_family_does_not_take_is_refused_before_the_weights_are_read(
+    ckpt, monkeypatch, capsys
+):
+    import mlx_dllm_models.loader as loader
+
+    read = []
+    monkeypatch.setattr(loader, "read_weights", lambda model, **kw: read.append(model))
+    with pytest.raises(SystemExit, match="unknown setting\\(s\\) alg for the llada family"):
+        cli_main(["generate", "--model", str(ckpt), "--alg", "entropy", "--no-live"])
+    assert read == []
+    assert cli_main(["generate", "--model", str(ckpt), "-m", "8", "--no-live"]) == 0
+    assert len(read) == 1 and "NFE" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------ settings
