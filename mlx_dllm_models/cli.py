@@ -346,14 +346,14 @@ def settings_main(argv):
 # name -> (one line of `mlx_dllm --help`, the command); each command parses its own flags, and
 # imports what it needs only when run, so that this list prints at once.
 COMMANDS = {
-    "generate": ("generate text from a prompt (the canvas fills in live)", generate_main),
-    "chat": ("chat with a model in the terminal (as mlx_lm.chat)", chat_main),
+    "generate": ("generate text from a prompt, the canvas filling in live", generate_main),
+    "chat": ("chat in the terminal (as mlx_lm.chat)", chat_main),
     "serve": ("an OpenAI-compatible HTTP server (as mlx_lm.server)", serve_main),
-    "convert": ("convert a Hugging Face checkpoint to MLX, optionally quantized", convert_main),
-    "lora": ("fine-tune LoRA adapters with the masked-diffusion loss (as mlx_lm.lora)", lora_main),
-    "fuse": ("fold LoRA adapters into a checkpoint's weights (as mlx_lm.fuse)", fuse_main),
-    "evaluate": ("lm-evaluation-harness tasks (needs the [eval] extra)", evaluate_main),
-    "settings": ("every setting a run would use, its value and where it came from", settings_main),
+    "convert": ("a Hugging Face checkpoint to MLX, optionally quantized", convert_main),
+    "lora": ("fine-tune LoRA adapters, masked-diffusion loss (as mlx_lm.lora)", lora_main),
+    "fuse": ("fold LoRA adapters into the weights (as mlx_lm.fuse)", fuse_main),
+    "evaluate": ("lm-evaluation-harness tasks (the [eval] extra)", evaluate_main),
+    "settings": ("each setting a run would use, its value and origin", settings_main),
 }
 
 

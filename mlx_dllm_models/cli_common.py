@@ -31,7 +31,7 @@ class Parser(argparse.ArgumentParser):
     dozens of flags; --help lists them)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("usage", "%(prog)s [options]  (--help lists them)")
+        kwargs.setdefault("usage", "%(prog)s [options]")
         super().__init__(*args, **kwargs)
 
     def error(self, message):
