@@ -112,11 +112,12 @@ def constraint_args(args) -> dict:
 
 
 def generate_main(argv):
+    args = generate_parser().parse_args(argv)  # first: a bad flag is refused before any loading
+
     from .generate import responses, stats_line, stream_events
     from .loader import read_weights
     from .vision import is_processor, text_tokenizer
 
-    args = generate_parser().parse_args(argv)
     settings = chosen_settings(args)
     settings.update(constraint_args(args))
     chat_template_kwargs = template_kwargs(args)
