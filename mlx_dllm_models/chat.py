@@ -25,12 +25,12 @@ so no K/V outlives a forward. Nemotron's self-speculation and DiffusionGemma's c
 reusable K/V here either: they recompute the conversation's prefill.
 """
 
-import argparse
 import sys
 from typing import Callable, List, Optional
 
 from .cli_common import (
     LiveView,
+    Parser,
     add_loading_flags,
     add_setting_flags,
     add_template_config_flag,
@@ -139,7 +139,7 @@ class ChatSession:
 
 
 def _parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="mlx_dllm chat",
         description="Chat with a diffusion language model (as mlx_lm.chat). " + HELP,
         allow_abbrev=False,

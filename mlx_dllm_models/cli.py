@@ -1,20 +1,20 @@
-"""The `mlx_dllm` command: dispatches generate, chat, serve, convert, lora, fuse and evaluate to
-their modules; `generate` and `convert` live here.
+"""The `mlx_dllm` command: its subcommands (COMMANDS: generate, chat, serve, convert, lora, fuse,
+evaluate, settings) listed by `mlx_dllm --help` and dispatched to their modules, each of which
+parses its own flags; `generate` and `convert` live here.
 
 generate applies the tokenizer's chat template when it has one (as mlx_lm.generate does), shows the
 canvas filling in live on a terminal, and ends with a statistics line.
 """
 
-import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 
-from . import __version__, chat, lora
+from . import __version__
 from .cli_common import (
     LiveView,
+    Parser,
     add_loading_flags,
     add_setting_flags,
     add_template_config_flag,
@@ -24,24 +24,16 @@ from .cli_common import (
     str2bool,
     template_kwargs,
 )
-from .distributed import lost_rank_exits
 from .errors import CheckpointError, SettingsError
 
 
-def _parse_value(text):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def generate_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="mlx_dllm generate",
         description="Generate text with a diffusion language model. Settings that name a family "
-        "apply to that family only.",
-        # Abbreviations would take one flag for another (`--mode` for `--model`), and an unknown
-        # flag passes through to the settings layer, whose error lists what the family knows.
+        "apply to that family only; `mlx_dllm settings` shows the values a run would use.",
+        # Abbreviations would take one flag for another (`--mode` for `--model`); an unknown flag
+        # is refused with the closest one, before the model loads.
         allow_abbrev=False,
     )
     add_loading_flags(p)
@@ -104,27 +96,6 @@ def generate_parser():
     return p
 
 
-def _extra_settings(unknown):
-    """Turn leftover `--some-name VALUE` pairs into settings: the settings layer rejects them with
-    the names the family understands, so nothing passed here is silently ignored."""
-    extra, i = {}, 0
-    while i < len(unknown):
-        tok = unknown[i]
-        if not tok.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {tok!r}")
-        name = tok[2:]
-        if "=" in name:
-            name, value = name.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(unknown):
-                raise SystemExit(f"error: {tok} needs a value")
-            value = unknown[i + 1]
-            i += 2
-        extra[name.replace("-", "_")] = _parse_value(value)
-    return extra
-
-
 def constraint_args(args) -> dict:
     """The structured-output settings of --json-schema / --regex / --lark (files read here; a
     missing or unreadable file is an error that names it)."""
@@ -148,13 +119,13 @@ def constraint_args(args) -> dict:
 
 
 def generate_main(argv):
+    args = generate_parser().parse_args(argv)  # first: a bad flag is refused before any loading
+
     from .generate import responses, stats_line, stream_events
+    from .loader import read_weights
     from .vision import is_processor, text_tokenizer
 
-    parser = generate_parser()
-    args, unknown = parser.parse_known_args(argv)
     settings = chosen_settings(args)
-    settings.update(_extra_settings(unknown))
     settings.update(constraint_args(args))
     chat_template_kwargs = template_kwargs(args)
 
@@ -170,7 +141,9 @@ def generate_main(argv):
     elif prompt == "-":
         prompt = sys.stdin.read()
 
-    model, tokenizer = load_for_cli(args)
+    # The weights are read once the request is ready: a setting the family does not take is
+    # refused before a large checkpoint's weights are read.
+    model, tokenizer = load_for_cli(args, weights=False)
     text_tok = text_tokenizer(tokenizer)
     if not args.ignore_chat_template and getattr(text_tok, "chat_template", None):
         content = prompt
@@ -195,6 +168,7 @@ def generate_main(argv):
         )
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
+    read_weights(model)
 
     spec = model.diffusion_spec
     live = sys.stdout.isatty() and not args.no_live and args.verbose
@@ -267,6 +241,8 @@ def convert_main(argv):
         "checkpoint, which is saved as a plain qwen2 (with its tokenizer's mask id)",
     )
     args = parser.parse_args(argv)
+    if args.hf_path is None:  # mlx-lm's parser does not require it, and fails late without it
+        parser.error("--hf-path is required: a local checkpoint folder or a Hugging Face repo id")
     why = _quantization_problem(args)
     if why:
         raise SystemExit(f"error: {why}")
@@ -340,16 +316,17 @@ def _quantization_problem(args):
 
 def evaluate_main(argv):
     """lm-evaluation-harness on a diffusion model (mlx_dllm_models.evaluate); lm-eval is the
-    optional `[eval]` extra, so the module is imported only here."""
+    optional `[eval]` extra, so the module is imported only here, after the flags (and --help)
+    are read without it."""
+    from .evaluate_args import INSTALL, build_parser
+
+    build_parser().parse_args(argv)
     try:
         from . import evaluate
     except ImportError as e:
         if getattr(e, "name", "") != "lm_eval":
             raise
-        raise SystemExit(
-            "error: mlx_dllm evaluate needs lm-evaluation-harness: "
-            "python -m pip install 'mlx-dllm-models[eval]' (or `pip install lm-eval`)"
-        ) from None
+        raise SystemExit(f"error: mlx_dllm evaluate {INSTALL}") from None
     try:
         evaluate.main(argv)
     except ValueError as e:
@@ -357,32 +334,78 @@ def evaluate_main(argv):
     return 0
 
 
+def chat_main(argv):
+    from .chat import chat_main
+
+    return chat_main(argv)
+
+
+def lora_main(argv):
+    from .lora import lora_main
+
+    return lora_main(argv)
+
+
+def fuse_main(argv):
+    from .lora import fuse_main
+
+    return fuse_main(argv)
+
+
+def settings_main(argv):
+    from .cli_settings import settings_main
+
+    return settings_main(argv)
+
+
+# name -> (one line of `mlx_dllm --help`, the command); each command parses its own flags, and
+# imports what it needs only when run, so that this list prints at once.
+COMMANDS = {
+    "generate": ("generate text from a prompt, the canvas filling in live", generate_main),
+    "chat": ("chat in the terminal (as mlx_lm.chat)", chat_main),
+    "serve": ("an OpenAI-compatible HTTP server (as mlx_lm.server)", serve_main),
+    "convert": ("a Hugging Face checkpoint to MLX, optionally quantized", convert_main),
+    "lora": ("fine-tune LoRA adapters, masked-diffusion loss (as mlx_lm.lora)", lora_main),
+    "fuse": ("fold LoRA adapters into the weights (as mlx_lm.fuse)", fuse_main),
+    "evaluate": ("lm-evaluation-harness tasks (the [eval] extra)", evaluate_main),
+    "settings": ("each setting a run would use, its value and origin", settings_main),
+}
+
+
+def top_parser():
+    p = Parser(
+        prog="mlx_dllm",
+        description="Diffusion language models on MLX. `mlx_dllm COMMAND --help` for a "
+        "command's options.",
+        usage="%(prog)s COMMAND [options]",
+        allow_abbrev=False,
+    )
+    p.add_argument("--version", action="version", version=f"mlx_dllm_models {__version__}")
+    commands = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for name, (line, _) in COMMANDS.items():
+        # The command's own parser reads its flags (and --help): this one only picks it.
+        commands.add_parser(name, help=line, add_help=False)
+    return p
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "generate": generate_main,
-        "chat": chat.chat_main,
-        "serve": serve_main,
-        "convert": convert_main,
-        "lora": lora.lora_main,
-        "evaluate": evaluate_main,
-        "fuse": lora.fuse_main,
-    }
-    if argv and argv[0] == "--version":
-        print(f"mlx_dllm_models {__version__}")
-        return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        names = ",".join(commands)
-        asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(
-            f"usage: mlx_dllm {{{names}}} [options]   (mlx_dllm COMMAND --help for details)",
-            file=sys.stdout if asked else sys.stderr,
-        )
-        return 0 if asked else 2
+    parser = top_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if args.command is None:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # --help, --version, an unknown command (argparse printed why)
+        return e.code
+    from .distributed import lost_rank_exits
+
     try:
         # Launched over several ranks (mlx.launch): a rank that dies ends the others with an error.
         with lost_rank_exits():
-            return commands[argv[0]](argv[1:])
+            return COMMANDS[args.command][1](rest)
     except (SettingsError, CheckpointError) as e:  # raised mid-run (corrupt weights, a schedule)
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -5,13 +5,16 @@ terminal's height, counting display width).
 """
 
 import argparse
+import difflib
 import json
+import re
 import shutil
 import time
 import unicodedata
 from pathlib import Path
 
 from .settings import SETTINGS
+from .validators import cli_bool
 
 # mlx-lm's spelling of a setting, accepted next to ours.
 ALIASES = {"temperature": ("--temp",), "max_tokens": ("-m",)}
@@ -22,13 +25,131 @@ def str2bool(text: str) -> bool:
     return text.lower() not in ("false", "f")
 
 
-def add_setting_flags(parser: argparse.ArgumentParser):
-    """One flag per row of settings.SETTINGS (its help says which family it belongs to)."""
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors end with "did you mean ...?" for a misspelt flag or value:
+    the commands refuse them here, before anything loads. Its usage line is short (a command has
+    dozens of flags; --help lists them)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [options]")
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        super().error(message + suggestion(self, message))
+
+
+def suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """ " (did you mean --temp?)" for argparse's "unrecognized arguments" and "invalid choice"
+    messages, when a close match exists; else ""."""
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flags = sorted(set(re.findall(r"--[\w-]+", parser.format_help())))
+        hints = []
+        for word in unknown.group(1).split():
+            close = word.startswith("-") and difflib.get_close_matches(word.split("=")[0], flags)
+            hints += [f"{word.split('=')[0]} -> {close[0]}"] if close else []
+        return f" (did you mean: {'; '.join(hints)}?)" if hints else ""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        close = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice[2]))
+        return f" (did you mean {close[0]}?)" if close else ""
+    return ""
+
+
+def on_off(text: str) -> bool:
+    """The value of `--x VALUE` for an on/off setting (true / false, yes / no, on / off, 1 / 0)."""
+    try:
+        return cli_bool(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_on_off(group, flag: str, dest: str, help: str):
+    """`--x` / `--no-x` (as argparse.BooleanOptionalAction), and `--x VALUE`, the form the
+    commands took first; unset (None) when neither is given."""
+    group.add_argument(
+        flag, dest=dest, nargs="?", const=True, type=on_off, default=None, metavar="BOOL", help=help
+    )
+    off = "--no-" + flag[2:]
+    group.add_argument(off, dest=dest, action="store_const", const=False, help=f"{flag} false")
+
+
+def fixed_values() -> dict:
+    """Setting -> the values it can take at all, from the tables that define them: every sampler
+    (decoding.samplers' commit rules and the samplers decoding loops implement themselves), every
+    cache (engine.registry's backends), and the rows whose check is a fixed choice. Which of them a
+    family takes is checked once the checkpoint is known."""
+    from .decoding.samplers import COMMIT_RULES
+    from .engine.registry import BACKENDS, DECODERS
+
+    loops = [n for decoder in DECODERS.values() for n in getattr(decoder, "samplers", ())]
+    values = {
+        "sampler": tuple(dict.fromkeys([*COMMIT_RULES, *loops])),
+        "cache": ("auto",) + tuple(sorted({name for row in BACKENDS.values() for name in row})),
+    }
     for setting in SETTINGS:
-        flags = ("--" + setting.name.replace("_", "-"),) + ALIASES.get(setting.name, ())
-        parser.add_argument(
-            *flags, dest=setting.name, type=setting.cli_type, default=None, help=setting.help
+        options = getattr(setting.check, "options", None)
+        if options:
+            values[setting.name] = tuple(options)
+    return values
+
+
+def one_of(setting, options):
+    """The flag's parser of a setting with fixed values: an unknown one is refused with the
+    values and the closest one."""
+
+    def parse(text):
+        value = setting.cli_type(text)
+        if value in options:
+            return value
+        close = difflib.get_close_matches(text, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise argparse.ArgumentTypeError(
+            f"unknown {setting.name} {text!r}; choose one of: {', '.join(options)}{hint}"
         )
+
+    parse.__name__ = setting.name
+    return parse
+
+
+# The shared settings that the sampler group holds besides those scoped to samplers.
+SAMPLING = ("sampler", "temperature", "top_p", "top_k")
+
+
+def setting_groups():
+    """(title, rows) of the settings table in help order: common, sampler, cache, then one group
+    for each set of families a row belongs to."""
+    groups = {"common settings": [], "sampler settings": [], "cache": []}
+    for s in SETTINGS:
+        if s.families:
+            title = f"{' / '.join(s.families)} settings"
+        elif s.name == "cache":
+            title = "cache"
+        elif s.name in SAMPLING or s.samplers:
+            title = "sampler settings"
+        else:
+            title = "common settings"
+        groups.setdefault(title, []).append(s)
+    return list(groups.items())
+
+
+def add_setting_flags(parser: argparse.ArgumentParser):
+    """One flag per row of settings.SETTINGS, in groups (setting_groups); its help says which family
+    it belongs to, on/off settings take `--x` / `--no-x`, and fixed values are choices."""
+    fixed = fixed_values()
+    for title, rows in setting_groups():
+        group = parser.add_argument_group(title)
+        for setting in rows:
+            flags = ("--" + setting.name.replace("_", "-"),) + ALIASES.get(setting.name, ())
+            if setting.cli_type is cli_bool:
+                add_on_off(group, flags[0], setting.name, setting.help)
+                continue
+            kwargs = dict(dest=setting.name, type=setting.cli_type, default=None, help=setting.help)
+            options = fixed.get(setting.name)
+            if options:
+                kwargs.update(type=one_of(setting, options), choices=options, metavar="NAME")
+                kwargs["help"] += "; one of: " + ", ".join(options)
+            group.add_argument(*flags, **kwargs)
 
 
 def chosen_settings(args) -> dict:
@@ -87,11 +208,14 @@ def template_kwargs(args) -> dict:
     return value
 
 
-def load_for_cli(args):
-    """(model, tokenizer or processor) for the loading flags; every failure is a one-line error."""
+def load_for_cli(args, weights: bool = True):
+    """(model, tokenizer or processor) for the loading flags; every failure is a one-line error.
+    The weights are read with a progress bar (loader.read_weights) on a terminal; `weights=False`
+    leaves them unread (lazy, for loader.read_weights later): enough for the model's spec, its
+    settings and the tokenizer."""
     from .default import model_or_default
     from .distributed import launch_group, rank0_prints
-    from .loader import load
+    from .loader import load, read_weights
     from .vision import text_tokenizer
 
     model_path = model_or_default(args.model)
@@ -111,6 +235,8 @@ def load_for_cli(args):
         kwargs["adapter_path"] = str(adapters)
     # Under `mlx.launch -n N` every rank loads its shard of the model; rank 0 prints.
     group = launch_group()
+    if group is None:  # a sharded load reads each rank's slice itself (loader.load)
+        kwargs["lazy"] = True
     try:
         model, tokenizer = load(
             model_path,
@@ -120,6 +246,8 @@ def load_for_cli(args):
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if weights and kwargs.get("lazy"):
+        read_weights(model)
     rank0_prints(group)
     text_tok = text_tokenizer(tokenizer)
     for token in args.extra_eos_token:

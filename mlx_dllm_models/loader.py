@@ -313,3 +313,42 @@ def load(path, **kwargs):
                 path, tokenizer_config["trust_remote_code"], vision_config_of(path)
             )
     return model, tokenizer
+
+
+# Tensors read per evaluation while the progress bar is shown: small enough for the bar to move,
+# large enough that the evaluations cost nothing next to the reading.
+READ_CHUNK_BYTES = 256 << 20
+
+
+def read_weights(model, progress: bool = True, delay: float = 1.5) -> None:
+    """Read the weights of a model loaded with `load(path, lazy=True)`, a chunk of tensors at a
+    time. With `progress`, a bar on stderr (a terminal only) once the reading has taken `delay`
+    seconds: a multi-GB checkpoint takes a while, and a small one should print nothing."""
+    import sys
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = [v for _, v in tree_flatten(model.parameters())]
+    chunks, chunk, size = [], [], 0
+    for p in params:
+        chunk.append(p)
+        size += p.nbytes
+        if size >= READ_CHUNK_BYTES:
+            chunks.append((chunk, size))
+            chunk, size = [], 0
+    chunks.append((chunk, size))
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with transformers; without it, no bar
+        progress = False
+    if not (progress and sys.stderr.isatty()):
+        mx.eval(params)
+        return
+    total = sum(p.nbytes for p in params)
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="loading", delay=delay, leave=False
+    ) as bar:
+        for chunk, size in chunks:
+            mx.eval(chunk)
+            bar.update(size)

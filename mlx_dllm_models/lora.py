@@ -417,6 +417,11 @@ def parse_args(argv):
         help="spread each batch's noise levels t evenly over [0, 1) (default) instead of drawing "
         "them independently as LLaDA does: the same objective, a lower-variance estimate",
     )
+    if not list(argv):
+        # mlx_lm.lora's defaults would fetch a dataset and a model before saying anything.
+        parser.error(
+            "no arguments: give --train --data DIR (or -c CONFIG.yaml); --help lists the flags"
+        )
     args = vars(parser.parse_args(argv))
     if args.get("config"):
         with open(args["config"]) as f:

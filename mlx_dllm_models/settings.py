@@ -196,6 +196,14 @@ _RELATIONS = (
 def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
     """Merge and validate settings for a family. Returns a plain dict with every shared setting and
     every extra setting of the family."""
+    return resolve_with_origins(spec, overrides, checkpoint)[0]
+
+
+def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
+    """resolve_settings's values, and where each came from: "package", "family" (its spec),
+    "sampler <name>", "preset <setting>=<mode>", "checkpoint" (its generation_config.json, or what
+    its remote code implies), "explicit" (the caller's), or "from <setting>" (block_length from
+    max_tokens, steps from block_length)."""
     extras = family_settings(spec.family)
     allowed = set(SHARED_SETTINGS) | set(extras)
     unknown = sorted(set(overrides) - allowed)
@@ -219,25 +227,35 @@ def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Ma
         k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
     }
     values: Dict[str, Any] = {name: BY_NAME[name].default for name in SHARED_SETTINGS + extras}
-    values.update(spec.defaults)
+    origins = dict.fromkeys(values, "package")
+
+    def layer(new, origin):
+        values.update(new)
+        origins.update(dict.fromkeys(new, origin))
+
+    layer(spec.defaults, "family")
     sampler = explicit.get("sampler", from_checkpoint.get("sampler", values["sampler"]))
     # A sampler that is not a name (a list, a dict) is reported by _validate, not hashed here.
-    values.update(spec.sampler_defaults.get(sampler, {}) if isinstance(sampler, str) else {})
+    layer(
+        spec.sampler_defaults.get(sampler, {}) if isinstance(sampler, str) else {},
+        f"sampler {sampler}",
+    )
     # A preset setting (LLaDA2's editing_mode) brings the values of its mode, over the family's
     # defaults and under the checkpoint's and explicit values.
     for name, modes in spec.presets.items():
         mode = explicit.get(name, from_checkpoint.get(name, values.get(name)))
-        values.update(modes.get(mode, {}) if isinstance(mode, str) else {})  # else: _validate
-    values.update(from_checkpoint)
-    values.update(explicit)
-    if values["block_length"] is None:
-        values["block_length"] = values["max_tokens"]  # one block over the whole generation
+        # A mode that is not a name is reported by _validate.
+        layer(modes.get(mode, {}) if isinstance(mode, str) else {}, f"preset {name}={mode}")
+    layer(from_checkpoint, "checkpoint")
+    layer(explicit, "explicit")
+    if values["block_length"] is None:  # one block over the whole generation
+        layer({"block_length": values["max_tokens"]}, "from max_tokens")
     if values["steps"] is None:
         # As every reference's default: as many steps as a block has positions, one token per step
         # for the quota sampler; so a new block_length alone keeps that rate.
-        values["steps"] = values["block_length"]
+        layer({"steps": values["block_length"]}, "from block_length")
     _validate(spec, values, explicit, set(from_checkpoint) - set(explicit))
-    return values
+    return values, origins
 
 
 def _origin(names, from_checkpoint) -> str:
@@ -265,21 +283,28 @@ def _token_id_error(spec, name, v) -> Optional[str]:
     return None
 
 
+def out_of_scope(name, s) -> Optional[Tuple[str, Tuple[str, ...]]]:
+    """("mode" or "sampler", the values it acts with) when setting `name` does not act under the
+    resolved settings `s` (another mode's or sampler's); None when it does."""
+    row = BY_NAME[name]
+    scopes = (("mode", row.modes if "mode" in s else ()), ("sampler", row.samplers))
+    off = [(key, scope) for key, scope in scopes if scope and s[key] not in scope]
+    return off[0] if off else None
+
+
 def _validate(spec, s, explicit, from_checkpoint=frozenset()):
     if s["sampler"] not in spec.samplers:
         raise SettingsError(
             f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
             f"choose one of: {', '.join(spec.samplers)}" + _origin(["sampler"], from_checkpoint)
         )
-    has_modes = "mode" in s
     for name in SHARED_SETTINGS + family_settings(spec.family):
         row = BY_NAME[name]
         given = name in explicit
         # A setting of other modes / samplers: an error when passed, else not checked.
-        scopes = (("mode", row.modes if has_modes else ()), ("sampler", row.samplers))
-        off = [(key, scope) for key, scope in scopes if scope and s[key] not in scope]
+        off = out_of_scope(name, s)
         if off:
-            key, scope = off[0]
+            key, scope = off
             if given:
                 raise SettingsError(
                     f"{name} only acts with {key}={scope[0]!r}, but {key} is {s[key]!r}; "

@@ -50,6 +50,7 @@ def optional(check):
     def optional(name, v):
         return None if v is None else check(name, v)
 
+    optional.options = getattr(check, "options", None)
     return optional
 
 
@@ -59,6 +60,8 @@ def choice(options: Tuple[str, ...], context: str):
             return None
         return f"unknown {name} {v!r}{context}; choose one of: {', '.join(options)}"
 
+    # The fixed values, for the CLI's choices (cli_common).
+    check.options = options
     return check
 
 

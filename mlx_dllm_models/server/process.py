@@ -20,7 +20,6 @@ shares its requests across ranks). Rank 0 stops every rank (SIGTERM / Ctrl-C); a
 stops the others with distributed.py's one-line error.
 """
 
-import argparse
 import ipaddress
 import json
 import logging
@@ -32,7 +31,13 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
-from ..cli_common import add_loading_flags, add_setting_flags, chosen_settings, load_for_cli
+from ..cli_common import (
+    Parser,
+    add_loading_flags,
+    add_setting_flags,
+    chosen_settings,
+    load_for_cli,
+)
 from ..distributed import launch_group
 from ..request import checkpoint_settings
 from ..settings import resolve_settings
@@ -163,7 +168,7 @@ HANDLERS_SECONDS = 5.0
 
 
 def parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="mlx_dllm serve",
         description="An OpenAI-compatible server for a diffusion language model "
         "(/v1/chat/completions, /v1/completions, /v1/models, /health). Concurrent requests "
