@@ -228,20 +228,40 @@ def _generation_config(gen_file: Path) -> dict:
     return gen
 
 
-def load(path, **kwargs):
-    """(model, tokenizer) through mlx_lm.load, with this package's models registered, the
-    checkpoint checked first, and its generation_config.json attached as `model.generation_config`.
+def load(
+    path,
+    *,
+    revision: typing.Optional[str] = None,
+    tokenizer_config: typing.Optional[dict] = None,
+    group=None,
+    **kwargs,
+):
+    """Load a checkpoint of a diffusion LM family through `mlx_lm.load`, with this package's
+    models registered, the checkpoint checked first, and its generation_config.json attached as
+    `model.generation_config`.
 
-    For a checkpoint with a vision tower (DiffusionGemma), (model, processor) as mlx_vlm.load
-    returns it: mlx-vlm's processor, which places images in a prompt and serves text-only prompts
-    too (`generate_diffusion(model, processor, prompt, image=[...])`).
+    Args:
+        path: a local folder, or a Hugging Face repo id resolved as `mlx_lm.load` resolves it
+            (downloaded into, or found in, the Hugging Face cache; `HF_HUB_OFFLINE=1` honoured).
+        revision: a branch, tag or commit of a Hub repo id.
+        tokenizer_config: keyword arguments for the tokenizer, as `mlx_lm.load` takes them;
+            `trust_remote_code` is False unless given here (the supported tokenizers need none).
+        group: an `mx.distributed` group of several ranks (e.g. `distributed.launch_group()` under
+            `mlx.launch`): each rank reads and keeps only its shard of the weights.
+        **kwargs: passed on to `mlx_lm.load` (`adapter_path`, `lazy`, `model_config`).
 
-    `group=` an `mx.distributed` group of several ranks (e.g. `distributed.launch_group()` under
-    `mlx.launch`) loads the model tensor-parallel: each rank reads and keeps only its shard of
-    the weights (mlx-lm's `sharded_load` and the family's `Model.shard`)."""
+    Returns:
+        (model, tokenizer); for a checkpoint with a vision tower, (model, processor) as
+        `mlx_vlm.load` returns it, whose processor places images in a prompt and serves text-only
+        prompts too.
+
+    Raises:
+        CheckpointError: the folder, its config, tokenizer or weights are missing or malformed;
+            the message says which file and what to do.
+    """
     from mlx_lm.utils import load as mlx_load
 
-    path = resolve_checkpoint(path, kwargs.pop("revision", None))
+    path = resolve_checkpoint(path, revision)
     config = _check_checkpoint(path)
     # Read before mlx_lm.load, which also reads it (for eos_token_id) and would raise a bare
     # JSONDecodeError on a malformed file.
@@ -249,10 +269,8 @@ def load(path, **kwargs):
     # Real checkpoints carry an auto_map to remote code; transformers would stop and ask on stdin
     # whether to run it. The tokenizers of the supported families do not need it, so say no unless
     # the caller opts in.
-    tokenizer_config = dict(kwargs.pop("tokenizer_config", None) or {})
+    tokenizer_config = dict(tokenizer_config or {})
     tokenizer_config.setdefault("trust_remote_code", False)
-    # `group` (an mx.distributed group of more than one rank): each rank loads its shard.
-    group = kwargs.pop("group", None)
     if group is not None and group.size() > 1:
         from .distributed import sharded_load as mlx_load
 
