@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from fixtures import diffusion_gemma, llada, llada2, nemotron
-from mlx_dllm_models import settings
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.settings import SETTINGS, SettingsError, family_settings, resolve_settings
 
@@ -280,7 +279,7 @@ def test_family_rows_hold_no_default():
     assert not held, f"family rows with a default (state it in the family's spec): {held}"
 
 
-def test_a_row_default_is_read_not_overwritten(monkeypatch):
+def test_a_row_default_is_read_not_overwritten():
     """Resolution reads every row's default under the spec's: a value put in a family row takes
     effect where the spec does not set one, instead of silently doing nothing; and a spec that
     leaves a required setting without a default is refused, not run with None."""
@@ -290,8 +289,11 @@ def test_a_row_default_is_read_not_overwritten(monkeypatch):
     )
     with pytest.raises(SettingsError, match="causal_context must be true or false, got None"):
         resolve_settings(bare, {}, {})
-    row = dataclasses.replace(settings.BY_NAME["causal_context"], default=False)
-    monkeypatch.setitem(settings.BY_NAME, "causal_context", row)
+    rows = tuple(
+        dataclasses.replace(row, default=False) if row.name == "causal_context" else row
+        for row in spec.settings
+    )
+    bare, spec = (dataclasses.replace(s, settings=rows) for s in (bare, spec))
     assert resolve_settings(bare, {}, {})["causal_context"] is False
     assert resolve_settings(spec, {}, {})["causal_context"] is True  # the spec's, over the row
 
