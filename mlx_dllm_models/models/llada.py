@@ -58,6 +58,9 @@ REFERENCE_DEFAULTS = {
 
 # generate.py's remasking="random" is the sampler "random" (decoding.llada.random_commit); "d3llm"
 # is d3LLM's generate_multi_block (decoding.d3llm), the decoder of its distilled d3LLM_LLaDA.
+# config.json's model_type of LLaDA 8B's checkpoints (tiny.llada_config writes it).
+MODEL_TYPE = "llada"
+
 LLADA_SAMPLERS = SHARED_SAMPLERS + ("random", "d3llm")
 # d3LLM's recipe for d3LLM_LLaDA (chat/chat_d3llm_llada.py and eval_scripts/llada_gsm8k_cot.sh's
 # generate_multi_block run): 256 tokens, blocks of 32, entropy threshold 0.5, the next block at
