@@ -345,7 +345,7 @@ def test_defaults_come_from_generation_config(dg):
     [
         (dict(block_length=8), "block_length does not apply to the diffusion_gemma family"),
         (dict(steps=8), "set max_denoising_steps"),
-        (dict(temperature=0), "0 (greedy) cannot be honoured"),
+        (dict(temperature=-1), "temperature must be a number >= 0"),
         (dict(top_p=0.9), "top_p does not apply"),
         (dict(top_k=5), "top_k does not apply"),
         (dict(factor=1.0), "factor does not apply"),

@@ -3,7 +3,8 @@
 reading, so they give the same text, or the same refusal with the same message.
 
 DiffusionGemma reads `temperature` in its own terms (its spec's own_readings): a scale of its
-t_max -> t_min schedule, 1 the checkpoint's own; 0 and a top_p below 1 cannot be honoured."""
+t_max -> t_min schedule, 1 the checkpoint's own, 0 greedy denoising from the seed's noise canvas; a
+top_p below 1 cannot be honoured."""
 
 import openai
 import pytest
@@ -69,19 +70,28 @@ def _server(gemma, **fields):
     return out.choices[0].message.content
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
 def test_diffusion_gemma_temperature_is_one_scale_everywhere(gemma, capsys, temperature):
     _, model, _, _ = gemma
     spec = model.diffusion_spec
     schedule = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     scaled = dict(t_min=schedule["t_min"] * temperature, t_max=schedule["t_max"] * temperature)
-    want = _api(gemma, **scaled)
-    assert _api(gemma, temperature=temperature) == want
+    want = _api(gemma, temperature=temperature)
+    if temperature:  # the schedule the scale stands for (0 is greedy, no schedule's)
+        assert _api(gemma, **scaled) == want
     assert _cli(gemma, capsys, "--temp", str(temperature)) == want
     assert _server(gemma, temperature=temperature) == want
     # top_p 1 (OpenAI clients' default) asks for nothing on every surface.
     assert _api(gemma, temperature=temperature, top_p=1) == want
     assert _server(gemma, temperature=temperature, top_p=1) == want
+
+
+def test_temperature_0_is_the_greedy_limit(gemma):
+    """Greedy denoising takes each step's argmax: what a small enough temperature draws, from the
+    same noise canvas (the seed's), and not what the checkpoint's schedule draws."""
+    greedy = _api(gemma, temperature=0)
+    assert greedy == _api(gemma, temperature=1e-4)
+    assert greedy != _api(gemma)
 
 
 def test_a_lower_temperature_is_another_schedule(gemma):
@@ -93,8 +103,7 @@ def test_a_lower_temperature_is_another_schedule(gemma):
 @pytest.mark.parametrize(
     "name, value, phrase",
     [
-        ("temperature", 0.0, "0 (greedy) cannot be honoured"),
-        ("temperature", -1.0, "temperature must be a number > 0"),
+        ("temperature", -1.0, "temperature must be a number >= 0"),
         ("top_p", 0.9, "top_p=0.9 cannot be honoured"),
     ],
 )

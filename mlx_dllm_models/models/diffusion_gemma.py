@@ -172,22 +172,18 @@ def scaled_schedule(temperature, settings) -> dict:
     """`temperature` T as the canvas sampler reads it: a scale of its schedule, T * t_max at a
     canvas's first denoising step falling to T * t_min at its last (over the t_min / t_max the
     caller, the checkpoint or the family set), so 1 is the checkpoint's own schedule and lower is
-    greedier. 0 cannot be honoured: every step draws the accepted tokens from, and feeds back as
-    self-conditioning, the logits divided by the step's temperature (transformers'
-    LinearTemperatureScheduleLogitsProcessor has no greedy form either)."""
-    scaled = {}
-    if is_number(temperature) and math.isfinite(temperature) and temperature > 0:
+    greedier; 0 is its limit, greedy denoising (every step takes the argmax,
+    decoding.canvas.greedy_stats) from the seed's noise canvas."""
+    if is_number(temperature) and math.isfinite(temperature) and temperature >= 0:
         scaled = {name: settings[name] * temperature for name in ("t_min", "t_max")}
-    if not scaled or not (0 < scaled["t_max"] < math.inf):
-        raise SettingsError(
-            f"temperature must be a number > 0 for {FAMILY}, got {temperature!r}: it scales the "
-            "canvas sampler's t_max -> t_min schedule (1 is the checkpoint's), and a canvas starts "
-            "from noise that every step draws from the scaled distribution (fed back as "
-            "self-conditioning), so 0 (greedy) cannot be honoured; lower it for greedier text, "
-            "and send a seed for reproducible text",
-            param="temperature",
-        )
-    return scaled
+        if scaled["t_max"] < math.inf:
+            return scaled
+    raise SettingsError(
+        f"temperature must be a number >= 0 for {FAMILY}, got {temperature!r}: it scales the "
+        "canvas sampler's t_max -> t_min schedule (1 is the checkpoint's; 0 denoises greedily "
+        "from the seed's noise canvas)",
+        param="temperature",
+    )
 
 
 def whole_distribution(top_p, settings) -> dict:
