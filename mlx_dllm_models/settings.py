@@ -1,8 +1,10 @@
 """Decoding settings: one vocabulary across families, defaults from the checkpoint, clear errors.
 
 `SETTINGS` is the one table of the vocabulary: which settings exist, which family, sampler or mode
-each belongs to, its package default, its validator and its CLI flag. The shared names, the package
-defaults, the CLI's flags and each family's extra settings are all read from it.
+each belongs to, its package default, its validator and its CLI flag: the shared rows here, then
+the rows each family declares in its model file (collected on first use). Resolving one family's
+settings reads the shared rows and its spec (its rows, the shared settings it has no use for or
+reads in its own terms, the pairs that must agree); the CLI's flags read the whole table.
 
 Resolution order: explicit arguments, then the checkpoint (generation_config.json, config.json),
 then the family's reference defaults (its DiffusionSpec), then the package defaults below.

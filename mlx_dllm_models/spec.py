@@ -2,9 +2,11 @@
 
 A family's decoding facts (noise, mask id, attention layout, logit shift, how confidence is read,
 which samplers it can honour, its reference defaults) live in one `DiffusionSpec` that the model
-exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type. Which
-settings exist and whom they belong to is the settings table's (settings.SETTINGS); which caches a
-layout offers is the backend table's (engine.registry.BACKENDS).
+exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type. The
+settings a family adds, those of the shared vocabulary it has no use for or reads in its own terms,
+are its spec's too (declared in its model file; settings.SETTINGS collects every family's rows for
+the CLI and the docs); which caches a layout offers is the backend table's
+(engine.registry.BACKENDS).
 """
 
 from dataclasses import dataclass, field, replace
