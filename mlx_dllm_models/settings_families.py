@@ -32,7 +32,7 @@ class Setting:
     # Another setting it only acts with (e.g. max_post_steps needs editing_threshold).
     requires: Optional[str] = None
     # Families whose decoder has no use for this shared setting -> why, and what to set instead.
-    # Computed by settings.SETTINGS from the families' DiffusionSpec.unused_settings.
+    # Computed by settings.SETTINGS from the families' UNUSED_SETTINGS (their specs' unused_settings).
     unused: Mapping[str, str] = field(default_factory=dict)
     # A token id: checked against the family's vocabulary (DiffusionSpec.vocab_size) and mask id.
     token_id: bool = False
