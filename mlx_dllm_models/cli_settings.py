@@ -45,8 +45,8 @@ def settings_table(spec, values, origins) -> str:
 
     rows, idle = [], []
     for name, value in values.items():
-        why = BY_NAME[name].unused.get(spec.family)
-        scope = out_of_scope(name, values)
+        why = spec.unused_settings.get(name)
+        scope = out_of_scope(BY_NAME[name], values)
         if why:
             idle.append(f"{name} (not used by the {spec.family} family)")
         elif scope:

@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 from .errors import CheckpointError
-from .registry import MODEL_TYPES
+from .registry import MODEL_TYPES, RETYPES
 
 # The JSON files of a converted checkpoint that may carry an `auto_map` to remote code.
 _CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
@@ -417,12 +417,6 @@ def guard_mlx_lm_utils(utils) -> None:
         convert = sys.modules.get("mlx_lm.convert")
         if convert is not None and getattr(convert, "save", None) is save:
             convert.save = guarded_save
-
-
-# Families whose checkpoints are saved under their autoregressive body's model_type, which this
-# package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
-# `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
-RETYPES = {"open_dcoder": ("qwen2",)}
 
 
 def _read_json(file: Path):

@@ -6,7 +6,12 @@ classes; the package root exports them.
 
 
 class SettingsError(ValueError):
-    """A setting, a prompt or another argument of a call is not usable as given."""
+    """A setting, a prompt or another argument of a call is not usable as given. `param` names the
+    setting at fault where one is (the server answers it as OpenAI's error `param`)."""
+
+    def __init__(self, message: str = "", param=None):
+        super().__init__(message)
+        self.param = param
 
 
 class CheckpointError(ValueError):

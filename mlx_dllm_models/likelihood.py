@@ -38,7 +38,7 @@ from .decoding.llada import guided_logits, unconditional_tokens
 from .engine import BlockEvent, make_decoder
 from .request import encode, prepare
 from .settings import SettingsError
-from .spec import BIDIRECTIONAL
+from .spec import BIDIRECTIONAL, TIMESTEP_ELBO
 from .training import align_logits, forward_process, mask_tokens, sample_noise, weighted_nll
 from .vision import text_tokenizer
 
@@ -51,7 +51,7 @@ def _check_family(model, what: str):
     spec = getattr(model, "diffusion_spec", None)
     if spec is None:
         raise TypeError(f"{type(model).__name__} is not a diffusion model of this package")
-    if spec.family not in ("llada", "dream") or spec.attention != BIDIRECTIONAL:
+    if spec.likelihood is None or spec.attention != BIDIRECTIONAL:
         raise SettingsError(
             f"{what} follows LLaDA's and Dream's references (a bidirectional masked-diffusion "
             f"ELBO); the {spec.family} family ({spec.attention} attention) has no such estimator "
@@ -158,7 +158,7 @@ def log_likelihood(
     check_counts(mc_samples, batch_size, cfg_scale)
     ids, cont = _pair(tokenizer, prompt, continuation)
     mask_id = spec.mask_token_id
-    if spec.family == "dream":
+    if spec.likelihood == TIMESTEP_ELBO:
         if cfg_scale:
             raise SettingsError(
                 "cfg_scale is LLaDA's (get_log_likelihood.py); Dream's likelihood has none"
@@ -172,7 +172,7 @@ def log_likelihood(
     prompt_lengths = mx.full((batch_size,), P, dtype=mx.int32)
     losses = []
     for key in draw_keys(seed, mc_samples // batch_size):
-        if spec.family == "dream":
+        if spec.likelihood == TIMESTEP_ELBO:
             t, u = sample_noise(key, (batch_size, P + L), low_discrepancy=True)
             # The appended EOS is never masked: u = 1 is never below p < 1.
             u = mx.concatenate([u[:, :-1], mx.ones((batch_size, 1))], axis=1)

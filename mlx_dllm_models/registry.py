@@ -46,6 +46,11 @@ MODEL_TYPES = {
     "bd3lm": "bd3lm",
 }
 
+# Families whose checkpoints are saved under their autoregressive body's model_type, which this
+# package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
+# `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
+RETYPES = {"open_dcoder": ("qwen2",)}
+
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).
 VLM_MODEL_TYPES = {

@@ -1,8 +1,10 @@
 """Decoding settings: one vocabulary across families, defaults from the checkpoint, clear errors.
 
 `SETTINGS` is the one table of the vocabulary: which settings exist, which family, sampler or mode
-each belongs to, its package default, its validator and its CLI flag. The shared names, the package
-defaults, the CLI's flags and each family's extra settings are all read from it.
+each belongs to, its package default, its validator and its CLI flag: the shared rows here, then
+the rows each family declares in its model file (collected on first use). Resolving one family's
+settings reads the shared rows and its spec (its rows, the shared settings it has no use for or
+reads in its own terms, the pairs that must agree); the CLI's flags read the whole table.
 
 Resolution order: explicit arguments, then the checkpoint (generation_config.json, config.json),
 then the family's reference defaults (its DiffusionSpec), then the package defaults below.
@@ -10,10 +12,13 @@ A family's defaults have one home, its spec (`DiffusionSpec.defaults`, some read
 the rows of family settings hold none (default None), and the shared rows hold the package defaults.
 """
 
+import importlib
+from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
-from .settings_families import DIFFUSION_MODE, DIMPLE_ONLY_ALGS, FAMILY_SETTINGS, Setting
+from .registry import MODEL_TYPES
+from .settings_families import DIFFUSION_MODE, Setting
 from .validators import (
     a_name,
     cli_optional_float,
@@ -29,26 +34,12 @@ from .validators import (
 
 # The most alternatives the `logprobs` setting lists per token (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
-_WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
-_WEDLM_STEPS = (
-    "a step fills every mask of the window whose entropy (plus the position penalty) is below "
-    "entropy_threshold, at least one, so there is no step budget; set entropy_threshold"
-)
-_WEDLM_THRESHOLD = "its one threshold is on entropy: set entropy_threshold (and pos_penalty_factor)"
 
-# The shared rows, then the families' (settings_families.py).
-SETTINGS: Tuple[Setting, ...] = (
+# The shared rows: every family reads them, except those its spec lists as unused
+# (DiffusionSpec.unused_settings) or reads in its own terms (DiffusionSpec.own_readings).
+SHARED_ROWS: Tuple[Setting, ...] = (
     Setting("max_tokens", 128, "new tokens at most (EOS may end earlier)", int, positive_int),
-    Setting(
-        "block_length",
-        32,
-        "positions per block",
-        int,
-        positive_int,
-        unused={
-            "diffusion_gemma": "each canvas is a block; set min_canvas_length / max_canvas_length"
-        },
-    ),
+    Setting("block_length", 32, "positions per block", int, positive_int),
     Setting(
         "steps",
         None,
@@ -56,11 +47,6 @@ SETTINGS: Tuple[Setting, ...] = (
         int,
         int_at_least(1, " (denoising steps per block)"),
         modes=DIFFUSION_MODE,
-        unused={
-            "diffusion_gemma": "set max_denoising_steps (an upper bound per canvas: a canvas stops "
-            "once its argmax is stable and confident)",
-            "wedlm": _WEDLM_STEPS,
-        },
     ),
     Setting(
         "sampler",
@@ -77,7 +63,6 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, 1, low_open=True),
         samplers=("threshold", "sub_block", "d3llm"),
         modes=DIFFUSION_MODE,
-        unused={"wedlm": _WEDLM_THRESHOLD},
     ),
     Setting(
         "factor",
@@ -87,10 +72,6 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, low_open=True),
         samplers=("factor",),
         modes=DIFFUSION_MODE,
-        unused={
-            "diffusion_gemma": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)",
-            "wedlm": _WEDLM_THRESHOLD,
-        },
     ),
     Setting(
         "entropy_bound",
@@ -100,35 +81,16 @@ SETTINGS: Tuple[Setting, ...] = (
         number(0, what=" (nats)"),
         samplers=("entropy",),
         modes=DIFFUSION_MODE,
-        unused={"wedlm": _WEDLM_THRESHOLD},
     ),
-    Setting(
-        "temperature",
-        0.0,
-        "sampling temperature; 0 is greedy",
-        float,
-        number(0, finite=True),
-        unused={
-            "diffusion_gemma": "the temperature follows a schedule from t_max (first step) to t_min; "
-            "set those"
-        },
-    ),
+    Setting("temperature", 0.0, "sampling temperature; 0 is greedy", float, number(0, finite=True)),
     Setting(
         "top_p",
         None,
         "nucleus filtering",
         cli_optional_float,
         optional(number(0, 1, low_open=True)),
-        unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
     ),
-    Setting(
-        "top_k",
-        None,
-        "top-k filtering",
-        int,
-        optional(int_at_least(0)),
-        unused={"diffusion_gemma": _WHOLE_DISTRIBUTION},
-    ),
+    Setting("top_k", None, "top-k filtering", int, optional(int_at_least(0))),
     Setting("seed", 0, "PRNG seed", int, seed_value),
     # Read by every loop, changes no token: each returned token's log-probability at the step
     # that committed it, with this many alternatives (engine.base.TokenLogprob); none: off.
@@ -147,86 +109,93 @@ SETTINGS: Tuple[Setting, ...] = (
         str,
         a_name,
     ),
-) + FAMILY_SETTINGS
+)
 
-BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
-SHARED_SETTINGS = tuple(s.name for s in SETTINGS if not s.families)
-PACKAGE_DEFAULTS = {s.name: s.default for s in SETTINGS if not s.families}
+SHARED_BY_NAME: Dict[str, Setting] = {s.name: s for s in SHARED_ROWS}
+SHARED_SETTINGS = tuple(SHARED_BY_NAME)
+PACKAGE_DEFAULTS = {s.name: s.default for s in SHARED_ROWS}
+
+
+def _collect() -> Tuple[Setting, ...]:
+    """The shared rows, then the rows of every registered family (registry.MODEL_TYPES' modules,
+    each declaring FAMILY, SETTINGS and, where it has them, UNUSED_SETTINGS), each row carrying the
+    families that declare it (`families`) and, for a shared row, the families that have no use for
+    it (`unused`)."""
+    families: Dict[str, list] = {}
+    rows: Dict[str, Setting] = {}
+    unused: Dict[str, Dict[str, str]] = {name: {} for name in SHARED_SETTINGS}
+    for module_name in dict.fromkeys(MODEL_TYPES.values()):
+        module = importlib.import_module(f"{__package__}.models.{module_name}")
+        for row in module.SETTINGS:
+            rows.setdefault(row.name, row)
+            declared = families.setdefault(row.name, [])
+            if module.FAMILY not in declared:
+                declared.append(module.FAMILY)
+        for name, why in vars(module).get("UNUSED_SETTINGS", {}).items():
+            unused[name][module.FAMILY] = why
+    shared = tuple(replace(row, unused=unused[row.name]) for row in SHARED_ROWS)
+    return shared + tuple(replace(row, families=tuple(families[n])) for n, row in rows.items())
+
+
+def __getattr__(name: str):
+    """SETTINGS (the one table: the shared rows, then every registered family's), BY_NAME (its
+    rows by name) and FAMILY_SETTINGS (the families' rows), built on first use: they import every
+    family's model module, which deciding one family's settings never needs."""
+    if name not in ("SETTINGS", "BY_NAME", "FAMILY_SETTINGS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    table = _collect()
+    globals().update(
+        SETTINGS=table,
+        BY_NAME={s.name: s for s in table},
+        FAMILY_SETTINGS=table[len(SHARED_ROWS) :],
+    )
+    return globals()[name]
+
+
+def _table(name: str):
+    return globals()[name] if name in globals() else __getattr__(name)
 
 
 def family_settings(family: str) -> Tuple[str, ...]:
     """The settings a family understands beyond the shared vocabulary."""
-    return tuple(s.name for s in SETTINGS if family in s.families)
-
-
-# Pairs of settings that must agree: (first, second, holds(first, second), message).
-_RELATIONS = (
-    (
-        "sub_block_length",
-        "block_length",
-        lambda sub, block: block % sub == 0,
-        "sub_block_length ({sub_block_length}) must divide block_length ({block_length}): a block "
-        "is decoded as whole sub-blocks",
-    ),
-    (
-        "t_min",
-        "t_max",
-        lambda lo, hi: hi >= lo,
-        "t_max ({t_max}) is the first step's temperature and must be >= t_min ({t_min}), the last step's",
-    ),
-    (
-        "min_canvas_length",
-        "max_canvas_length",
-        lambda lo, hi: lo <= hi,
-        "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})",
-    ),
-    (
-        "alg",
-        "sampler",
-        lambda alg, sampler: (
-            alg != "topk_margin" if sampler == "dimple" else alg not in DIMPLE_ONLY_ALGS
-        ),
-        "alg {alg!r} does not decode with sampler {sampler!r}: sampler 'dimple' takes origin, "
-        "origin-ratio, autoregressive, maskgit_plus or entropy; 'dream' takes origin, "
-        "maskgit_plus, topk_margin or entropy",
-    ),
-)
+    return tuple(s.name for s in _table("FAMILY_SETTINGS") if family in s.families)
 
 
 def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
     """Merge and validate settings for a family. Returns a plain dict with every shared setting and
-    every extra setting of the family."""
+    every extra setting of the family (the rows its spec declares, `spec.settings`)."""
     return resolve_with_origins(spec, overrides, checkpoint)[0]
 
 
 def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
     """resolve_settings's values, and where each came from: "package", "family" (its spec),
     "sampler <name>", "preset <setting>=<mode>", "checkpoint" (its generation_config.json, or what
-    its remote code implies), "explicit" (the caller's), or "from <setting>" (block_length from
-    max_tokens, steps from block_length)."""
-    extras = family_settings(spec.family)
-    allowed = set(SHARED_SETTINGS) | set(extras)
-    unknown = sorted(set(overrides) - allowed)
+    its remote code implies), "explicit" (the caller's), "from <setting>" (block_length from
+    max_tokens, steps from block_length), or "reading of <setting>" (a shared setting the family
+    reads in its own terms)."""
+    rows = dict(SHARED_BY_NAME, **{row.name: row for row in spec.settings})
+    unknown = sorted(set(overrides) - set(rows))
     if unknown:
         # Another family's setting (LLaDA's cfg_scale on Dream): say whose it is.
+        by_name = _table("BY_NAME")
         whose = "".join(
-            f"; {n} is a setting of the {' / '.join(BY_NAME[n].families)} family only"
+            f"; {n} is a setting of the {' / '.join(by_name[n].families)} family only"
             for n in unknown
-            if n in BY_NAME
+            if n in by_name
         )
         raise SettingsError(
             f"unknown setting(s) {', '.join(unknown)} for the {spec.family} family; "
-            f"it understands: {', '.join(sorted(allowed))}{whose}"
+            f"it understands: {', '.join(sorted(rows))}{whose}"
         )
     explicit = {k: v for k, v in overrides.items() if v is not None}
+    # Shared settings the family reads in its own terms, applied once the rest is resolved.
+    readings = {name: explicit.pop(name) for name in spec.own_readings if name in explicit}
     for name in explicit:
-        why = BY_NAME[name].unused.get(spec.family)
+        why = spec.unused_settings.get(name)
         if why:
             raise SettingsError(f"{name} does not apply to the {spec.family} family: {why}")
-    from_checkpoint = {
-        k: v for k, v in (checkpoint or {}).items() if k in allowed and v is not None
-    }
-    values: Dict[str, Any] = {name: BY_NAME[name].default for name in SHARED_SETTINGS + extras}
+    from_checkpoint = {k: v for k, v in (checkpoint or {}).items() if k in rows and v is not None}
+    values: Dict[str, Any] = {name: row.default for name, row in rows.items()}
     origins = dict.fromkeys(values, "package")
 
     def layer(new, origin):
@@ -254,7 +223,10 @@ def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optiona
         # As every reference's default: as many steps as a block has positions, one token per step
         # for the quota sampler; so a new block_length alone keeps that rate.
         layer({"steps": values["block_length"]}, "from block_length")
-    _validate(spec, values, explicit, set(from_checkpoint) - set(explicit))
+    _validate(spec, rows, values, explicit, set(from_checkpoint) - set(explicit))
+    for name, value in readings.items():
+        origins[name] = "explicit"
+        layer(spec.own_readings[name](value, values), f"reading of {name}")
     return values, origins
 
 
@@ -283,26 +255,24 @@ def _token_id_error(spec, name, v) -> Optional[str]:
     return None
 
 
-def out_of_scope(name, s) -> Optional[Tuple[str, Tuple[str, ...]]]:
-    """("mode" or "sampler", the values it acts with) when setting `name` does not act under the
-    resolved settings `s` (another mode's or sampler's); None when it does."""
-    row = BY_NAME[name]
+def out_of_scope(row, s) -> Optional[Tuple[str, Tuple[str, ...]]]:
+    """("mode" or "sampler", the values it acts with) when the setting of `row` does not act under
+    the resolved settings `s` (another mode's or sampler's); None when it does."""
     scopes = (("mode", row.modes if "mode" in s else ()), ("sampler", row.samplers))
     off = [(key, scope) for key, scope in scopes if scope and s[key] not in scope]
     return off[0] if off else None
 
 
-def _validate(spec, s, explicit, from_checkpoint=frozenset()):
+def _validate(spec, rows, s, explicit, from_checkpoint=frozenset()):
     if s["sampler"] not in spec.samplers:
         raise SettingsError(
             f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
             f"choose one of: {', '.join(spec.samplers)}" + _origin(["sampler"], from_checkpoint)
         )
-    for name in SHARED_SETTINGS + family_settings(spec.family):
-        row = BY_NAME[name]
+    for name, row in rows.items():
         given = name in explicit
         # A setting of other modes / samplers: an error when passed, else not checked.
-        off = out_of_scope(name, s)
+        off = out_of_scope(row, s)
         if off:
             key, scope = off
             if given:
@@ -315,17 +285,18 @@ def _validate(spec, s, explicit, from_checkpoint=frozenset()):
             raise SettingsError(
                 f"{name} only acts when {row.requires} is set; pass {row.requires} or drop {name}"
             )
-        if row.unused.get(spec.family) or row.check is None:
+        if name in spec.unused_settings or row.check is None:
             continue
         msg = row.check(name, s[name])
         if msg is None and row.token_id and s[name] is not None:
             msg = _token_id_error(spec, name, s[name])
         if msg:
             raise SettingsError(msg + _origin([name], from_checkpoint))
-    for first, second, holds, message in _RELATIONS:
-        if s.get(first) is not None and s.get(second) is not None:
-            if not holds(s[first], s[second]):
-                raise SettingsError(message.format(**s) + _origin([first, second], from_checkpoint))
+    for rel in spec.relations:
+        first, second = s.get(rel.first), s.get(rel.second)
+        if first is not None and second is not None and not rel.holds(first, second):
+            where = _origin([rel.first, rel.second], from_checkpoint)
+            raise SettingsError(rel.message.format(**s) + where)
     # The sampler's confidence (a sampler may bring its own: Dimple's "dream" reads the processed
     # distribution, where top-p acts at temperature 0 too).
     confidence = spec.sampler_spec.get(s["sampler"], {}).get("confidence", spec.confidence)

@@ -2,13 +2,17 @@
 
 A family's decoding facts (noise, mask id, attention layout, logit shift, how confidence is read,
 which samplers it can honour, its reference defaults) live in one `DiffusionSpec` that the model
-exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type. Which
-settings exist and whom they belong to is the settings table's (settings.SETTINGS); which caches a
-layout offers is the backend table's (engine.registry.BACKENDS).
+exposes as `model.diffusion_spec`. The engine reads the spec; it never asks for a model_type. The
+settings a family adds, those of the shared vocabulary it has no use for or reads in its own terms,
+are its spec's too (declared in its model file; settings.SETTINGS collects every family's rows for
+the CLI and the docs); which caches a layout offers is the backend table's
+(engine.registry.BACKENDS).
 """
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from .settings_families import Relation, Setting
 
 # Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
 BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
@@ -23,6 +27,12 @@ CAUSAL_WINDOW = "causal_window"
 PREFIX_DLM = "prefix_dlm"
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
+
+# The ELBO estimates likelihood.log_likelihood reproduces (DiffusionSpec.likelihood): LLaDA's
+# get_log_likelihood.py (a mask count drawn per sample) and Dream's eval.py (low-discrepancy
+# timesteps, an EOS appended).
+MASK_COUNT_ELBO = "masks"
+TIMESTEP_ELBO = "timesteps"
 
 # generation_config.json key -> setting, read for every family (read_generation_config): a family's
 # spec may add keys (generation_config_keys) or leave some out (ignored_generation_config_keys).
@@ -130,6 +140,23 @@ class DiffusionSpec:
     # included (BD3-LM's sampler draws over its x_block): a step's draws then sit on the same
     # columns whether a row decodes alone or beside rows of other prompt lengths.
     whole_block_window: bool = False
+    # The settings the family adds to the shared vocabulary (its rows of settings.SETTINGS, declared
+    # in its model file).
+    settings: Tuple[Setting, ...] = ()
+    # Shared settings its decoder has no use for -> why, and what to set instead (passing one is an
+    # error that says so).
+    unused_settings: Mapping[str, str] = field(default_factory=dict)
+    # Pairs of its settings that must agree (settings.resolve_settings checks them).
+    relations: Tuple[Relation, ...] = ()
+    # Shared settings the family reads in its own terms: name -> read(value, resolved settings)
+    # -> the settings it stands for (DiffusionGemma's temperature scales its t_max -> t_min
+    # schedule); it raises SettingsError for a value it cannot honour.
+    own_readings: Mapping[str, Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = field(
+        default_factory=dict
+    )
+    # The ELBO estimate likelihood.log_likelihood computes for this family (MASK_COUNT_ELBO or
+    # TIMESTEP_ELBO); None: it has none.
+    likelihood: Optional[str] = None
 
 
 def for_settings(spec: DiffusionSpec, settings: Mapping) -> DiffusionSpec:

@@ -12,6 +12,8 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from .models import llada
+
 # Llama-3 style template of LLaDA-8B-Instruct.
 LLADA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -147,7 +149,7 @@ def llada_config(
     """config.json of a LLaDAModelLM (LLaDA-8B's OLMo field names and values) at another size; the
     special ids come from `special_tokens` (LLaDA's names)."""
     return {
-        "model_type": "llada",
+        "model_type": llada.MODEL_TYPE,
         "architectures": ["LLaDAModelLM"],
         "d_model": d_model,
         "n_layers": n_layers,

@@ -345,7 +345,7 @@ def test_defaults_come_from_generation_config(dg):
     [
         (dict(block_length=8), "block_length does not apply to the diffusion_gemma family"),
         (dict(steps=8), "set max_denoising_steps"),
-        (dict(temperature=0.5), "t_max"),
+        (dict(temperature=-1), "temperature must be a number >= 0"),
         (dict(top_p=0.9), "top_p does not apply"),
         (dict(top_k=5), "top_k does not apply"),
         (dict(factor=1.0), "factor does not apply"),
@@ -569,6 +569,9 @@ def test_live_view_shades_pending_positions(dg):
 def test_spec_names_the_canvas_loop(dg):
     spec = dg[0].diffusion_spec
     assert spec.decoder == "canvas" and spec.vocab_size == fx.VOCAB
-    for name, value in dict(block_length=8, steps=4, temperature=0.5, top_p=0.9, top_k=5).items():
+    for name, value in dict(block_length=8, steps=4, top_p=0.9, top_k=5).items():
         with pytest.raises(SettingsError, match=f"{name} does not apply to the diffusion_gemma"):
             resolve_settings(spec, {name: value})
+    # temperature scales its t_max -> t_min schedule (tests/test_setting_surfaces.py).
+    plain, cooler = resolve_settings(spec, {}), resolve_settings(spec, {"temperature": 0.5})
+    assert (cooler["t_min"], cooler["t_max"]) == (plain["t_min"] * 0.5, plain["t_max"] * 0.5)

@@ -7,7 +7,8 @@ config.json (tests/data) or from a fixture's config (tests/fixtures), without we
 
 * `resolve_settings(spec, {}, {})` equals the defaults the family documents: the reference's
   (cited per value) as README's family table states them;
-* README quotes those numbers (the phrases below are looked up in its rows), so that a changed
+* the documentation quotes those numbers (the phrases below are looked up in each family's page and
+  in the settings guide's rows), so that a changed
   default and a stale README cannot both pass;
 * a family row's default is None, a row's default is read (not overwritten), and every default a
   spec states is a setting of its family (a misspelt one would otherwise do nothing).
@@ -23,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from fixtures import diffusion_gemma, llada, llada2, nemotron
-from mlx_dllm_models import settings
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.settings import SETTINGS, SettingsError, family_settings, resolve_settings
 
@@ -254,11 +254,24 @@ README_QUOTES = {
 }
 
 
+# Where each row's text lives now: a family's page, or a row of the settings guide's tables.
+DOC_PAGES = {
+    "| Dream 7B": "families/dream.md",
+    "| SDAR ": "families/sdar.md",
+    "| LLaDA2.0 ": "families/llada2.md",
+    "| Nemotron-Labs-Diffusion ": "families/nemotron.md",
+    "| DiffusionGemma ": "families/diffusion-gemma.md",
+    "| `cfg_scale`": "guide/settings.md",
+    "| `causal_context`": "guide/settings.md",
+}
+
+
 def _readme_row(start):
-    rows = [
-        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(start)
-    ]
-    assert len(rows) == 1, f"README.md has {len(rows)} rows starting {start!r}"
+    text = (ROOT / "docs" / DOC_PAGES[start]).read_text()
+    if not start.startswith("| `"):
+        return text  # a family page: all of it is that family's
+    rows = [line for line in text.splitlines() if line.startswith(start)]
+    assert len(rows) == 1, f"{DOC_PAGES[start]} has {len(rows)} rows starting {start!r}"
     return rows[0]
 
 
@@ -280,7 +293,7 @@ def test_family_rows_hold_no_default():
     assert not held, f"family rows with a default (state it in the family's spec): {held}"
 
 
-def test_a_row_default_is_read_not_overwritten(monkeypatch):
+def test_a_row_default_is_read_not_overwritten():
     """Resolution reads every row's default under the spec's: a value put in a family row takes
     effect where the spec does not set one, instead of silently doing nothing; and a spec that
     leaves a required setting without a default is refused, not run with None."""
@@ -290,8 +303,11 @@ def test_a_row_default_is_read_not_overwritten(monkeypatch):
     )
     with pytest.raises(SettingsError, match="causal_context must be true or false, got None"):
         resolve_settings(bare, {}, {})
-    row = dataclasses.replace(settings.BY_NAME["causal_context"], default=False)
-    monkeypatch.setitem(settings.BY_NAME, "causal_context", row)
+    rows = tuple(
+        dataclasses.replace(row, default=False) if row.name == "causal_context" else row
+        for row in spec.settings
+    )
+    bare, spec = (dataclasses.replace(s, settings=rows) for s in (bare, spec))
     assert resolve_settings(bare, {}, {})["causal_context"] is False
     assert resolve_settings(spec, {}, {})["causal_context"] is True  # the spec's, over the row
 

@@ -32,7 +32,10 @@ class CanvasStats(NamedTuple):
 def canvas_stats(logits: mx.array, temperature: float, uniform: mx.array) -> CanvasStats:
     """Statistics of the temperature-scaled logits. The sample is the inverse CDF of
     softmax(logits / T) at `uniform` (B, C) in [0, 1): one draw per position, a categorical sample
-    like the reference's torch.multinomial, from a noise source that is cheap to share."""
+    like the reference's torch.multinomial, from a noise source that is cheap to share. At T = 0,
+    the limit: the argmax, with probability 1 and entropy 0 (greedy_stats)."""
+    if temperature == 0:
+        return greedy_stats(logits)
     processed = logits.astype(mx.float32) / temperature
     p, _, entropy = softmax_stats(processed)
     cdf = mx.cumsum(p, axis=-1)
@@ -42,6 +45,17 @@ def canvas_stats(logits: mx.array, temperature: float, uniform: mx.array) -> Can
     confidence = mx.take_along_axis(p, sample[..., None], axis=-1)[..., 0]
     argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
     return CanvasStats(processed, sample, argmax, entropy, confidence)
+
+
+def greedy_stats(logits: mx.array) -> CanvasStats:
+    """softmax(logits / T) as T falls to 0: all the mass on the argmax, whose sample it is, with
+    confidence 1 and entropy 0; the processed logits fed back as self-conditioning are 0 there and
+    -inf elsewhere (their softmax is that one-hot distribution)."""
+    argmax = mx.argmax(logits, axis=-1).astype(mx.int32)
+    top = mx.arange(logits.shape[-1]) == argmax[..., None]
+    processed = mx.where(top, 0.0, float("-inf")).astype(mx.float32)
+    ones = mx.ones(argmax.shape, dtype=mx.float32)
+    return CanvasStats(processed, argmax, argmax, mx.zeros_like(ones), ones)
 
 
 def renoise(canvas: mx.array, keep: mx.array, noise: mx.array) -> mx.array:

@@ -14,10 +14,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
 
-from . import sharding
+from . import a2d_qwen3, sharding
 from .a2d_qwen3 import QWEN3_EOS_TOKEN_ID
 from .a2d_qwen3 import Model as A2DQwen3Model
 from .common import check_special_ids
+
+# dllm's A2D settings family and rows.
+FAMILY = a2d_qwen3.FAMILY
+SETTINGS = a2d_qwen3.SETTINGS
 
 # dllm's get_tokenizer adds "<|mask|>" to Qwen2.5's tokenizer: the next id after its last added
 # token (<|file_sep|>, 151664).

@@ -39,6 +39,10 @@ from .common import (
     refuse_autoregressive_tools,
 )
 
+# The settings family of dllm's A2D specs (Qwen3 and Qwen2 bodies); it adds no setting of its own.
+FAMILY = "a2d"
+SETTINGS = ()
+
 # dllm's get_tokenizer adds "<|mask|>" to Qwen3's tokenizer as a new special token: it takes the
 # next id after Qwen3's last added token (</think>, 151668). config.json does not name it.
 A2D_MASK_TOKEN_ID = 151669
@@ -118,7 +122,7 @@ class Model(nn.Module):
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
             self.args,
-            "a2d",
+            FAMILY,
             BIDIRECTIONAL,
             confidence="raw",  # MDLMSampler: softmax of the unprocessed logits at the argmax
             quota_base="masks",

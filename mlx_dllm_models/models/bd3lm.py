@@ -38,6 +38,10 @@ from .common import (
     select_span,
 )
 
+# The settings family of BD3-LM's spec; it adds no setting of its own.
+FAMILY = "bd3lm"
+SETTINGS = ()
+
 # TimestepEmbedder's frequency_embedding_size.
 FREQUENCY_EMBEDDING_SIZE = 256
 
@@ -282,7 +286,7 @@ class Model(nn.Module):
         args = self.args
         return build_spec(
             args,
-            "bd3lm",
+            FAMILY,
             # The x0 half of block_diff_mask and the KV cache both align blocks on position 0.
             BLOCK_CAUSAL,
             # _subs_parameterization: the mask's logit is -inf before the softmax, so its mass

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
-from . import sharding
+from . import dream, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -31,6 +31,11 @@ from .common import (
 )
 
 # CoDAConfig's defaults (CoDALanguageModel/model_config.py): config.json leaves these out.
+# The settings family this module's spec belongs to, and the rows it adds: Dream's
+# diffusion_generate's (CoDA's "dream" sampler is a copy of it).
+FAMILY = "coda"
+SETTINGS = dream.DIFFUSION_GENERATE_SETTINGS
+
 CODA_MASK_TOKEN_ID = 151669  # <|mask|>
 CODA_EOS_TOKEN_ID = 151645  # <|im_end|>
 
@@ -117,7 +122,7 @@ class Model(nn.Module):
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
             self.args,
-            "coda",
+            FAMILY,
             BIDIRECTIONAL,
             f"add it to config.json ({CODA_MASK_TOKEN_ID}, <|mask|>, for CoDA-v0-Instruct).",
             logit_shift=1,
@@ -133,4 +138,6 @@ class Model(nn.Module):
             # their steps = block_length).
             sampler_defaults={"dream": {"block_length": None, "steps": 128}},
             vocab_size=self.args.vocab_size,
+            settings=SETTINGS,
+            relations=(dream.ALG_RELATION,),
         )

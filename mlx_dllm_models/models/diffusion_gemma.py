@@ -31,6 +31,7 @@ Decoding: the engine's canvas loop (mlx_dllm_models.engine.canvas, `DiffusionSpe
 "canvas").
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -41,7 +42,10 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import vision
+from ..errors import SettingsError
+from ..settings_families import Relation, Setting
 from ..spec import ENCODER_CANVAS, DiffusionSpec, read_generation_config
+from ..validators import int_at_least, is_number, number
 from . import sharding
 from .common import cached_spec, check_token_ids, check_weights, eos_token_ids, select_span
 from .diffusion_gemma_text import (
@@ -104,6 +108,99 @@ GENERATION_CONFIG_KEYS = {
 # Shared generation_config keys that DiffusionGemma's decoder does not read (its temperature follows
 # a schedule, its sampler draws from the whole distribution, each canvas is a block).
 UNREAD_GENERATION_CONFIG_KEYS = ("block_length", "temperature", "top_p", "top_k")
+
+# ------------------------------------------------------------------------------------- settings
+
+# The settings family of DiffusionGemma's spec.
+FAMILY = NAME
+
+
+def _canvas_row(name, help_text, cli_type, check):
+    return Setting(name, None, f"DiffusionGemma: {help_text}", cli_type, check)
+
+
+# The rows its canvas decoder adds to the shared settings.
+SETTINGS = (
+    _canvas_row("max_denoising_steps", "denoising steps per canvas at most", int, int_at_least(1)),
+    _canvas_row("t_min", "temperature of the last step", float, number(0)),
+    _canvas_row("t_max", "temperature of the first step", float, number(0, low_open=True)),
+    _canvas_row(
+        "stability_threshold",
+        "steps the argmax must stay unchanged to stop a canvas",
+        int,
+        int_at_least(0),
+    ),
+    _canvas_row(
+        "confidence_threshold", "mean entropy below which a stable canvas stops", float, number(0)
+    ),
+    _canvas_row(
+        "min_canvas_length",
+        "shortest last canvas (default: the trained canvas length, as transformers; lower it to "
+        "shorten the last canvas to the tokens still wanted)",
+        int,
+        int_at_least(1),
+    ),
+    _canvas_row("max_canvas_length", "longest canvas (the trained length)", int, int_at_least(1)),
+)
+RELATIONS = (
+    Relation(
+        "t_min",
+        "t_max",
+        lambda lo, hi: hi >= lo,
+        "t_max ({t_max}) is the first step's temperature and must be >= t_min ({t_min}), the "
+        "last step's",
+    ),
+    Relation(
+        "min_canvas_length",
+        "max_canvas_length",
+        lambda lo, hi: lo <= hi,
+        "min_canvas_length ({min_canvas_length}) exceeds max_canvas_length ({max_canvas_length})",
+    ),
+)
+_WHOLE_DISTRIBUTION = "the sampler draws from the whole temperature-scaled distribution"
+# The shared settings its canvas decoder has no use for.
+UNUSED_SETTINGS = {
+    "block_length": "each canvas is a block; set min_canvas_length / max_canvas_length",
+    "steps": "set max_denoising_steps (an upper bound per canvas: a canvas stops once its argmax "
+    "is stable and confident)",
+    "factor": "its samplers are 'entropy' (entropy_bound) and 'threshold' (threshold)",
+    "top_k": _WHOLE_DISTRIBUTION,
+}
+
+
+def scaled_schedule(temperature, settings) -> dict:
+    """`temperature` T as the canvas sampler reads it: a scale of its schedule, T * t_max at a
+    canvas's first denoising step falling to T * t_min at its last (over the t_min / t_max the
+    caller, the checkpoint or the family set), so 1 is the checkpoint's own schedule and lower is
+    greedier; 0 is its limit, greedy denoising (every step takes the argmax,
+    decoding.canvas.greedy_stats) from the seed's noise canvas."""
+    if is_number(temperature) and math.isfinite(temperature) and temperature >= 0:
+        scaled = {name: settings[name] * temperature for name in ("t_min", "t_max")}
+        if scaled["t_max"] < math.inf:
+            return scaled
+    raise SettingsError(
+        f"temperature must be a number >= 0 for {FAMILY}, got {temperature!r}: it scales the "
+        "canvas sampler's t_max -> t_min schedule (1 is the checkpoint's; 0 denoises greedily "
+        "from the seed's noise canvas)",
+        param="temperature",
+    )
+
+
+def whole_distribution(top_p, settings) -> dict:
+    """`top_p` 1 (what OpenAI clients send by default) asks for nothing; below it cannot be
+    honoured."""
+    if top_p == 1 and not isinstance(top_p, bool):
+        return {}
+    raise SettingsError(
+        f"top_p does not apply to the {FAMILY} family: {_WHOLE_DISTRIBUTION}, so top_p={top_p!r} "
+        "cannot be honoured; send top_p 1 or leave it out, and lower temperature (which scales "
+        "its t_max -> t_min schedule) for greedier text",
+        param="top_p",
+    )
+
+
+# Shared settings it reads in its own terms.
+OWN_READINGS = {"temperature": scaled_schedule, "top_p": whole_distribution}
 
 # Kept at 8 bits when the rest is quantized lower: the always-active, precision-sensitive parts.
 _EIGHT_BIT = {"group_size": 64, "bits": 8, "mode": "affine"}
@@ -357,7 +454,7 @@ class Model(nn.Module):
         )
         defaults.update(read_generation_config(a.generation_config or {}, GENERATION_CONFIG_KEYS))
         return DiffusionSpec(
-            family=NAME,
+            family=FAMILY,
             attention=ENCODER_CANVAS,
             mask_token_id=None,  # uniform noise: the canvas starts from random vocabulary ids
             eos_token_ids=eos,
@@ -369,4 +466,8 @@ class Model(nn.Module):
             ignored_generation_config_keys=UNREAD_GENERATION_CONFIG_KEYS,
             vocab_size=t.vocab_size,
             max_position_embeddings=t.max_position_embeddings,
+            settings=SETTINGS,
+            unused_settings=UNUSED_SETTINGS,
+            relations=RELATIONS,
+            own_readings=OWN_READINGS,
         )

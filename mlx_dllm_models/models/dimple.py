@@ -46,8 +46,8 @@ import numpy as np
 from mlx_lm.models import qwen2
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS
-from . import sharding
+from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO
+from . import dream, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -60,6 +60,9 @@ from .common import (
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "dimple"
+# Dream's settings family and rows (Dimple's own sampler, "dimple", reads alg_p_threshold).
+FAMILY = dream.FAMILY
+SETTINGS = dream.SETTINGS
 
 # The README's inference example (yu-rp/Dimple ReadMe.md, the model card's): diffusion_generate(
 # max_new_tokens=64, steps=64, temperature=0.2, top_p=0.95, alg="origin", use_cache=True,
@@ -400,7 +403,7 @@ class Model(nn.Module):
         a = self.args
         return build_spec(
             a,
-            "dream",
+            FAMILY,
             BIDIRECTIONAL,
             "add it to config.json (151666, <|mask|>, for Dimple-7B).",
             logit_shift=1,
@@ -416,6 +419,9 @@ class Model(nn.Module):
             eos_token_names=EOS_TOKEN_NAMES,
             sampler_defaults={"dimple": {"block_length": None}, "dream": {"block_length": None}},
             vocab_size=a.vocab_size,
+            settings=SETTINGS,
+            relations=(dream.ALG_RELATION,),
+            likelihood=TIMESTEP_ELBO,
         )
 
 

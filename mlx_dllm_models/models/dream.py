@@ -16,7 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..settings_families import D3LLM_SETTINGS, Relation, Setting
+from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO, DiffusionSpec
+from ..validators import choice, cli_optional_float, number, optional
 from . import sharding
 from .common import (
     build_spec,
@@ -28,6 +30,66 @@ from .common import (
     masked_forward,
     refuse_autoregressive_tools,
 )
+
+# The settings family this module's spec belongs to (the settings table groups rows by it).
+FAMILY = "dream"
+
+# Dream's algorithms (decoding/dream.py) and those only Dimple's "dim" pipeline has
+# (decoding/dimple.py, which has no topk_margin).
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+DIMPLE_ONLY_ALGS = ("origin-ratio", "autoregressive")
+
+# Dream's diffusion_generate, read by the "dream" sampler (CoDA's and Open-dCoder's adaptations of
+# it take the same rows) and by Dimple's "dim" pipeline (sampler "dimple").
+ALG = Setting(
+    "alg",
+    None,
+    "Dream: origin | maskgit_plus | topk_margin | entropy (sampler 'dimple': origin | "
+    "origin-ratio | autoregressive | maskgit_plus | entropy)",
+    str,
+    choice(DREAM_ALGS + DIMPLE_ONLY_ALGS, " for sampler 'dream' or 'dimple'"),
+    samplers=("dream", "dimple"),
+)
+ALG_TEMP = Setting(
+    "alg_temp",
+    None,
+    "Dream: temperature of the confidence ranking (0 or none ranks greedily)",
+    cli_optional_float,
+    optional(number(0, what=" (0 or null ranks greedily)")),
+    samplers=("dream", "dimple"),
+)
+EPS = Setting(
+    "eps",
+    None,
+    "Dream: the last timestep of its schedule, in (0, 1)",
+    float,
+    number(0, 1, low_open=True, high_open=True, what=" (the last timestep of Dream's schedule)"),
+    samplers=("dream", "dimple"),
+)
+DIFFUSION_GENERATE_SETTINGS = (ALG, ALG_TEMP, EPS)
+# The alg each pipeline takes: Dimple's has no topk_margin, Dream's none of Dimple's own.
+ALG_RELATION = Relation(
+    "alg",
+    "sampler",
+    lambda alg, sampler: (
+        alg != "topk_margin" if sampler == "dimple" else alg not in DIMPLE_ONLY_ALGS
+    ),
+    "alg {alg!r} does not decode with sampler {sampler!r}: sampler 'dimple' takes origin, "
+    "origin-ratio, autoregressive, maskgit_plus or entropy; 'dream' takes origin, "
+    "maskgit_plus, topk_margin or entropy",
+)
+# Dimple's "dim" pipeline (yu-rp/Dimple generation_utils.py): its confident decoding. A row of the
+# dream settings family, whose Dimple checkpoints list the sampler.
+ALG_P_THRESHOLD = Setting(
+    "alg_p_threshold",
+    None,
+    "Dimple: confident decoding, commit every mask whose probability exceeds it (0 or none: off)",
+    cli_optional_float,
+    optional(number(0, 1, what=" (0 or null: off)")),
+    samplers=("dimple",),
+)
+# The dream settings family's rows (Dream, DiffuCoder, Dimple, LaViDa-Dream).
+SETTINGS = DIFFUSION_GENERATE_SETTINGS + (ALG_P_THRESHOLD,) + D3LLM_SETTINGS
 
 # The recipe of Dream's README (DreamLM/Dream, Dream-v0-Instruct-7B usage example and model card):
 # diffusion_generate(max_new_tokens=512, steps=512, temperature=0.2, top_p=0.95, alg="entropy",
@@ -143,9 +205,12 @@ class Model(nn.Module):
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
             self.args,
-            "dream",
+            FAMILY,
             BIDIRECTIONAL,
             "add it to config.json (151666, <|mask|>, for Dream-v0-*-7B).",
+            settings=SETTINGS,
+            relations=(ALG_RELATION,),
+            likelihood=TIMESTEP_ELBO,
             logit_shift=1,
             confidence="sampled",
             quota_base="masks",

@@ -22,7 +22,9 @@ from typing import List, Optional, Union
 import mlx.core as mx
 from mlx_lm.models import qwen2
 
+from ..settings_families import Relation, Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from ..validators import positive_int
 from . import sharding
 from .common import (
     build_spec,
@@ -33,6 +35,29 @@ from .common import (
     drop_unused_buffers,
     masked_forward,
     refuse_autoregressive_tools,
+)
+
+# The settings family of Fast-dLLM v2's spec, and the row it adds: generate's small_block_size, the
+# sub-blocks a block is decoded in.
+FAMILY = "fast_dllm_v2"
+SETTINGS = (
+    Setting(
+        "sub_block_length",
+        None,
+        "Fast-dLLM v2: positions per sub-block of the sub_block sampler (divides block_length)",
+        int,
+        positive_int,
+        samplers=("sub_block",),
+    ),
+)
+RELATIONS = (
+    Relation(
+        "sub_block_length",
+        "block_length",
+        lambda sub, block: block % sub == 0,
+        "sub_block_length ({sub_block_length}) must divide block_length ({block_length}): a block "
+        "is decoded as whole sub-blocks",
+    ),
 )
 
 # modeling.py / generation_functions.py: FAST_DLLM_MASK_ID, the id of "|<MASK>|" in the Qwen2.5
@@ -57,8 +82,10 @@ def fast_dllm_v2_spec(args) -> DiffusionSpec:
     block = int(args.bd_size)
     return build_spec(
         args,
-        "fast_dllm_v2",
+        FAMILY,
         BLOCK_CAUSAL,
+        settings=SETTINGS,
+        relations=RELATIONS,
         # generate: logits = cat([logits[:, :1], logits[:, :-1]]), position i read at i - 1.
         logit_shift=1,
         # ... and a block's first token is the argmax after the previous block is whole.

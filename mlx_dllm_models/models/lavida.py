@@ -29,7 +29,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ..spec import PREFIX_DLM
+from ..spec import MASK_COUNT_ELBO, PREFIX_DLM
 from . import llada
 from .common import build_spec
 
@@ -161,8 +161,10 @@ def diffusion_spec(a):
     """LLaDA's decoding under the prefix-DLM layout, with the reference's defaults."""
     return build_spec(
         a,
-        "llada",
+        llada.FAMILY,
         PREFIX_DLM,
+        settings=llada.SETTINGS,
+        likelihood=MASK_COUNT_ELBO,
         logit_shift=0,
         confidence="raw",
         quota_base="masks",

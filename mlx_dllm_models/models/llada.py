@@ -28,7 +28,7 @@ from mlx_lm.models.qwen3_moe import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import BIDIRECTIONAL, MASK_COUNT_ELBO, SHARED_SAMPLERS, DiffusionSpec
 from . import sharding
 from .common import (
     build_spec,
@@ -39,6 +39,7 @@ from .common import (
     masked_forward,
     refuse_autoregressive_tools,
 )
+from .llada_settings import FAMILY, SETTINGS
 
 # LLaDA generate.py / Fast-dLLM settings, in this package's vocabulary (steps are per block).
 REFERENCE_DEFAULTS = {
@@ -57,6 +58,9 @@ REFERENCE_DEFAULTS = {
 
 # generate.py's remasking="random" is the sampler "random" (decoding.llada.random_commit); "d3llm"
 # is d3LLM's generate_multi_block (decoding.d3llm), the decoder of its distilled d3LLM_LLaDA.
+# config.json's model_type of LLaDA 8B's checkpoints (tiny.llada_config writes it).
+MODEL_TYPE = "llada"
+
 LLADA_SAMPLERS = SHARED_SAMPLERS + ("random", "d3llm")
 # d3LLM's recipe for d3LLM_LLaDA (chat/chat_d3llm_llada.py and eval_scripts/llada_gsm8k_cot.sh's
 # generate_multi_block run): 256 tokens, blocks of 32, entropy threshold 0.5, the next block at
@@ -535,8 +539,10 @@ class Model(nn.Module):
             max_pos = a.max_sequence_length  # 0 is a bad value (build_spec says so), not "unset"
         return build_spec(
             a,
-            "llada",
+            FAMILY,
             BIDIRECTIONAL,
+            settings=SETTINGS,
+            likelihood=MASK_COUNT_ELBO,
             logit_shift=0,
             confidence="raw",
             quota_base="masks",

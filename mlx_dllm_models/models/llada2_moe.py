@@ -23,7 +23,9 @@ from mlx.nn.layers.distributed import shard_linear, sum_gradients
 from mlx_lm.models import bailing_moe
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..settings_families import Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from ..validators import choice, cli_optional_float, int_at_least, number, optional
 from . import sharding
 from .common import (
     build_spec,
@@ -33,6 +35,45 @@ from .common import (
     masked_forward,
     refuse_autoregressive_tools,
     sanitize_experts,
+)
+
+# The settings family of LLaDA2's spec, and the rows it adds: its decoding modes (the spec's
+# presets, LLADA2_EDITING_MODES, the one place of their numbers, map a mode to settings; explicit
+# settings win over the mode) and LLaDA2.1's token editing.
+FAMILY = "llada2"
+SETTINGS = (
+    Setting(
+        "editing_mode",
+        None,
+        "LLaDA2: quality | speed (the LLaDA2.1 model card's Quality / Speed Mode: threshold and "
+        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1 / 2.2 "
+        "checkpoints, off for 2.0",
+        str,
+        choice(("quality", "speed", "off"), " for the llada2 family"),
+    ),
+    Setting(
+        "editing_threshold",
+        None,
+        "LLaDA2.1: rewrite a committed token when another is proposed above this probability "
+        "(none: editing off)",
+        cli_optional_float,
+        optional(
+            number(
+                0,
+                1,
+                what=" (a committed token is rewritten when the model proposes another "
+                "one with a probability above it) or None to turn editing off",
+            )
+        ),
+    ),
+    Setting(
+        "max_post_steps",
+        None,
+        "LLaDA2.1: editing forwards after a block has no masks left",
+        int,
+        int_at_least(0, " (editing forwards after a block has no masks left)"),
+        requires="editing_threshold",
+    ),
 )
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|> of the Ling tokenizer
@@ -286,8 +327,9 @@ class Model(bailing_moe.Model):
         trained = int(args.block_length or LLADA2_BLOCK_LENGTH)
         return build_spec(
             args,
-            "llada2",
+            FAMILY,
             BLOCK_CAUSAL,
+            settings=SETTINGS,
             confidence="sampled",
             quota_base="block",
             # generate: tokens with probability > threshold, the step's quota as the fallback.

@@ -29,12 +29,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2
 
-from ..spec import PREFIX_DLM, SHARED_SAMPLERS
+from ..spec import PREFIX_DLM, SHARED_SAMPLERS, TIMESTEP_ELBO
 from . import dream, lavida, llava_llada, sharding
 from .common import build_spec, cached_spec
 from .image_slots import SlotStore
 
 NAME = "llava_dream"
+# Dream's settings family and rows.
+FAMILY = dream.FAMILY
+SETTINGS = dream.SETTINGS
 
 REFERENCE_DEFAULTS = {
     "sampler": "dream",
@@ -97,7 +100,7 @@ class Model(llava_llada.Model):
     def diffusion_spec(self):
         return build_spec(
             self.args,
-            "dream",
+            FAMILY,
             PREFIX_DLM,
             "add it to config.json (151666, <|mask|>, for LaViDa-Dream).",
             logit_shift=1,
@@ -111,4 +114,7 @@ class Model(llava_llada.Model):
             eos_token_names=("<|im_end|>",),
             sampler_defaults={"dream": {"block_length": None}},
             vocab_size=self.args.vocab_size,
+            settings=SETTINGS,
+            relations=(dream.ALG_RELATION,),
+            likelihood=TIMESTEP_ELBO,
         )

@@ -49,7 +49,7 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs
 
-from ..spec import BIDIRECTIONAL
+from ..spec import BIDIRECTIONAL, MASK_COUNT_ELBO
 from . import lavida, llada, sharding
 from .common import (
     build_spec,
@@ -62,6 +62,9 @@ from .common import (
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "llava_llada"
+# LLaDA's settings family and rows.
+FAMILY = llada.FAMILY
+SETTINGS = llada.SETTINGS
 
 # generate_with_embeds' default mask_id (LLaDA 8B's <|mdm_mask|>); LLaDA-V's config names none.
 MASK_TOKEN_ID = 126336
@@ -365,8 +368,10 @@ class Model(nn.Module):
         suppressed = tuple(t for t in a.suppressed_token_ids if 0 <= t < a.vocab_size)
         return build_spec(
             a,
-            "llada",
+            FAMILY,
             BIDIRECTIONAL,
+            settings=SETTINGS,
+            likelihood=MASK_COUNT_ELBO,
             logit_shift=0,
             confidence="raw",
             quota_base="masks",

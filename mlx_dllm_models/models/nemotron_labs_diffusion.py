@@ -29,7 +29,17 @@ import mlx.nn as nn
 from mlx_lm.models import ministral3
 from mlx_lm.models.base import create_attention_mask
 
+from ..settings_families import DIFFUSION_MODE, Setting
 from ..spec import CAUSAL_PREFIX, DiffusionSpec
+from ..validators import (
+    choice,
+    cli_bool,
+    cli_optional_float,
+    int_at_least,
+    number,
+    optional,
+    true_or_false,
+)
 from . import sharding
 from .common import (
     build_spec,
@@ -40,6 +50,59 @@ from .common import (
     drop_unused_buffers,
     project,
     run_layers,
+)
+
+# The settings family of Nemotron-Labs-Diffusion's specs (the text and VLM checkpoints), and the
+# rows it adds.
+FAMILY = "nemotron"
+SETTINGS = (
+    Setting(
+        "mode",
+        None,
+        "Nemotron: diffusion | self_spec (lossless self-speculation)",
+        str,
+        choice(("diffusion", "self_spec"), " for the nemotron family"),
+    ),
+    Setting(
+        "draft_threshold",
+        None,
+        "Nemotron self_spec: linear_spec_generate's threshold: drafts over several forwards, each "
+        "revealing the masks whose confidence reaches it (none: one draft forward)",
+        cli_optional_float,
+        optional(number(0, 1, low_open=True, what=" (linear_spec_generate's threshold)")),
+        modes=("self_spec",),
+    ),
+    # NVIDIA's chat_utils.generate_with_prefix_cache_block_diff (the remote code's
+    # generate_diffusion), read by the causal-prefix backend (engine/causal_prefix.py).
+    Setting(
+        "causal_context",
+        None,
+        "Nemotron: true: the context (prompt, finished blocks) is causal and the AR head seeds "
+        "each block; false: the prompt and each finished block attend bidirectionally within "
+        "themselves and to what precedes them, and blocks start as masks",
+        cli_bool,
+        true_or_false,
+        modes=DIFFUSION_MODE,
+    ),
+    Setting(
+        "max_thinking_tokens",
+        None,
+        "Nemotron: thinking budget: a row that has not produced end_think_token_id within this "
+        "many new tokens gets it at that position (with end_think_token_id)",
+        int,
+        optional(int_at_least(0, " (new tokens before end_think_token_id is forced)")),
+        requires="end_think_token_id",
+    ),
+    Setting(
+        "end_think_token_id",
+        None,
+        "Nemotron: the token that ends thinking (e.g. the id of </think>), forced at "
+        "max_thinking_tokens",
+        int,
+        optional(int_at_least(0, " (a token id)")),
+        requires="max_thinking_tokens",
+        token_id=True,
+    ),
 )
 
 
@@ -271,7 +334,7 @@ class Model(nn.Module):
         a = self.args
         return build_spec(
             a,
-            "nemotron",
+            FAMILY,
             CAUSAL_PREFIX,
             "set mask_token_id (100 in NVIDIA's checkpoints; -1 counts as none), or use the "
             "checkpoint as an AR model with mlx_lm.generate.",
@@ -295,4 +358,5 @@ class Model(nn.Module):
             },
             trained_block_length=a.block_size,
             vocab_size=a.vocab_size,  # range of end_think_token_id
+            settings=SETTINGS,
         )

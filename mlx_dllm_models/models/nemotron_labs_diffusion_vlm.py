@@ -49,6 +49,9 @@ from .common import check_weights, drop_tied_head, drop_unused_buffers
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "nemotron_labs_diffusion_vlm"
+# The text model's settings family and rows.
+FAMILY = text.FAMILY
+SETTINGS = text.SETTINGS
 
 # build_image_token_str's markers; the features replace the pads.
 IMAGE_START, IMAGE_PAD, IMAGE_BREAK, IMAGE_END = (

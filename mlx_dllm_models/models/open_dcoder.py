@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen2
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
-from . import sharding
+from . import dream, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -42,6 +42,11 @@ from .dream import Model as DreamModel
 # The training script (tasks/train_torch.py) adds "<M>" as the tokenizer's mask token when it has
 # none: the next id after Qwen2.5's last added token (<|file_sep|>, 151664). config.json does not
 # name it; `mlx_dllm convert --model-type open_dcoder` writes the tokenizer's id.
+# The settings family this module's spec belongs to, and the rows it adds: Dream's
+# diffusion_generate's (its "dream" sampler).
+FAMILY = "open_dcoder"
+SETTINGS = dream.DIFFUSION_GENERATE_SETTINGS
+
 OPEN_DCODER_MASK_TOKEN_ID = 151665
 
 # sample.py: MDMGenerationConfig(max_new_tokens=128, steps=128, temperature=0.5, top_k=200,
@@ -95,7 +100,7 @@ class Model(DreamModel):
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
             self.args,
-            "open_dcoder",
+            FAMILY,
             BIDIRECTIONAL,
             logit_shift=1,
             confidence="sampled",  # sample_tokens: the probability of x0 after temperature, top-k
@@ -108,4 +113,6 @@ class Model(DreamModel):
             # _mdm_sample's canvas is one block.
             sampler_defaults={"p2": {"block_length": None}, "dream": {"block_length": None}},
             vocab_size=self.args.vocab_size,
+            settings=SETTINGS,
+            relations=(dream.ALG_RELATION,),
         )

@@ -21,7 +21,9 @@ from typing import List, Optional, Union
 import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
+from ..settings_families import Setting
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..validators import cli_optional_float, number, optional
 from . import sharding
 from .common import (
     build_spec,
@@ -32,6 +34,21 @@ from .common import (
     masked_forward,
     refuse_autoregressive_tools,
     sanitize_experts,
+)
+
+# The settings family of RND1's spec, and the row it adds: sampling.py's entropy-bounded variant of
+# its sampler.
+FAMILY = "rnd1"
+SETTINGS = (
+    Setting(
+        "eb_gamma",
+        None,
+        "RND1: entropy budget of the rnd1 sampler's entropy-bounded variant (sampling.py's "
+        "eb_gamma; none: the reference's quota schedule)",
+        cli_optional_float,
+        optional(number(0, what=" (nats)")),
+        samplers=("rnd1",),
+    ),
 )
 
 # RND1Config's default mask id (rnd/configuration_rnd.py); the Qwen3 tokenizer has no token there.
@@ -105,8 +122,9 @@ class Model(qwen3_moe.Model):
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
             self.args,
-            "rnd1",
+            FAMILY,
             BIDIRECTIONAL,
+            settings=SETTINGS,
             logit_shift=1,
             confidence="sampled",
             quota_base="masks",

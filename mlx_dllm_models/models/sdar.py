@@ -12,7 +12,9 @@ from typing import List, Optional, Union
 import mlx.core as mx
 from mlx_lm.models import qwen3
 
+from ..settings_families import Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from ..validators import number
 from . import sharding
 from .common import (
     build_spec,
@@ -22,6 +24,20 @@ from .common import (
     drop_unused_buffers,
     masked_forward,
     refuse_autoregressive_tools,
+)
+
+# The settings family of SDAR's specs (SDAR, SDAR-MoE), and the row it adds: generate.py's
+# entropy_bounded remasking.
+FAMILY = "sdar"
+SETTINGS = (
+    Setting(
+        "eb_threshold",
+        None,
+        "SDAR: entropy budget of the entropy_bounded sampler (generate.py's eb_threshold)",
+        float,
+        number(0, low_open=True),
+        samplers=("entropy_bounded",),
+    ),
 )
 
 # The id SDAR/TraDo checkpoints use for <|MASK|>; their HF config.json does not carry it.
@@ -45,8 +61,9 @@ def sdar_spec(args) -> DiffusionSpec:
     block = int(args.block_size)
     return build_spec(
         args,
-        "sdar",
+        FAMILY,
         BLOCK_CAUSAL,
+        settings=SETTINGS,
         confidence="sampled",
         quota_base="block",
         # generate.py: low_confidence_dynamic keeps tokens with probability > threshold.

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
 from ..spec import DiffusionSpec
-from . import sharding
+from . import sdar, sharding
 from .common import (
     cached_spec,
     check_special_ids,
@@ -26,6 +26,10 @@ from .sdar import (
     SDAR_SPECIAL_IDS,
     sdar_spec,
 )
+
+# SDAR's settings family and rows.
+FAMILY = sdar.FAMILY
+SETTINGS = sdar.SETTINGS
 
 
 @dataclass

@@ -29,7 +29,9 @@ import mlx.nn as nn
 from mlx_lm.models import qwen2, qwen3
 from mlx_lm.models.base import BaseModelArgs
 
+from ..settings_families import Setting
 from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
+from ..validators import cli_optional_float, number, optional
 from . import sharding
 from .common import (
     build_spec,
@@ -41,6 +43,39 @@ from .common import (
     masked_forward,
     refuse_autoregressive_tools,
 )
+
+# The settings family of WeDLM's spec, and the rows it adds: its SamplingParams
+# (wedlm/sampling_params.py); its window is block_length.
+FAMILY = "wedlm"
+SETTINGS = (
+    Setting(
+        "entropy_threshold",
+        None,
+        "WeDLM: fill every mask whose entropy plus the position penalty is below this, at least "
+        "one (wedlm_entropy_threshold; 0: one mask a step, the least, as the reference's None)",
+        cli_optional_float,
+        optional(number(0, what=" (nats)")),
+        samplers=("wedlm",),
+    ),
+    Setting(
+        "pos_penalty_factor",
+        None,
+        "WeDLM: added to a mask's entropy per position after the window's first mask "
+        "(wedlm_pos_penalty_factor)",
+        float,
+        number(0, finite=True),
+        samplers=("wedlm",),
+    ),
+)
+_THRESHOLD = "its one threshold is on entropy: set entropy_threshold (and pos_penalty_factor)"
+# The shared settings its window decoding has no use for.
+UNUSED_SETTINGS = {
+    "steps": "a step fills every mask of the window whose entropy (plus the position penalty) is "
+    "below entropy_threshold, at least one, so there is no step budget; set entropy_threshold",
+    "threshold": _THRESHOLD,
+    "factor": _THRESHOLD,
+    "entropy_bound": _THRESHOLD,
+}
 
 # wedlm/engine/model_runner.py `_init_mask_token`: config.json's mask_token_id, else this id.
 WEDLM_MASK_TOKEN_ID = 151665
@@ -138,8 +173,10 @@ class ModelArgs(BaseModelArgs):
 def wedlm_spec(args: ModelArgs) -> DiffusionSpec:
     return build_spec(
         args,
-        "wedlm",
+        FAMILY,
         CAUSAL_WINDOW,
+        settings=SETTINGS,
+        unused_settings=UNUSED_SETTINGS,
         # The logits of a mask row predict that row's token (no shift).
         logit_shift=0,
         samplers=("wedlm",),

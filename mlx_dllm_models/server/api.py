@@ -33,8 +33,8 @@ What OpenAI's clients send, and what it means here:
   neutral values of UNSUPPORTED_FIELDS: `response_format: {"type": "text"}`, `tool_choice:
   "none"`, a zero penalty, `n: 1`); others that would change the output are refused with a 400.
 * DiffusionGemma's canvas sampler follows a temperature schedule (t_max at a canvas's first step
-  down to t_min): `temperature` scales it (`canvas_temperature`), 1 is the checkpoint's schedule;
-  it draws from the whole distribution, so `top_p` below 1 is refused.
+  down to t_min): `temperature` scales it (the family's reading, settings.resolve_settings), 1 is
+  the checkpoint's schedule; it draws from the whole distribution, so `top_p` below 1 is refused.
 * `max_tokens` past the model's context is lowered to what fits (`prepare(fit_context=True)`):
   the answer then ends with finish_reason "length"; a prompt that fills the context alone is a 400.
 * Streams carry `: keep-alive` comments while they wait (a long prompt's prefill, a slow first
@@ -64,7 +64,6 @@ from .fields import (
     REQUEST_FIELDS,
     UNSUPPORTED_FIELDS,
     RequestError,
-    canvas_temperature,
     draws_noise,
     error_body,
     neutral,
@@ -241,7 +240,7 @@ class Service:
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, list) or not all(isinstance(w, str) for w in stop):
                 raise RequestError("stop must be a string or a list of strings")
-        return canvas_temperature(self.model, overrides)
+        return overrides
 
     def prepare(self, prompt, overrides: dict, images=None) -> Request:
         """The request's settings resolved and its prompt encoded (request.prepare), here on the

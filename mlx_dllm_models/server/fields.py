@@ -1,13 +1,10 @@
 """What an OpenAI request body may hold, and how the server reads it: the fields the handler reads
 itself, those it accepts and ignores (as mlx_lm.server does) and those it refuses unless neutral;
 OpenAI's error objects; whether a request draws noise (and so gets a fresh seed when it names
-none); DiffusionGemma's temperature and top_p as clients send them.
+none).
 """
 
-import math
-
-from ..request import Request, checkpoint_settings
-from ..settings import resolve_settings
+from ..request import Request
 
 # Body fields of the OpenAI API that the handler reads itself; every other field is a setting.
 REQUEST_FIELDS = {
@@ -121,39 +118,3 @@ def draws_noise(request: Request) -> bool:
     dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
     canvas = request.spec.decoder == "canvas"
     return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
-
-
-def canvas_temperature(model, overrides: dict) -> dict:
-    """The settings of a request or of the server's flags, with DiffusionGemma's `temperature`
-    and `top_p` as OpenAI clients send them (other families take them as they are). Its canvas
-    sampler follows a temperature schedule, t_max at a canvas's first denoising step falling
-    to t_min at its last: `temperature` T scales that schedule (T * t_max down to T * t_min,
-    over the t_min / t_max the request, the server's flags, the checkpoint or the family
-    set), so 1 is the checkpoint's own schedule and lower is greedier. 0 cannot be honoured
-    (a canvas starts from noise and every step draws from the scaled distribution), nor a
-    `top_p` below 1 (the sampler draws from the whole distribution)."""
-    spec = model.diffusion_spec
-    if spec.decoder != "canvas":
-        return overrides
-    overrides = dict(overrides)
-    top_p = overrides.pop("top_p", None)
-    if top_p is not None and top_p != 1:
-        raise RequestError(
-            f"top_p={top_p!r} cannot be honoured by {spec.family}: its canvas sampler "
-            "draws from the whole distribution; send top_p 1 or leave it out, and lower "
-            "temperature (which scales its t_max -> t_min schedule) for greedier text",
-            param="top_p",
-        )
-    t = overrides.pop("temperature", None)
-    if t is None:
-        return overrides
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise RequestError(
-            f"temperature must be a number > 0 for {spec.family}, got {t!r}: it scales "
-            "the canvas sampler's t_max -> t_min schedule (1 is the checkpoint's), and a "
-            "canvas starts from noise, so 0 (greedy) cannot be honoured; send a seed for "
-            "reproducible text",
-            param="temperature",
-        )
-    schedule = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
-    return dict(overrides, t_min=schedule["t_min"] * t, t_max=schedule["t_max"] * t)

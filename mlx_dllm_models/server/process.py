@@ -43,7 +43,6 @@ from ..request import checkpoint_settings
 from ..settings import resolve_settings
 from ..vision import text_tokenizer
 from .api import DiffusionAPIHandler, Service
-from .fields import canvas_temperature
 from .guards import DEFAULT_MAX_BODY_BYTES, HostCheck, host_name
 from .images import ImagePolicy
 from .prompt_cache import PromptCache, parse_size
@@ -380,7 +379,7 @@ def _check_flags(model, defaults: dict):
     """The server flags' settings, checked as a request's (DiffusionGemma's --temp scales its
     schedule, as a request's temperature does)."""
     spec = model.diffusion_spec
-    resolve_settings(spec, canvas_temperature(model, defaults), checkpoint_settings(model, spec))
+    resolve_settings(spec, defaults, checkpoint_settings(model, spec))
 
 
 def _interrupt(signum, frame):
