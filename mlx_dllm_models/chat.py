@@ -120,10 +120,8 @@ class ChatSession:
             tokens += last.tokens
             if on_block is not None:
                 on_block(last.text)
-        backend = getattr(decoder, "backend", None)
-        self.reused = getattr(backend, "reused", 0) if self.prior is not None else 0
-        kv_prefix = getattr(decoder, "kv_prefix", None)
-        self.prior = kv_prefix() if self.reuse_kv and kv_prefix is not None else None
+        self.reused = decoder.reused if self.prior is not None else 0
+        self.prior = decoder.kv_prefix() if self.reuse_kv else None
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.images = seen
         return reply, tokens, last

@@ -20,10 +20,11 @@ from ..decoding.llada import guided_logits, unconditional_tokens
 from ..masks import block_causal_mask, padding_mask
 from ..spec import BLOCK_CAUSAL
 from .block_cache import seed_block_start, seeds_at
+from .contracts import Backend
 from .layout import Layout
 
 
-class FullRecompute:
+class FullRecompute(Backend):
     """Every step runs the model over the whole sequence (prompt + canvas). The exact mode for
     bidirectional models, whose every position attends to every other, and the reference mode of
     block-causal ones (under their block-causal mask). Left-padded rows get a padding mask and
@@ -104,7 +105,7 @@ class FullRecompute:
     def end_block(self, x, start, stop):
         pass
 
-    def select(self, layout: Layout, idx: List[int]):
+    def select(self, layout: Layout, idx: List[int]) -> "FullRecompute":
         fresh = type(self)(self.model, self.spec, layout, self.settings)
         fresh.nfe = self.nfe
         return fresh
