@@ -83,9 +83,9 @@ class BlockBackend(Protocol):
     `Backend(model, spec, layout, settings)`: full_recompute.py's docstring states the methods."""
 
     nfe: int
-    guidance: bool
-    row_steps: bool
-    resumes: bool
+    guidance: ClassVar[bool]
+    row_steps: ClassVar[bool]
+    resumes: ClassVar[bool]
     reused: int
     seed_log_probs: Optional[mx.array]
 
@@ -168,6 +168,7 @@ class Decoder(Restarts):
     def run(
         self,
         prompts: Sequence[Sequence[int]],
+        *,
         cancelled: AbstractSet[int] = frozenset(),
         constraints: Optional[Sequence] = None,
         consumed: Optional[Sequence] = None,

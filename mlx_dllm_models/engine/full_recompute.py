@@ -8,7 +8,8 @@ returns the tokens with anything it decides (a seed) placed; `block_logits(x, lo
 (B, stop - lo, V) logits of the candidate window; `end_block(x, start, stop)`; `select(layout,
 rows)`, the backend of the surviving rows (between blocks, and between two steps of a block when a
 row is cancelled: the survivors keep their state and K/V as they were); and `nfe`, its forward
-count.
+count (contracts.BlockBackend). It subclasses contracts.Backend, whose attributes are the
+capabilities it declares (guidance, row_steps, joins_exactly, ...), with their defaults.
 """
 
 from typing import List
