@@ -118,7 +118,7 @@ def join_policy(spec: DiffusionSpec, settings) -> Batching:
     # A decoder that judges its own restarts says so (self-speculation's rows are AR decoding,
     # whatever the backend's blocks); else its backend does.
     judge = decoder if decoder.judges_joins else backend
-    joins = judge is not None and judge.joins_exactly(settings)
+    joins = judge is not None and bool(judge.joins_exactly(settings))
     if spec.blocks_end_at_prompt:
         # A joined row restarts with what is left of its max_tokens; when that is not whole
         # blocks, its short last block would share columns with a longer row's masks, which it
