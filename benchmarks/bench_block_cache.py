@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from mlx_dllm_models.engine import FullRecompute, MaskedBlockDecoder  # noqa: E402
 from mlx_dllm_models.engine.block_cache import PrefixCache  # noqa: E402
+from mlx_dllm_models.engine.contracts import DecoderInputs  # noqa: E402
 from mlx_dllm_models.models import sdar  # noqa: E402
 from mlx_dllm_models.settings import resolve_settings  # noqa: E402
 
@@ -73,7 +74,8 @@ def timed(backend_cls):
 
 
 def run_once(model, prompt, settings, backend_cls):
-    decoder = MaskedBlockDecoder(model, settings, eos_token_ids=(), backend=timed(backend_cls))
+    inputs = DecoderInputs(model.diffusion_spec, settings)
+    decoder = MaskedBlockDecoder(model, inputs, backend=timed(backend_cls))
     tic = time.perf_counter()
     blocks = 0
     for event in decoder.run([prompt]):

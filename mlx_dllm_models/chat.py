@@ -40,6 +40,7 @@ from .cli_common import (
     template_kwargs,
 )
 from .generate import responses, stats_line
+from .prompts import has_chat_template, render_chat
 from .request import prepare
 from .vision import ImageError, is_processor, read_images, text_tokenizer
 
@@ -70,7 +71,7 @@ class ChatSession:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.text_tokenizer = text_tokenizer(tokenizer)
-        if not getattr(self.text_tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ValueError(
                 "this checkpoint's tokenizer has no chat template, so a conversation cannot be "
                 "laid out; use `mlx_dllm generate --ignore-chat-template` for raw prompts"
@@ -90,9 +91,7 @@ class ChatSession:
         self.reused = 0  # prompt tokens of the last turn whose K/V were reused
 
     def prompt(self, messages) -> str:
-        return self.text_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
-        )
+        return render_chat(self.tokenizer, messages, self.template_kwargs)
 
     def send(self, text: str, on_step: Optional[Callable] = None, on_block=None, images=()):
         """Generate the reply to `text`, asked about `images` (paths, PIL images or arrays; their
@@ -120,10 +119,8 @@ class ChatSession:
             tokens += last.tokens
             if on_block is not None:
                 on_block(last.text)
-        backend = getattr(decoder, "backend", None)
-        self.reused = getattr(backend, "reused", 0) if self.prior is not None else 0
-        kv_prefix = getattr(decoder, "kv_prefix", None)
-        self.prior = kv_prefix() if self.reuse_kv and kv_prefix is not None else None
+        self.reused = decoder.reused if self.prior is not None else 0
+        self.prior = decoder.kv_prefix() if self.reuse_kv else None
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.images = seen
         return reply, tokens, last

@@ -25,6 +25,7 @@ from .cli_common import (
     template_kwargs,
 )
 from .errors import CheckpointError, SettingsError
+from .prompts import has_chat_template, render_chat, user_turn
 
 
 def generate_parser():
@@ -145,17 +146,12 @@ def generate_main(argv):
     # refused before a large checkpoint's weights are read.
     model, tokenizer = load_for_cli(args, weights=False)
     text_tok = text_tokenizer(tokenizer)
-    if not args.ignore_chat_template and getattr(text_tok, "chat_template", None):
+    if not args.ignore_chat_template and has_chat_template(tokenizer):
         content = prompt
         if args.image and is_processor(tokenizer) and tokenizer.image_token not in prompt:
             content = tokenizer.image_token * len(args.image) + prompt
-        messages = []
-        if args.system_prompt:
-            messages.append({"role": "system", "content": args.system_prompt})
-        messages.append({"role": "user", "content": content})
-        prompt = text_tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
-        )
+        messages = user_turn(content, args.system_prompt)
+        prompt = render_chat(tokenizer, messages, chat_template_kwargs)
 
     try:
         s, ids, decoder = stream_events(

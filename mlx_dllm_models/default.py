@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from .prompts import render_chat, user_turn
+
 DEFAULT_PROMPT = "What is 47+85?"
 
 # The trained default model, inside the package.
@@ -104,6 +106,4 @@ def is_correct(answer: str, expected: str) -> bool:
 
 def chat_prompt(tokenizer, message: str) -> str:
     """`message` as `mlx_dllm generate` sends it: one user turn through the chat template."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
-    )
+    return render_chat(tokenizer, user_turn(message))

@@ -27,6 +27,7 @@ from .default import model_or_default
 from .evaluate_args import build_parser
 from .generate import batch_generate_diffusion
 from .likelihood import check_counts, greedy_matches, log_likelihood
+from .prompts import has_chat_template, render_chat
 from .settings import SettingsError
 from .vision import text_tokenizer
 
@@ -61,7 +62,7 @@ class DiffusionLM(LM):
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         if use_chat_template is None:
-            use_chat_template = getattr(self.text_tokenizer, "chat_template", None) is not None
+            use_chat_template = has_chat_template(tokenizer)
         self.use_chat_template = use_chat_template
         self.chat_template_args = dict(chat_template_args or {})
         self.mc_samples, self.cfg_scale, self.seed = mc_samples, cfg_scale, seed
@@ -72,12 +73,8 @@ class DiffusionLM(LM):
         return getattr(self.text_tokenizer, "name_or_path", "tokenizer").replace("/", "__")
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        return self.text_tokenizer.apply_chat_template(
-            chat_history,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-            **self.chat_template_args,
+        return render_chat(
+            self.tokenizer, chat_history, self.chat_template_args, add_generation_prompt
         )
 
     def loglikelihood(self, requests) -> list:

@@ -3,26 +3,27 @@
 `prepare(model, tokenizer, prompts, settings, images=, suffix=)` resolves the settings (explicit,
 then the checkpoint's generation_config.json, then the family's spec, then the package defaults),
 encodes the prompts (text as mlx-lm tokenizes it, or token ids; images through the processor),
-checks them against the model (context, vocabulary, infilling) and returns a `Request`: the spec,
+checks them against the model (context, vocabulary, infilling) and returns a `Request`: the
+effective spec (the family's with what its sampler brings, spec.for_settings, computed here once),
 the resolved settings, the ids, the pixel values, the EOS ids, the end-of-turn id and the infilling
-suffix. `Request.decoder(model)` builds the decoding loop for it. generate, the server, likelihood
-and chat all go through here; `Detokenizer` turns committed tokens into text as they arrive.
+suffix. A Request is the engine's DecoderInputs with its prompts: `Request.decoder(model)` builds
+the decoding loop from it (engine.build_decoder). generate, the server, likelihood and chat all go
+through here; `Detokenizer` turns committed tokens into text as they arrive.
 """
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Set, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from .engine import make_decoder
-from .engine.registry import check_constraints
+from .engine.contracts import Decoder, DecoderInputs
+from .engine.registry import build_decoder, check_constraints
 from .errors import CheckpointError
 from .settings import SettingsError, resolve_settings
 from .spec import (
     BIDIRECTIONAL,
     GENERATION_CONFIG_KEYS,
-    DiffusionSpec,
     for_settings,
     read_generation_config,
 )
@@ -37,31 +38,16 @@ UNSTATED_CONTEXT = 1 << 20
 
 
 @dataclass
-class Request:
-    """Prompts ready to decode: what every caller of a decoder needs, resolved once."""
+class Request(DecoderInputs):
+    """Prompts ready to decode: what every caller of a decoder needs, resolved once (the
+    decoder's inputs, engine.contracts.DecoderInputs, and the prompts' ids)."""
 
-    spec: DiffusionSpec
-    settings: dict  # resolved: every setting of the family, validated
-    ids: List[List[int]]  # one row per prompt
-    pixel_values: Optional[List[Any]] = None  # per row, None for a row without images
-    eos_token_ids: Set[int] = field(default_factory=set)
-    eot_token_id: Optional[int] = None  # LLaDA's confidence_eos_eot_inf
-    suffix: List[int] = field(default_factory=list)  # infilling: ids after the generated span
-    # Structured output: per row, a structured.Constraint or None; None when no row has one.
-    constraints: Optional[List[Any]] = None
+    ids: List[List[int]] = field(default_factory=list)  # one row per prompt
 
-    def decoder(self, model):
-        """The decoding loop of this request (engine.make_decoder); `decoder.run(self.ids)`
+    def decoder(self, model) -> Decoder:
+        """The decoding loop of this request (engine.build_decoder); `decoder.run(self.ids)`
         yields its events."""
-        return make_decoder(
-            model,
-            self.settings,
-            self.eos_token_ids,
-            images=self.pixel_values,
-            eot_token_id=self.eot_token_id,
-            suffix=self.suffix,
-            constraints=self.constraints,
-        )
+        return build_decoder(model, self)
 
 
 def prepare(
@@ -95,6 +81,8 @@ def prepare(
     spec, s, ids, pixel_values = _prepare_rows(
         model, tokenizer, prompts, settings, images, fit_context
     )
+    # What the run decodes under, once: a sampler may bring its layout (dllm's bd3lm).
+    spec = for_settings(spec, s)
     # No suffix given: the one the family's reference always places (RND1's trailing pad).
     suffix = list(spec.default_suffix) if suffix is None else suffix_ids(tokenizer, suffix)
     check_infill(model, spec, s, ids, suffix)
@@ -381,8 +369,7 @@ def suffix_ids(tokenizer, suffix) -> List[int]:
 def check_infill(model, spec, s, ids, suffix):
     """Infilling (a suffix, or mask tokens inside a prompt) needs attention that sees every
     position: LLaDA, LLaDA-MoE and Dream. Refused clearly elsewhere, where masks would otherwise
-    stay in the output or a suffix be ignored."""
-    spec = for_settings(spec, s)  # a sampler may bring block-causal attention (dllm's bd3lm)
+    stay in the output or a suffix be ignored. `spec`: the effective one (spec.for_settings)."""
     mask_id = spec.mask_token_id
     with_masks = [i for i, p in enumerate(ids) if mask_id is not None and mask_id in p]
     if not suffix and not with_masks:

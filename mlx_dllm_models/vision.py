@@ -18,6 +18,12 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+# A processor and its text tokenizer are told apart where prompts are written (prompts.py); every
+# module that reads images takes them from here.
+from .prompts import is_processor, text_tokenizer
+
+__all__ = ["ImageError", "is_processor", "text_tokenizer"]
+
 
 class ImageError(ValueError):
     pass
@@ -119,10 +125,6 @@ def load_processor(path, trust_remote_code: bool = False, vision_config: Optiona
     return processor
 
 
-def is_processor(obj) -> bool:
-    return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")
-
-
 def model_processor(model, tokenizer):
     """The processor a model of this package that encodes its own images (`load_processor`:
     LLaDA-V and the families after it) reads prompts with, around `tokenizer`; anything else is
@@ -136,13 +138,6 @@ def model_processor(model, tokenizer):
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     return make(tokenizer)
-
-
-def text_tokenizer(tokenizer_or_processor):
-    """The text tokenizer behind a processor (or the tokenizer itself)."""
-    if is_processor(tokenizer_or_processor):
-        return tokenizer_or_processor.tokenizer
-    return tokenizer_or_processor
 
 
 def read_images(images: Sequence[Any]) -> List[Any]:

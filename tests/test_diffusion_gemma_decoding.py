@@ -97,7 +97,7 @@ def run_engine(model, prompt, draws, eos, images=None, **settings):
     spec = model.diffusion_spec
     settings = dict(max_tokens=2 * C, **settings)
     s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
-    decoder = CanvasDecoder(model, s, eos, images=images)
+    decoder = make_decoder(model, s, eos, images=images)
     decoder.noise = draws.engine_noise()
     rec = {"input": [], "accept": [], "argmax": [], "processed": []}
     real_decode = model.decode
@@ -529,12 +529,12 @@ def test_batch_equals_one_by_one(dg):
     settings = dict(max_tokens=3 * C, max_denoising_steps=3, seed=2)
     spec = model.diffusion_spec
     s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
-    events = CanvasDecoder(model, s, []).run([prompts[0]])
+    events = make_decoder(model, s, []).run([prompts[0]])
     probe = [t for e in events if isinstance(e, BlockEvent) for t in e.tokens[0]]
     eos = [probe[5]]  # row 0 stops in its first canvas; the others decide for themselves
 
     def solo(prompt):
-        decoder = CanvasDecoder(model, dict(s), eos)
+        decoder = make_decoder(model, dict(s), eos)
         toks, hit = [], False
         for e in decoder.run([prompt]):
             if isinstance(e, BlockEvent):
@@ -543,7 +543,7 @@ def test_batch_equals_one_by_one(dg):
         return toks, hit
 
     alone = [solo(p) for p in prompts]
-    batch = CanvasDecoder(model, dict(s), eos)
+    batch = make_decoder(model, dict(s), eos)
     got = [[] for _ in prompts]
     hits = [False] * len(prompts)
     for e in batch.run(prompts):

@@ -249,16 +249,17 @@ def test_cli_flags(dense):
 def test_cfg_scale_is_refused_by_a_backend_without_guidance(dense):
     """A backend runs guidance only if it says so (`guidance = True`): elsewhere cfg_scale is an
     error, never silently dropped."""
+    from mlx_dllm_models.engine.contracts import Backend, DecoderInputs
     from mlx_dllm_models.engine.masked import MaskedBlockDecoder
     from mlx_dllm_models.settings import resolve_settings
 
-    class NoGuidance:
+    class NoGuidance(Backend):
         pass
 
     model, _ = dense
     s = resolve_settings(model.diffusion_spec, {"cfg_scale": 1.0})
     with pytest.raises(SettingsError, match="cfg_scale is not supported"):
-        MaskedBlockDecoder(model, s, (), NoGuidance)
+        MaskedBlockDecoder(model, DecoderInputs(model.diffusion_spec, s), NoGuidance)
 
 
 def _replayed_draws(seed, prompt_len, block, vocab, rows=1):

@@ -7,6 +7,7 @@ to it for the checkpoint as published (model_type "qwen2")."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -127,8 +128,7 @@ def test_p2_greedy_matches_the_reference(loaded, ckpt, monkeypatch, case):
         commit, reopen = keep_all(stats, cand, ctx)
         return commit, mx.zeros_like(reopen)
 
-    never_reopen.reopens, never_reopen.stats_extras = True, keep_all.stats_extras
-    monkeypatch.setitem(COMMIT_RULES, "p2", never_reopen)
+    monkeypatch.setitem(COMMIT_RULES, "p2", replace(keep_all, commit=never_reopen))
     assert ours(model, [p], max_tokens=max_tokens, steps=steps, temperature=0.0)[0] != got
 
 

@@ -25,6 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .rule import CommitRule, always
 from .rules import edit_commit, quota_commit
 
 
@@ -36,7 +37,7 @@ def sequential_commit(stats, cand, ctx):
     return quota_commit(mx.broadcast_to(leftmost_first, cand.shape), cand, ctx.floor)
 
 
-sequential_commit.exact_floor = lambda settings: True
+sequential_commit = CommitRule(sequential_commit, exact_floor=always)
 
 
 def entropy_bounded_commit(stats, cand, ctx):

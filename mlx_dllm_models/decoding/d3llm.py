@@ -30,6 +30,7 @@ mask takes the argmax token there, here the step's proposal.
 import mlx.core as mx
 
 from ..errors import SettingsError
+from .rule import CommitRule
 
 
 def block_ids(generated: mx.array, size: int) -> mx.array:
@@ -110,5 +111,8 @@ def d3llm_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     return mx.zeros((masks.shape[0], 1), mx.int32)
 
 
-d3llm_commit.schedule = d3llm_schedule
-d3llm_commit.fills_after_eos = lambda settings: bool(settings.get("early_stop"))
+d3llm_commit = CommitRule(
+    d3llm_commit,
+    schedule=d3llm_schedule,
+    fills_after_eos=lambda settings: bool(settings.get("early_stop")),
+)

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import SettingsError
 from .dream import timesteps
+from .rule import CommitRule
 from .rules import quota_commit
 
 DIMPLE_ALGS = ("origin", "origin-ratio", "autoregressive", "maskgit_plus", "entropy")
@@ -124,5 +125,4 @@ def _score(stats, cand, ctx):
     return score
 
 
-dimple_commit.schedule = dimple_schedule
-dimple_commit.exact_floor = lambda settings: False
+dimple_commit = CommitRule(dimple_commit, schedule=dimple_schedule)

@@ -17,6 +17,7 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
+from .rule import CommitRule, always
 from .rules import quota_commit
 
 
@@ -54,6 +55,5 @@ def dllm_commit(stats, cand, ctx):
     return quota_commit(stats.confidence, cand, ctx.floor)
 
 
-dllm_commit.schedule = dllm_schedule
 # It commits exactly the schedule's floor: a step whose floor is 0 changes nothing.
-dllm_commit.exact_floor = lambda settings: True
+dllm_commit = CommitRule(dllm_commit, schedule=dllm_schedule, exact_floor=always)

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import SettingsError
+from .rule import CommitRule
 from .rules import quota_commit
 from .stats import uniform as uniform_draws
 
@@ -192,6 +193,9 @@ def _exact_floor(settings) -> bool:
     return settings["alg"] != "origin"
 
 
-dream_commit.schedule = dream_schedule
-dream_commit.exact_floor = _exact_floor
-dream_commit.stats_extras = ("margin", "processed_entropy")
+dream_commit = CommitRule(
+    dream_commit,
+    schedule=dream_schedule,
+    exact_floor=_exact_floor,
+    stats_extras=("margin", "processed_entropy"),
+)

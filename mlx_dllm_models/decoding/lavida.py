@@ -19,6 +19,7 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
+from .rule import CommitRule, always
 from .rules import quota_commit
 
 SCHEDULES = ("shift", "linear")
@@ -81,5 +82,4 @@ def lavida_commit(stats, cand, ctx):
     return quota_commit(stats.confidence, cand, ctx.floor)
 
 
-lavida_commit.schedule = lavida_schedule
-lavida_commit.exact_floor = lambda settings: True
+lavida_commit = CommitRule(lavida_commit, schedule=lavida_schedule, exact_floor=always)

@@ -19,6 +19,7 @@ from typing import Sequence, Tuple
 
 import mlx.core as mx
 
+from .rule import CommitRule, always
 from .rules import quota_commit
 from .stats import uniform as uniform_draws
 
@@ -68,4 +69,4 @@ def random_commit(stats, cand, ctx):
 
 
 # It commits exactly the schedule's floor: a step whose floor is 0 changes nothing.
-random_commit.exact_floor = lambda settings: True
+random_commit = CommitRule(random_commit, exact_floor=always)

@@ -17,6 +17,7 @@ torch.argsort(confidence) does not promise an order among ties).
 
 import mlx.core as mx
 
+from .rule import CommitRule
 from .rules import quota_commit
 
 
@@ -36,7 +37,5 @@ def p2_commit(stats, cand, ctx):
 
 # The rule returns (commit, reopen) instead of a commit mask: the engine writes the mask id back at
 # `reopen` (engine.masked). Its steps are all run (the quota floor is not what it commits).
-p2_commit.reopens = True
-p2_commit.exact_floor = lambda settings: False
 # Confidences ranked as upstream's torch.softmax computes them (decoding.stats.TokenStats).
-p2_commit.stats_extras = ("softmax_confidence",)
+p2_commit = CommitRule(p2_commit, reopens=True, stats_extras=("softmax_confidence",))

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import SettingsError
+from .rule import CommitRule
 from .rules import quota_commit
 
 # The schedule is a loop over the steps; beyond this many it is refused.
@@ -86,8 +87,11 @@ def rnd1_commit(stats, cand, ctx):
     return hit | quota_commit(-stats.processed_entropy, cand, ctx.floor)
 
 
-rnd1_commit.schedule = rnd1_schedule
-# Without eb_gamma the rule commits exactly the schedule: a step whose count is 0 changes nothing
-# and is skipped (the reference runs its forward anyway).
-rnd1_commit.exact_floor = lambda settings: settings.get("eb_gamma") is None
-rnd1_commit.stats_extras = ("processed_entropy",)
+rnd1_commit = CommitRule(
+    rnd1_commit,
+    schedule=rnd1_schedule,
+    # Without eb_gamma the rule commits exactly the schedule: a step whose count is 0 changes
+    # nothing and is skipped (the reference runs its forward anyway).
+    exact_floor=lambda settings: settings.get("eb_gamma") is None,
+    stats_extras=("processed_entropy",),
+)

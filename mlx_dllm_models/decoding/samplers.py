@@ -5,10 +5,14 @@ A family lists the samplers it honours in its DiffusionSpec (`samplers`); the ma
 names. Adding a sampler is a rule and a row here (and the family's `samplers`);
 tests/test_sampler_rules.py checks that every sampler a family lists has a row. DiffusionGemma's
 samplers are not here: its canvas loop implements its own two (engine.canvas.CanvasDecoder).
+
+Each row is a decoding.rule.CommitRule: the function and what it declares (its schedule,
+exact_floor, reopens, fills_after_eos, stats_extras), with the defaults there; a family's own
+sampler (e.g. Dream's) declares them where its rule is written.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -21,8 +25,8 @@ from .lavida import lavida_commit
 from .llada import random_commit
 from .p2 import p2_commit
 from .rnd1 import rnd1_commit
+from .rule import CommitRule, always
 from .rules import entropy_commit, factor_commit, quota_commit, threshold_commit
-from .schedule import transfer_schedule
 from .sub_block import sub_block_commit
 
 
@@ -40,36 +44,11 @@ class StepContext:
     generated: Optional[mx.array] = None
 
 
-# A commit rule as the engine calls it: (stats, candidates, ctx) -> (B, L) bool. The schedule's
-# floor is what guarantees that a block completes within its steps; every rule unions it in.
-# Optional attributes of a rule (a family's own sampler, e.g. Dream's, sets them):
-#   schedule(masks (B,), steps, settings) -> (B, K) int32 floors of the first K <= steps steps,
-#     whose rows sum to `masks`; every later step's floor is 0, so that `steps` above what a block
-#     needs allocates nothing (default: default_schedule);
-#   exact_floor(settings) -> bool: the rule commits exactly the floor, so a step whose floor is 0
-#     in every row is skipped without a forward;
-#   stats_extras: optional token statistics the rule reads (decoding.stats.TokenStats);
-#   fills_after_eos(settings) -> bool: after each commit, every generated position after a row's
-#     first EOS becomes that EOS (d3llm.fill_after_eos: d3LLM's early stop).
-CommitRule = Callable[..., mx.array]
-
-
-def default_schedule(masks, steps, settings):
-    """transfer_schedule over at most as many steps as the most masks a row has: its first columns
-    are those of the (B, steps) schedule, whose later columns are all 0 (one token a step, then
-    nothing), so steps=10**9 costs what steps=masks does."""
-    most = max(int(masks.max().item()), 1)
-    return transfer_schedule(masks, min(steps, most))
-
-
 # The shared samplers: rules.py's rules, each with the step's quota floor unioned in.
 
 
 def _quota(stats, cand, ctx):
     return quota_commit(stats.confidence, cand, ctx.floor)
-
-
-_quota.exact_floor = lambda settings: True
 
 
 def _threshold(stats, cand, ctx):
@@ -89,16 +68,20 @@ def _entropy(stats, cand, ctx):
 
 
 COMMIT_RULES: Dict[str, CommitRule] = {
-    "quota": _quota,
-    "threshold": _threshold,
-    "factor": _factor,
-    "entropy": _entropy,
+    "quota": CommitRule(_quota, exact_floor=always),
+    "threshold": CommitRule(_threshold),
+    "factor": CommitRule(_factor),
+    "entropy": CommitRule(_entropy),
     "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
     "dimple": dimple_commit,  # Dimple's "dim" pipeline: confident decoding, alg's fallback count
     "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
-    "entropy_bounded": entropy_bounded_commit,  # SDAR generate.py's entropy_bounded, eb_threshold
+    "entropy_bounded": CommitRule(
+        entropy_bounded_commit
+    ),  # SDAR generate.py's entropy_bounded, eb_threshold
     "random": random_commit,  # LLaDA generate.py's remasking="random"
-    "sub_block": sub_block_commit,  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
+    "sub_block": CommitRule(
+        sub_block_commit
+    ),  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
     "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
     "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
     "mdlm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule

@@ -34,6 +34,7 @@ from ..decoding.llada import suppress_logits
 from ..decoding.logprobs import log_probs
 from ..masks import block_causal_mask
 from .base import replaced
+from .contracts import Backend
 
 # Prompt blocks per prefill forward: about this many tokens, rounded down to whole blocks.
 PREFILL_TOKENS = 512
@@ -58,7 +59,7 @@ def seeds_at(spec, block: int, start: int) -> bool:
     return spec.seeds_block_start and start % block == 0 and start > 0
 
 
-class PrefixCache:
+class PrefixCache(Backend):
     """Backend of the masked block engine (see full_recompute.py for the interface)."""
 
     # A denoising step's forward over some rows may run on `select(layout, rows)`: its K/V of the
@@ -69,6 +70,7 @@ class PrefixCache:
     # into K/V equal to those cached: blocks stay on their absolute positions, since block-causal
     # padding is a multiple of the block length.
     join_reencodes = True
+    resumes = True
 
     @classmethod
     def joins_exactly(cls, settings) -> bool:

@@ -42,6 +42,7 @@ from ..decoding.logprobs import log_probs
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite, placed
 from .constrained import CanvasConstraint
+from .contracts import Decoder, DecoderInputs
 from .logprobs import PositionLogprobs
 
 
@@ -139,7 +140,7 @@ class _Canvas:
             self.lp.select(keep)
 
 
-class CanvasDecoder:
+class CanvasDecoder(Decoder):
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
     # The samplers this loop implements itself, as the reference's acceptance rules over the whole
@@ -155,29 +156,22 @@ class CanvasDecoder:
     # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
     # statistic would hold the step's logits alive into the next forward.
     step_confidence = False
+    # Its encoder reads each row's images (DecoderInputs.pixel_values).
+    reads_images = True
 
-    def __init__(
-        self,
-        model,
-        settings: dict,
-        eos_token_ids: Sequence[int],
-        backend=None,
-        images=None,
-        row_seeds: Optional[Sequence[int]] = None,
-        constraints: Optional[Sequence] = None,
-    ):
+    def __init__(self, model, inputs: DecoderInputs, backend: None = None):
         self.model = model
-        self.constraints = constraints  # one structured.Constraint (or None) per prompt
-        self.spec = model.diffusion_spec
-        self.s = settings
+        self.constraints = inputs.constraints  # one structured.Constraint (or None) per prompt
+        self.spec = inputs.spec
+        self.s = settings = inputs.settings
         if settings["sampler"] not in self.samplers:
             raise ValueError(f"sampler {settings['sampler']!r} has no rule in the canvas decoder")
         if self.spec.vocab_size is None:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
-        self.eos = set(int(e) for e in eos_token_ids)
-        self.noise = CanvasNoise(settings["seed"], row_seeds)
+        self.eos = set(int(e) for e in inputs.eos_token_ids)
+        self.noise = CanvasNoise(settings["seed"], inputs.row_seeds)
         # One entry per prompt: the processor's pixel values for that prompt, or None.
-        self.images = images
+        self.images = inputs.pixel_values
         self.nfe = 0
 
     def canvas_length(self, remaining: int) -> int:

@@ -36,6 +36,7 @@ from ..cache import Positions, PrefixKVCache, PriorKV, RowKVCache
 from ..decoding.logprobs import log_probs
 from ..masks import causal_prefix_mask, prompt_block_mask, rows_prefix_mask
 from .base import next_key, replaced, sample_tokens
+from .contracts import Backend
 
 
 class _Forwards:
@@ -172,7 +173,7 @@ class _RowRecomputeForwards:
         return self
 
 
-class CausalPrefixCache:
+class CausalPrefixCache(Backend):
     """Backend of the masked block engine (see full_recompute.py for the interface): blocks seeded
     by the AR head and denoised against a causal KV prefix."""
 
@@ -183,6 +184,7 @@ class CausalPrefixCache:
     # rows)` for the rows that still have masks (the block's final K/V come from its own forward).
     row_steps = True
     join_reencodes = True
+    resumes = True
     # The AR head's block seeds are drawn from one key for the batch (sample_tokens): rows of
     # different seeds cannot share a run and each keep its own draws.
     draws_batch_wide = True
@@ -321,9 +323,11 @@ class CausalPrefixRecompute(CausalPrefixCache):
     forwards = _RecomputeForwards
     row_forwards = _RowRecomputeForwards
     # No K/V to keep or reuse: every forward recomputes the whole sequence.
-    resume = None
-    kv_prefix = None
+    resumes = False
 
     @classmethod
     def kv_kind(cls, settings):
+        return None
+
+    def kv_prefix(self, x) -> Optional[PriorKV]:
         return None

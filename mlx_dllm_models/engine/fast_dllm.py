@@ -42,9 +42,10 @@ from ..masks import padding_mask
 from ..settings import SettingsError
 from ..spec import SHARED_SAMPLERS
 from .base import next_key, replaced, sample_tokens
+from .contracts import Backend
 
 
-class FastDLLMCache:
+class FastDLLMCache(Backend):
     """Backend of the masked block engine (see full_recompute.py for the interface). The
     subclasses below set `dual`."""
 

@@ -8,7 +8,8 @@ returns the tokens with anything it decides (a seed) placed; `block_logits(x, lo
 (B, stop - lo, V) logits of the candidate window; `end_block(x, start, stop)`; `select(layout,
 rows)`, the backend of the surviving rows (between blocks, and between two steps of a block when a
 row is cancelled: the survivors keep their state and K/V as they were); and `nfe`, its forward
-count.
+count (contracts.BlockBackend). It subclasses contracts.Backend, whose attributes are the
+capabilities it declares (guidance, row_steps, joins_exactly, ...), with their defaults.
 """
 
 from typing import List
@@ -20,10 +21,11 @@ from ..decoding.llada import guided_logits, unconditional_tokens
 from ..masks import block_causal_mask, padding_mask
 from ..spec import BLOCK_CAUSAL
 from .block_cache import seed_block_start, seeds_at
+from .contracts import Backend
 from .layout import Layout
 
 
-class FullRecompute:
+class FullRecompute(Backend):
     """Every step runs the model over the whole sequence (prompt + canvas). The exact mode for
     bidirectional models, whose every position attends to every other, and the reference mode of
     block-causal ones (under their block-causal mask). Left-padded rows get a padding mask and
@@ -104,7 +106,7 @@ class FullRecompute:
     def end_block(self, x, start, stop):
         pass
 
-    def select(self, layout: Layout, idx: List[int]):
+    def select(self, layout: Layout, idx: List[int]) -> "FullRecompute":
         fresh = type(self)(self.model, self.spec, layout, self.settings)
         fresh.nfe = self.nfe
         return fresh

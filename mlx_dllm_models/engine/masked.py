@@ -31,18 +31,19 @@ are checked to be finite (corrupt weights are an error naming the checkpoint, no
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet, Iterator, List, Optional, Sequence
+from typing import AbstractSet, Iterator, List, Optional, Sequence, Type
 
 import mlx.core as mx
 
 from ..decoding import token_stats
 from ..decoding.d3llm import fill_after_eos
 from ..decoding.llada import confidence_suppressed_ids, suppress_logits
-from ..decoding.samplers import COMMIT_RULES, StepContext, default_schedule
+from ..decoding.samplers import COMMIT_RULES, StepContext
 from ..settings import SettingsError
-from ..spec import BLOCK_CAUSAL, for_settings
+from ..spec import BLOCK_CAUSAL
 from .base import BlockEvent, StepEvent, block_event, check_finite, placed, split_rows
 from .constrained import RowConstraints, make_row_constraints
+from .contracts import Backend, BlockBackend, Decoder, DecoderInputs
 from .editing import BlockEditing
 from .layout import Layout
 from .logprobs import PositionLogprobs
@@ -99,7 +100,7 @@ class _Batch:
     x: mx.array  # (B, W) the tokens of the rows still in the batch
     rows: List[int]  # their indices among the run's prompts
     layout: Layout  # of those rows
-    backend: object  # over those rows
+    backend: BlockBackend  # over those rows
     key: mx.array  # (B, 2) each row's PRNG key, split once per step
     first: int  # the leftmost column where a row's canvas starts: StepEvents show from there
     checked: bool = False  # the first forward's logits were checked to be finite
@@ -124,11 +125,11 @@ class _Block:
     confidence: Optional[mx.array] = None  # (B, stop - lo) the last step's, NaN for rows it skipped
 
 
-class MaskedBlockDecoder:
+class MaskedBlockDecoder(Decoder):
     """Masked block decoding for a batch of prompts (B >= 1). The loop is the same for every
     family; what differs (how logits of a block are computed, caches, block seeding) lives in the
     backend, a class that engine.registry picks from the spec's attention layout and the `cache`
-    setting."""
+    setting. The rows, budgets and restarts (`run(budgets=, prior=)`) are its backend's to judge."""
 
     # `run(cancelled=)` drops a cancelled row before its next denoising step, and `run(budgets=)`
     # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
@@ -144,27 +145,18 @@ class MaskedBlockDecoder:
     # alone, whatever its batch-mates, and rows of different seeds may share a run.
     row_seeds = True
 
-    def __init__(
-        self,
-        model,
-        settings: dict,
-        eos_token_ids: Sequence[int],
-        backend,
-        eot_token_id: Optional[int] = None,
-        suffix: Sequence[int] = (),
-        constraints: Optional[Sequence] = None,
-        row_seeds: Optional[Sequence[int]] = None,
-    ):
+    def __init__(self, model, inputs: DecoderInputs, backend: Type[Backend]):
         self.model = model
+        settings, seeds = inputs.settings, inputs.row_seeds
         # Each row's seed (default: the seed setting for every row): see `row_seeds` below.
-        self.seeds = None if row_seeds is None else [int(seed) for seed in row_seeds]
+        self.seeds = None if seeds is None else [int(seed) for seed in seeds]
         # Structured output: each row's structured.Constraint (None: unconstrained), or None.
-        self.constraints = constraints
-        self.spec = for_settings(model.diffusion_spec, settings)
+        self.constraints = inputs.constraints
+        self.spec = inputs.spec
         self.s = settings
-        self.eos = set(int(e) for e in eos_token_ids)
-        self.suffix = list(suffix)  # infilling: the tokens after every row's canvas
-        if settings.get("cfg_scale") and not getattr(backend, "guidance", False):
+        self.eos = set(int(e) for e in inputs.eos_token_ids)
+        self.suffix = list(inputs.suffix)  # infilling: the tokens after every row's canvas
+        if settings.get("cfg_scale") and not backend.guidance:
             raise SettingsError(
                 f"cfg_scale is not supported with cache={settings.get('cache')!r}: guidance runs "
                 "the unconditional rows beside the conditional ones in each forward, which that "
@@ -177,24 +169,23 @@ class MaskedBlockDecoder:
         self.logits_suppressed += self.spec.logit_suppressed_token_ids
         self.confidence_suppressed = ()
         if settings.get("confidence_eos_eot_inf"):
-            if eot_token_id is None:
+            if inputs.eot_token_id is None:
                 raise ValueError("confidence_eos_eot_inf needs the end-of-turn token id")
             self.confidence_suppressed = confidence_suppressed_ids(
-                self.spec.eos_token_ids, eot_token_id, settings["temperature"]
+                self.spec.eos_token_ids, inputs.eot_token_id, settings["temperature"]
             )
         self.backend_cls = backend
-        self.backend = None
+        self.backend: Optional[BlockBackend] = None
         self.tokens = None  # the last run's (B, W) tokens, for kv_prefix
         rule = COMMIT_RULES.get(settings["sampler"])
         if rule is None:
             raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
         self.rule = rule
-        self.schedule = getattr(rule, "schedule", None) or default_schedule
-        self.exact_floor = bool(getattr(rule, "exact_floor", lambda _: False)(settings))
+        self.schedule = rule.schedule
+        self.exact_floor = bool(rule.exact_floor(settings))
         # A rule that re-masks committed tokens (Open-dCoder's p2) returns (commit, reopen).
-        self.reopens = bool(getattr(rule, "reopens", False))
-        fills = getattr(rule, "fills_after_eos", lambda _: False)(settings)
-        self.fills_after_eos = bool(fills) and bool(self.eos)
+        self.reopens = rule.reopens
+        self.fills_after_eos = bool(rule.fills_after_eos(settings)) and bool(self.eos)
         # Alternatives listed per token (None: no log-probabilities); never the ids a step cannot
         # propose.
         self.top_logprobs = settings.get("logprobs")
@@ -205,15 +196,18 @@ class MaskedBlockDecoder:
     def nfe(self) -> int:
         return self.backend.nfe if self.backend is not None else 0
 
+    @property
+    def reused(self) -> int:
+        return self.backend.reused if self.backend is not None else 0
+
     def kv_prefix(self):
         """The K/V the last run left final, as a cache.PriorKV for `run(prompts, prior=...)` of a
         prompt that continues its tokens (a chat's next turn); None when the backend keeps no K/V
         (full recompute: bidirectional families recompute everything every step anyway) or the
         run had more than one row left."""
-        get = getattr(self.backend, "kv_prefix", None)
-        if get is None or self.tokens is None or self.tokens.shape[0] != 1:
+        if self.backend is None or self.tokens is None or self.tokens.shape[0] != 1:
             return None
-        return get(self.tokens)
+        return self.backend.kv_prefix(self.tokens)
 
     def run(
         self,
@@ -276,14 +270,13 @@ class MaskedBlockDecoder:
         if prior is None:
             backend.prefill(x)
         else:
-            resume = getattr(backend, "resume", None)
-            if resume is None or len(prompts) != 1:
+            if not backend.resumes or len(prompts) != 1:
                 raise SettingsError(
                     f"{type(backend).__name__} cannot reuse an earlier run's K/V "
-                    f"({'it keeps none' if resume is None else 'one prompt at a time'}); "
+                    f"({'one prompt at a time' if backend.resumes else 'it keeps none'}); "
                     "run without prior"
                 )
-            resume(x, prior)
+            backend.resume(x, prior)
         seeds = self.seeds or [s["seed"]] * len(prompts)
         key = mx.stack([mx.random.key(seed) for seed in seeds])
         return _Batch(x, list(range(len(prompts))), layout, backend, key, min(layout.starts))
@@ -358,7 +351,7 @@ class MaskedBlockDecoder:
         """The window's log-probability record; a backend that seeded the block's first column
         (the AR head of causal_prefix.py) gives that column's from its `seed_log_probs`."""
         lp = PositionLogprobs(self.top_logprobs, self.unproposed, x.shape[0], stop - lo)
-        seeded = getattr(batch.backend, "seed_log_probs", None)
+        seeded = batch.backend.seed_log_probs
         if seeded is not None:
             column = (mx.arange(stop - lo) == start - lo)[None] & batch.layout.generated[
                 :, start : start + 1
@@ -386,7 +379,7 @@ class MaskedBlockDecoder:
             suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
             confidence=spec.confidence,
             order=spec.sampling_order,
-            extras=getattr(self.rule, "stats_extras", ()),
+            extras=self.rule.stats_extras,
             confidence_suppress_ids=self.confidence_suppressed,
         )
         commit, x0, reopen = self._commit(stats, blk, step, k_rule, idx)
@@ -423,7 +416,7 @@ class MaskedBlockDecoder:
         # A row whose block has no masks left commits nothing more: once some rows are there, the
         # step's forward runs over the others only (on a CPU a forward costs about its rows; a
         # batch would otherwise wait on its slowest row at full width).
-        if blk.editing is None and not all(blk.rows_left) and getattr(backend, "row_steps", False):
+        if blk.editing is None and not all(blk.rows_left) and backend.row_steps:
             sub = [i for i, r in enumerate(blk.rows_left) if r]
             if blk.part is None or blk.part[0] != sub:
                 blk.part = (sub, backend.select(batch.layout.select(sub), sub))

@@ -7,7 +7,7 @@ decoders read one truth.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Type
 
 from ..settings import SettingsError
 from ..spec import (
@@ -17,11 +17,13 @@ from ..spec import (
     CAUSAL_WINDOW,
     ENCODER_CANVAS,
     PREFIX_DLM,
+    DiffusionSpec,
     for_settings,
 )
 from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
+from .contracts import Backend, Decoder, DecoderInputs
 from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
@@ -32,7 +34,7 @@ from .sub_block_cache import SubBlockCache
 from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
-BACKENDS: Dict[str, Dict[str, type]] = {
+BACKENDS: Dict[str, Dict[str, Type[Backend]]] = {
     # Fast-dLLM's prefix and dual caches and Dimple's prefill are approximations: opt-in, never
     # "auto" (Dimple's recipe names prefill).
     BIDIRECTIONAL: {
@@ -56,7 +58,7 @@ BACKENDS: Dict[str, Dict[str, type]] = {
 
 # Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`
 # setting, where it has one, can pick another (Nemotron's self-speculation).
-DECODERS: Dict[str, type] = {
+DECODERS: Dict[str, Type[Decoder]] = {
     "masked": MaskedBlockDecoder,
     "diffusion": MaskedBlockDecoder,
     "self_spec": SelfSpeculativeDecoder,
@@ -69,9 +71,9 @@ def cache_choices(attention: str) -> Tuple[str, ...]:
     return ("auto",) + tuple(sorted(BACKENDS[attention]))
 
 
-def select_backend(spec, settings):
+def select_backend(spec: DiffusionSpec, settings) -> Optional[Type[Backend]]:
     """The backend class for the spec's layout and the `cache` setting (None for a layout whose
-    decoder keeps its own cache)."""
+    decoder keeps its own cache). `spec`: the family's, or the effective one (a Request's)."""
     spec = for_settings(spec, settings)  # a sampler may bring its layout (dllm's bd3lm)
     table = BACKENDS[spec.attention]
     cache = settings.get("cache") or "auto"
@@ -83,9 +85,7 @@ def select_backend(spec, settings):
             f"({spec.attention} attention); choose one of: {', '.join(cache_choices(spec.attention))}"
         )
     backend = table[cache]
-    check = getattr(backend, "check_settings", None)
-    if check is not None:
-        check(spec, settings)  # settings a backend cannot honour fail before decoding starts
+    backend.check_settings(spec, settings)  # what it cannot honour fails before decoding starts
     return backend
 
 
@@ -104,34 +104,33 @@ class Batching:
     row_seeds: bool = False
 
 
-def join_policy(spec, settings) -> Batching:
-    """What the decoder and backend of these (resolved) settings declare: a decoder whose run
-    drops cancelled rows before its next step says `drops_cancelled_rows` (every decoder today);
-    rows join where a restart over [prompt ; committed] with per-row budgets reproduces the run:
-    the backend says `joins_exactly(settings)` (a decoder may say it itself; the canvas and WeDLM
-    decoders, which take no budgets, have no backend that does)."""
+def join_policy(spec: DiffusionSpec, settings) -> Batching:
+    """What the decoder and backend of these (resolved) settings declare (engine.contracts): a
+    decoder whose run drops cancelled rows before its next step says `drops_cancelled_rows` (every
+    decoder today); rows join where a restart over [prompt ; committed] with per-row budgets
+    reproduces the run: the backend says `joins_exactly(settings)`, or the decoder when it
+    `judges_joins` (the canvas and WeDLM decoders, which take no budgets, have no backend that
+    does). `spec`: the family's, or the effective one (a Request's)."""
+    spec = for_settings(spec, settings)
     decoder = select_decoder(spec, settings)
-    drops = getattr(decoder, "drops_cancelled_rows", False)
+    drops = decoder.drops_cancelled_rows
     backend = select_backend(spec, settings) if drops else None
     # A decoder that judges its own restarts says so (self-speculation's rows are AR decoding,
     # whatever the backend's blocks); else its backend does.
-    judge = decoder if hasattr(decoder, "joins_exactly") else backend
-    exact = getattr(judge, "joins_exactly", None)
-    joins = bool(exact is not None and exact(settings))
-    if for_settings(spec, settings).blocks_end_at_prompt:
+    judge = decoder if decoder.judges_joins else backend
+    joins = judge is not None and bool(judge.joins_exactly(settings))
+    if spec.blocks_end_at_prompt:
         # A joined row restarts with what is left of its max_tokens; when that is not whole
         # blocks, its short last block would share columns with a longer row's masks, which it
         # attends to (block-causal within the block) and which a run of its own does not have.
         joins = joins and settings["max_tokens"] % settings["block_length"] == 0
-    kind = getattr(judge, "kv_kind", None)
-    kind = kind(settings) if kind is not None else None
+    kind = judge.kv_kind(settings) if judge is not None else None
     # Rows draw from streams of their own seeds unless the backend draws for the whole batch.
-    own_streams = getattr(decoder, "row_seeds", False)
-    own_streams = own_streams and not getattr(backend, "draws_batch_wide", False)
+    own_streams = decoder.row_seeds and not (backend is not None and backend.draws_batch_wide)
     return Batching(joins, joins and not judge.join_reencodes, drops, kind, own_streams)
 
 
-def select_decoder(spec, settings):
+def select_decoder(spec: DiffusionSpec, settings) -> Type[Decoder]:
     name = settings.get("mode") or spec.decoder
     if name not in DECODERS:
         raise SettingsError(
@@ -141,16 +140,16 @@ def select_decoder(spec, settings):
     return DECODERS[name]
 
 
-def check_constraints(spec, settings) -> None:
+def check_constraints(spec: DiffusionSpec, settings) -> None:
     """A SettingsError unless the decoder of these settings takes structured-output constraints
     (it declares `takes_constraints`); its `constraint_alternative` says what to do instead."""
     decoder = select_decoder(spec, settings)
-    if not getattr(decoder, "takes_constraints", False):
+    if not decoder.takes_constraints:
         raise SettingsError(
             f"structured output (json_schema / regex / lark) is not supported by the "
             f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
             f"({decoder.__name__}); "
-            f"{getattr(decoder, 'constraint_alternative', 'drop the constraint')}"
+            f"{decoder.constraint_alternative}"
         )
     if settings.get("max_thinking_tokens") is not None:
         raise SettingsError(
@@ -169,23 +168,33 @@ def make_decoder(
     suffix=(),
     row_seeds=None,
     constraints=None,
-):
-    """The decoding loop for a model and resolved settings, with its backend; `images` (the
-    processor's pixel values) go to the decoder of a family that reads them; `eot_token_id` (LLaDA's
-    confidence_eos_eot_inf) and `suffix` (infilling) to the masked decoder; `row_seeds` (a seed
-    per row) to a decoder whose rows draw from streams of their own (Batching.row_seeds);
-    `constraints` (structured output, one structured.Constraint or None per row) to a decoder
-    that declares `takes_constraints`, and a SettingsError from any other."""
-    spec = model.diffusion_spec
+) -> Decoder:
+    """The decoding loop for a model and resolved settings, with its backend (build_decoder of
+    the DecoderInputs these make): `images` (the processor's pixel values) for a decoder that
+    `reads_images`; `eot_token_id` (LLaDA's confidence_eos_eot_inf) and `suffix` (infilling) for
+    the masked decoder; `row_seeds` (a seed per row) for a decoder whose rows draw from streams of
+    their own (Batching.row_seeds); `constraints` (structured output, one structured.Constraint
+    or None per row) for a decoder that declares `takes_constraints`, and a SettingsError from
+    any other."""
+    inputs = DecoderInputs(
+        spec=for_settings(model.diffusion_spec, settings),
+        settings=settings,
+        eos_token_ids=set(eos_token_ids),
+        pixel_values=images,
+        eot_token_id=eot_token_id,
+        suffix=list(suffix),
+        constraints=constraints,
+        row_seeds=None if row_seeds is None else list(row_seeds),
+    )
+    return build_decoder(model, inputs)
+
+
+def build_decoder(model, inputs: DecoderInputs) -> Decoder:
+    """The decoding loop of `inputs` (a request.Request is one) for `model`, with its backend."""
+    spec, settings = inputs.spec, inputs.settings
     decoder = select_decoder(spec, settings)
-    extra = {} if images is None else {"images": images}
-    if constraints is not None:
+    if inputs.constraints is not None:
         check_constraints(spec, settings)
-        extra["constraints"] = constraints
-    if row_seeds is not None:
-        extra["row_seeds"] = row_seeds
-    if eot_token_id is not None:
-        extra["eot_token_id"] = eot_token_id
-    if suffix:
-        extra["suffix"] = suffix
-    return decoder(model, settings, eos_token_ids, backend=select_backend(spec, settings), **extra)
+    if inputs.pixel_values is not None and not decoder.reads_images:
+        raise TypeError(f"{decoder.__name__} reads no pixel values: the images belong in the ids")
+    return decoder(model, inputs, select_backend(spec, settings))

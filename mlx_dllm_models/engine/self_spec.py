@@ -36,6 +36,7 @@ from ..decoding import filter_logits, threshold_commit
 from ..decoding.constrained import mask_logits
 from .base import block_event, check_finite, next_key, sample_tokens
 from .constrained import TokenSequenceConstraint
+from .contracts import Decoder, DecoderInputs
 from .logprobs import entries
 
 
@@ -110,7 +111,7 @@ class _Plan(NamedTuple):
     k: int
 
 
-class SelfSpeculativeDecoder:
+class SelfSpeculativeDecoder(Decoder):
     """`mode="self_spec"`: lossless self-speculative decoding (the HF `linear_spec_generate`).
 
     Every forward has two parts. A causal part over the tokens whose K/V are not final yet (the
@@ -140,6 +141,7 @@ class SelfSpeculativeDecoder:
     join_reencodes = True  # a restart runs the rows' prefill again
     # BlockEvent.confidence only when a consumer asks (trace.py sets it): one more read a round.
     step_confidence = False
+    judges_joins = True
 
     @classmethod
     def joins_exactly(cls, settings) -> bool:
@@ -153,19 +155,12 @@ class SelfSpeculativeDecoder:
     def kv_kind(cls, settings):
         return None  # a run takes no cache.PriorKV (nor leaves one)
 
-    def __init__(
-        self,
-        model,
-        settings: dict,
-        eos_token_ids: Sequence[int],
-        backend=None,
-        constraints: Optional[Sequence] = None,
-    ):
+    def __init__(self, model, inputs: DecoderInputs, backend):
         self.model = model
-        self.constraints = constraints  # one structured.Constraint (or None) per prompt
-        self.spec = model.diffusion_spec
-        self.s = settings
-        self.eos = set(int(e) for e in eos_token_ids)
+        self.constraints = inputs.constraints  # one structured.Constraint (or None) per prompt
+        self.spec = inputs.spec
+        self.s = settings = inputs.settings
+        self.eos = set(int(e) for e in inputs.eos_token_ids)
         # The causal-prefix backend the registry picked for the `cache` setting brings the
         # batch's forwards, each row at columns of its own (a KV cache, or full recompute).
         self.row_forwards = backend.row_forwards

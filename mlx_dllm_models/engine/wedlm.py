@@ -36,7 +36,7 @@ the rest of the window without a forward. Rows without a constraint decode as ab
 temperature 0 the constrained rows' draws take a key of their own.
 """
 
-from typing import AbstractSet, List, Optional, Sequence
+from typing import AbstractSet, List, Sequence, Type
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,7 @@ from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.wedlm import committed_prefix, reordered_causal_mask, wedlm_commit
 from .base import StepEvent, block_event, check_finite, next_key
 from .constrained import WindowConstraint
+from .contracts import Backend, Decoder, DecoderInputs, WindowBackend
 from .logprobs import entries
 
 
@@ -66,7 +67,7 @@ def _rows_of(logits, spans):
     return [logits[b, lo:hi] for b, (lo, hi) in enumerate(spans)]
 
 
-class WindowKV:
+class WindowKV(Backend):
     """`cache="prefix"` (the default): the K/V of committed columns are kept (RowKVCache, written
     in place), and each forward runs over every row's columns after its committed ones only."""
 
@@ -107,7 +108,7 @@ class WindowKV:
         return out
 
 
-class WindowRecompute:
+class WindowRecompute(Backend):
     """`cache="none"`: every forward runs over each whole row (no K/V kept); the same mask."""
 
     def __init__(self, model, rows: int, width: int):
@@ -157,7 +158,7 @@ class _Window:
         return out
 
 
-class WeDLMDecoder:
+class WeDLMDecoder(Decoder):
     """The `wedlm` decoder: the rows of a batch step together, one forward a step (see the module
     docstring)."""
 
@@ -172,20 +173,13 @@ class WeDLMDecoder:
     # statistic would hold the step's logits alive into the next forward.
     step_confidence = False
 
-    def __init__(
-        self,
-        model,
-        settings: dict,
-        eos_token_ids: Sequence[int],
-        backend=None,
-        constraints: Optional[Sequence] = None,
-    ):
+    def __init__(self, model, inputs: DecoderInputs, backend: Type[WindowBackend]):
         self.model = model
-        self.constraints = constraints  # one structured.Constraint (or None) per prompt
+        self.constraints = inputs.constraints  # one structured.Constraint (or None) per prompt
         self.rules = {}  # row -> WindowConstraint, for the constrained rows of a run
-        self.spec = model.diffusion_spec
-        self.s = settings
-        self.eos = set(int(e) for e in eos_token_ids)
+        self.spec = inputs.spec
+        self.s = settings = inputs.settings
+        self.eos = set(int(e) for e in inputs.eos_token_ids)
         self.backend = backend
         self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
         self.nfe = 0
