@@ -11,12 +11,12 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 import zlib
 
 import openai
 import pytest
 from openai import OpenAI
+from test_server_safety import call
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
@@ -44,20 +44,6 @@ def start(load_model=None, **kwargs):
     )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-def call(url, path, body=None, method=None, headers=None, timeout=60):
-    """(status, headers, text) of one request; errors are answers too."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    for name, value in (headers or {}).items():
-        req.add_header(name, value)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.headers, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode()
 
 
 def error(text) -> dict:
