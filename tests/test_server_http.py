@@ -391,3 +391,33 @@ def test_the_bodys_own_fields_are_typed(strict, body, param):
     status, _, text = call(url, "/v1/completions", body)
     answer = error(text)
     assert status == 400 and answer["param"] == param and answer["message"].startswith(param)
+
+
+def test_all_of_two_object_schemas_is_satisfiable(client):
+    import jsonschema
+
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ]
+    }
+    out = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=CHAT["messages"],
+        max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_a_bad_pattern_gets_the_whole_message(client):
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": "(("}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL_ID,
+            messages=CHAT["messages"],
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )
+    assert "regex parse error: (( ^ error: unclosed group" in e.value.message
