@@ -421,3 +421,23 @@ def test_a_bad_pattern_gets_the_whole_message(client):
             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
         )
     assert "regex parse error: (( ^ error: unclosed group" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-image-pixels", "0"], "--max-image-pixels must be at least 1"),
+        (["--max-images-per-request", "0"], "--max-images-per-request must be at least 1"),
+        (["--max-request-pixels", "-5"], "--max-request-pixels must be at least 1"),
+        (["--max-connections", "0"], "--max-connections must be at least 1"),
+        (["--header-timeout", "0"], "--header-timeout must be more than 0 seconds"),
+        (["--body-timeout", "-1"], "--body-timeout must be more than 0 seconds"),
+        (["--idle-timeout", "0"], "--idle-timeout must be more than 0 seconds"),
+    ],
+)
+def test_the_new_flags_out_of_range_are_one_line_errors(flags, message):
+    args = serve_parser().parse_args(flags)
+    with pytest.raises(SystemExit) as e:
+        check_args(args)
+    text = str(e.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text

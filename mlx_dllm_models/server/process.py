@@ -9,7 +9,11 @@ the server's default.
 Safe by default, for a server started on a laptop: loopback only (a warning for any other host),
 no cross-origin access from web pages (`--cors-origin`), requests that name another host than
 the server's refused (`--allowed-host`: DNS rebinding), images only as data URLs
-(`--allowed-image-dir`, `--allow-remote-images`), bodies of at most 32 MiB (`--max-body-bytes`).
+(`--allowed-image-dir`, `--allow-remote-images`) within pixel limits read from their header
+(`--max-image-pixels`, `--max-images-per-request`, `--max-request-pixels`), bodies of at most 32 MiB
+(`--max-body-bytes`), no client chat template (`--allow-client-chat-template`), connections
+bounded in time and number (`--header-timeout`, `--body-timeout`, `--idle-timeout`,
+`--max-connections`); `--api-key` (or MLX_DLLM_API_KEY) asks /v1 requests for a bearer key.
 Flags out of range are one-line errors. SIGTERM and Ctrl-C shut down in order: the listening socket
 closes, the requests in flight get a 503 at the next denoising step, the worker thread is joined
 (its MLX work done: a process that exits under a running MLX thread aborts), then exit status 0.
@@ -43,7 +47,7 @@ from .guards import DEFAULT_MAX_BODY_BYTES, HostCheck, host_name
 from .images import MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, ImagePolicy
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
-from .transport import HTTPServer, Limits
+from .transport import HTTPServer, Limits, fit_open_files
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +180,7 @@ def parser():
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="host to listen on (default: 127.0.0.1, this machine only; the server has no "
-        "authentication)",
+        help="host to listen on (default: 127.0.0.1, this machine only; see --api-key)",
     )
     p.add_argument("--port", type=int, default=8080, help="port, 0-65535 (default: 8080)")
     p.add_argument(
@@ -369,10 +372,12 @@ def main(argv=None) -> int:
     )
     if not loopback(args.host):
         logger.warning(
-            "listening on %s: other machines that can reach it can use the model, with no "
-            "authentication; --host 127.0.0.1 serves this machine only",
+            "listening on %s: other machines that can reach it can use the model, %s; --host "
+            "127.0.0.1 serves this machine only",
             args.host,
+            "with the API key" if args.api_keys else "with no authentication (see --api-key)",
         )
+    fit_open_files(args.max_connections)
     defaults = chosen_settings(args)
     # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
     group = launch_group()

@@ -13,6 +13,7 @@ and bounds on what a connection may hold: its request's headers must arrive with
 import asyncio
 import concurrent.futures
 import json
+import logging
 import socket
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .fields import error_body
+
+logger = logging.getLogger(__name__)
 
 BACKLOG = 2048
 
@@ -98,6 +101,35 @@ class GuardedProtocol(H11Protocol):
             message = "the request could not be read as HTTP/1.1 (a bad request line or header)"
             self.transport.write(raw_error(400, "Bad Request", message))
         self.transport.close()
+
+
+# Files the process keeps open besides its connections (the model's, the libraries', the logs').
+OTHER_FILES = 256
+
+
+def fit_open_files(max_connections: int) -> None:
+    """Raise the process's soft limit on open files to hold `max_connections` connections (macOS
+    starts at 256), as far as the hard limit lets; a warning where it cannot."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: the platform's own limit holds
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + OTHER_FILES
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+        if soft < need:
+            logger.warning(
+                "the open-file limit (%d) holds fewer than --max-connections %d connections; "
+                "raise it (ulimit -n) or lower --max-connections",
+                soft,
+                max_connections,
+            )
 
 
 class HTTPServer:
