@@ -347,9 +347,7 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         except Exception as e:
-            where = f"{scope.get('method', '-')} {scope.get('path', '-')}"
-            logger.error("%s failed: %s: %s", where, type(e).__name__, shorten(e, 200))
-            logger.debug("the failure's traceback", exc_info=True)
+            log_failure(scope, e)
             if record["status"] is None:
                 await self.bug_answer(e)(scope, receive, sending)
         finally:
@@ -371,3 +369,15 @@ class AccessLog:
                     completion,
                     time.perf_counter() - started,
                 )
+
+
+def log_failure(scope, e: Exception) -> None:
+    """A bug's one short ERROR line (its traceback at DEBUG), once per request, written before
+    its 500 goes out."""
+    record = scope.setdefault("mlx_dllm", {})
+    if record.get("failed"):
+        return
+    record["failed"] = True
+    where = f"{scope.get('method', '-')} {scope.get('path', '-')}"
+    logger.error("%s failed: %s: %s", where, type(e).__name__, shorten(e, 200))
+    logger.debug("the failure's traceback", exc_info=e)

@@ -22,7 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .api import AccessLog, Service
+from .api import AccessLog, Service, log_failure
 from .fields import error_body
 from .guards import origin_refusal, receive_body
 from .metrics import CONTENT_TYPE
@@ -168,6 +168,10 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
             return error(f"no such endpoint: {where}", 404)
         return error(f"{exc.detail} ({where})", exc.status_code)
 
+    async def bug(request, exc: Exception):
+        log_failure(request.scope, exc)  # before the answer: a client reading it finds the line
+        return bug_answer(exc)
+
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/chat/completions", chat, methods=["POST"]),
@@ -179,7 +183,7 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
     ]
     app = Starlette(
         routes=routes,
-        exception_handlers={HTTPException: http_error, Exception: lambda r, e: bug_answer(e)},
+        exception_handlers={HTTPException: http_error, Exception: bug},
     )
     app.router.redirect_slashes = False
     inner = Gate(app, service)
