@@ -441,3 +441,18 @@ def test_the_new_flags_out_of_range_are_one_line_errors(flags, message):
         check_args(args)
     text = str(e.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text
+
+
+def test_client_templates_render_a_few_at_a_time(monkeypatch):
+    from mlx_dllm_models.server import templates
+
+    monkeypatch.setattr(templates, "RENDERS", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(templates, "RENDER_WAIT_SECONDS", 0.1)
+    assert templates.render_client_template("{{ 6*7 }}", [], {}, {}) == "42"
+    templates.RENDERS.acquire()  # one render running
+    try:
+        with pytest.raises(RequestError, match="being rendered") as e:
+            templates.render_client_template("{{ 6*7 }}", [], {}, {})
+        assert e.value.status == 429
+    finally:
+        templates.RENDERS.release()

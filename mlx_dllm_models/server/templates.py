@@ -14,6 +14,7 @@ than the template call's TypeError.
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -43,6 +44,11 @@ CLIENT_TEMPLATE_BYTES = 512 * 1024 * 1024
 CLIENT_TEMPLATE_CHARS = 1_000_000
 # The longest template source taken from a client (the largest checkpoints' are ~20 KB).
 CLIENT_TEMPLATE_SOURCE_CHARS = 256 * 1024
+# Client templates rendered at once (each may take a core for its budget); a request that cannot
+# start one within RENDER_WAIT_SECONDS gets a 429 rather than holding a worker thread longer.
+CLIENT_TEMPLATE_RENDERS = 4
+RENDER_WAIT_SECONDS = 2 * CLIENT_TEMPLATE_SECONDS
+RENDERS = threading.BoundedSemaphore(CLIENT_TEMPLATE_RENDERS)
 CHILD = Path(__file__).with_name("render_child.py")
 
 
@@ -80,6 +86,27 @@ def read_template_kwargs(kwargs, allow_client_template: bool) -> Tuple[dict, Opt
     return args, source
 
 
+def _run_child(data: str) -> str:
+    """render_child.py's answer to one job, or a 400 when it ran past CLIENT_TEMPLATE_SECONDS."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", str(CHILD)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        return proc.communicate(data, timeout=CLIENT_TEMPLATE_SECONDS)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RequestError(
+            f"the client's chat template ran past its budget of {CLIENT_TEMPLATE_SECONDS:g} s "
+            "and was stopped",
+            param="chat_template_kwargs.chat_template",
+        )
+
+
 def render_client_template(source: str, messages: list, args: dict, tokens: dict) -> str:
     """A client's template over the messages, in a process of its own within the budgets; a 400
     that names the budget it ran past, or the template's own error."""
@@ -94,23 +121,17 @@ def render_client_template(source: str, messages: list, args: dict, tokens: dict
         data = json.dumps(job)
     except (TypeError, ValueError) as e:
         raise RequestError(f"chat_template_kwargs must hold JSON values ({e})")
-    proc = subprocess.Popen(
-        [sys.executable, "-I", str(CHILD)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(data, timeout=CLIENT_TEMPLATE_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    if not RENDERS.acquire(timeout=RENDER_WAIT_SECONDS):
         raise RequestError(
-            f"the client's chat template ran past its budget of {CLIENT_TEMPLATE_SECONDS:g} s "
-            "and was stopped",
+            f"{CLIENT_TEMPLATE_RENDERS} client chat templates are being rendered; send the "
+            "request again shortly",
+            429,
             param="chat_template_kwargs.chat_template",
         )
+    try:
+        out = _run_child(data)
+    finally:
+        RENDERS.release()
     try:
         answer = json.loads(out)
     except ValueError:  # killed by its memory bound
