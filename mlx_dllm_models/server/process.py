@@ -378,6 +378,8 @@ def main(argv=None) -> int:
             "with the API key" if args.api_keys else "with no authentication (see --api-key)",
         )
     fit_open_files(args.max_connections)
+    if args.log_level != "DEBUG":  # uvicorn's start and stop lines: this server logs its own
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     defaults = chosen_settings(args)
     # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
     group = launch_group()
