@@ -1,9 +1,16 @@
-"""Concurrency of `mlx_dllm serve`: aggregate tok/s and request latency at 1, 4 and 8 concurrent
-clients, against serving the same requests one at a time.
+"""Concurrency of `mlx_dllm serve`: aggregate tok/s and request latency (p50, p90, p99) at 1, 8
+and 32 concurrent clients, against serving the same requests one at a time; optionally the same
+load on another checkout's server and on `mlx_lm.server` with an autoregressive model, in one run.
 
     python benchmarks/bench_server.py [--requests 16] [--max-tokens 64] [--block-length 8]
-        [--runs 3] [--clients 1,4,8] [--model nemotron|sdar|default] [--turns T]
-        [--prompt-cache-size N]
+        [--runs 3] [--clients 1,8,32] [--model nemotron|sdar|default] [--turns T]
+        [--prompt-cache-size N] [--checkout DIR] [--mlx-lm-model PATH]
+
+--checkout DIR serves the same model with the code of another checkout of this project (e.g. the
+commit before the Starlette server: `git worktree add /tmp/old <commit>`), so that two HTTP stacks
+are measured by the same clients on the same machine; --mlx-lm-model PATH adds `mlx_lm.server`
+serving an autoregressive model (of the same size, for a fair line) to the same requests, less
+the diffusion settings. Each server runs alone, one after the other.
 
 The model (--model) is the dense random model of bench_vs_mlx_vlm.py (Nemotron-Labs-Diffusion:
 hidden 512, 6 layers, causal-prefix KV cache), a random block-causal SDAR (hidden 384, 6 layers,
@@ -23,6 +30,7 @@ and noisy: compare the rows of one table.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,11 +60,22 @@ def post(url, body, timeout=600):
         return json.loads(r.read())
 
 
-def start_server(path, port, prompt_cache_size=10):
+def start_server(path, port, prompt_cache_size=10, checkout=ROOT):
+    """`mlx_dllm serve` with the code of `checkout` (this one by default)."""
     cmd = [sys.executable, "-m", "mlx_dllm_models", "serve", "--model", str(path)]
     cmd += ["--port", str(port), "--log-level", "WARNING"]
     cmd += ["--prompt-cache-size", str(prompt_cache_size)]
-    proc = subprocess.Popen(cmd, cwd=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    return wait_for(subprocess.Popen(cmd, cwd=str(checkout), env=env), port)
+
+
+def start_mlx_lm(path, port):
+    """`mlx_lm.server` serving an autoregressive model."""
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port)]
+    return wait_for(subprocess.Popen(cmd, cwd=str(ROOT)), port)
+
+
+def wait_for(proc, port):
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -144,6 +163,76 @@ def build_model(kind, tmp):
     )
 
 
+def make_bodies(args, path) -> list:
+    topics = ["the sea", "a mountain", "rain", "the city at night", "a small cat"]
+    bodies = [
+        {
+            "prompt": f"Request {i}: write about {topics[i % 5]}" + " please" * (i % 4),
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
+        for i in range(args.requests)
+    ]
+    if args.model == "default":  # its task: sums, through its chat template
+        from transformers import AutoTokenizer
+
+        from mlx_dllm_models.default import addition_prompt, chat_prompt
+
+        tok = AutoTokenizer.from_pretrained(str(path))
+        for i, body in enumerate(bodies):
+            body["prompt"] = chat_prompt(tok, addition_prompt(10 + 7 * i, 90 - 3 * i))
+    else:
+        for body in bodies:
+            body["block_length"] = args.block_length
+    return bodies
+
+
+def measure(url, bodies, levels, runs, turns) -> dict:
+    """Per client count: tok/s of each run, every request's latency, cached tokens, answers."""
+    load_run(url, bodies[:2], 1, turns)  # warm-up
+    out = {c: {"tps": [], "lat": [], "hits": [], "answers": None} for c in levels}
+    for r in range(runs):
+        for c in levels if r % 2 == 0 else reversed(levels):
+            wall, toks, latencies, texts, cached = load_run(url, bodies, c, turns)
+            row = out[c]
+            row["tps"].append(toks / wall)
+            row["lat"].extend(latencies)
+            row["hits"].extend(cached)
+            row["answers"] = row["answers"] or texts
+            first = out[levels[0]]["answers"] or texts
+            differ = [i for i, (a, b) in enumerate(zip(texts, first)) if a != b]
+            if differ:
+                print(f"  answers that differ from one at a time: requests {differ}")
+            print(
+                f"run {r} clients {c}: {wall:.2f} s, {toks / wall:.1f} tok/s, "
+                f"deterministic {texts == row['answers']}",
+                flush=True,
+            )
+    return out
+
+
+def table(rows, levels):
+    print(
+        "| server | clients | aggregate tok/s | vs one at a time | latency p50 s | p90 s | p99 s "
+        "| max s | cached prompt tokens (turns 2..) | same answers as one at a time |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for label, stats in rows:
+        base = statistics.median(stats[levels[0]]["tps"]) or float("nan")
+        for c in levels:
+            row = stats[c]
+            lat = row["lat"]
+            q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
+            med = statistics.median(row["tps"])
+            same = row["answers"] == stats[levels[0]]["answers"]
+            print(
+                f"| {label} | {c} | {med:.1f} | {med / base:.2f}x | {statistics.median(lat):.2f} "
+                f"| {q[89]:.2f} | {q[98]:.2f} | {max(lat):.2f} | "
+                f"{statistics.mean(row['hits']) if row['hits'] else 0:.1f} | "
+                f"{'yes' if same else 'no'} |"
+            )
+
+
 def main():
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,87 +241,55 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-length", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--model", choices=["nemotron", "sdar", "default"], default="nemotron")
     ap.add_argument("--turns", type=int, default=1, help="requests per conversation")
     ap.add_argument("--prompt-cache-size", type=int, default=10)
+    ap.add_argument("--checkout", type=Path, default=None, help="another checkout to serve too")
+    ap.add_argument("--mlx-lm-model", default=None, help="an AR model for mlx_lm.server too")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
         path, described = build_model(args.model, tmp)
-        proc, url = start_server(path, args.port, args.prompt_cache_size)
-        try:
-            topics = ["the sea", "a mountain", "rain", "the city at night", "a small cat"]
-            bodies = [
-                {
-                    "prompt": f"Request {i}: write about {topics[i % 5]}" + " please" * (i % 4),
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                }
-                for i in range(args.requests)
-            ]
-            if args.model == "default":  # its task: sums, through its chat template
-                from transformers import AutoTokenizer
+        bodies = make_bodies(args, path)
+        servers = [("this checkout", lambda: start_server(path, args.port, args.prompt_cache_size))]
+        if args.checkout is not None:
+            servers.append(
+                (
+                    str(args.checkout),
+                    lambda: start_server(path, args.port, args.prompt_cache_size, args.checkout),
+                )
+            )
+        if args.mlx_lm_model is not None:
+            servers.append(
+                (
+                    f"mlx_lm.server {args.mlx_lm_model}",
+                    lambda: start_mlx_lm(args.mlx_lm_model, args.port),
+                )
+            )
+        rows = []
+        for label, start in servers:
+            print(f"== {label}", flush=True)
+            proc, url = start()
+            try:
+                ar = label.startswith("mlx_lm.server")
+                sent = [{k: v for k, v in b.items() if k != "block_length"} for b in bodies]
+                rows.append(
+                    (label, measure(url, sent if ar else bodies, levels, args.runs, args.turns))
+                )
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
 
-                from mlx_dllm_models.default import addition_prompt, chat_prompt
-
-                tok = AutoTokenizer.from_pretrained(str(path))
-                for i, body in enumerate(bodies):
-                    body["prompt"] = chat_prompt(tok, addition_prompt(10 + 7 * i, 90 - 3 * i))
-            else:
-                for body in bodies:
-                    body["block_length"] = args.block_length
-            load_run(url, bodies[:2], 1, args.turns)  # warm-up
-            walls = {c: [] for c in levels}
-            tps = {c: [] for c in levels}
-            lat = {c: [] for c in levels}
-            hits = {c: [] for c in levels}
-            answers = {}
-            for r in range(args.runs):
-                for c in levels if r % 2 == 0 else reversed(levels):
-                    wall, toks, latencies, texts, cached = load_run(url, bodies, c, args.turns)
-                    walls[c].append(wall)
-                    tps[c].append(toks / wall)
-                    lat[c].extend(latencies)
-                    hits[c].extend(cached)
-                    answers.setdefault(c, texts)
-                    same = texts == answers[c]
-                    first = answers[levels[0]] if levels[0] in answers else texts
-                    differ = [i for i, (a, b) in enumerate(zip(texts, first)) if a != b]
-                    if differ:
-                        print(f"  answers that differ from one at a time: requests {differ}")
-                    print(
-                        f"run {r} clients {c}: {wall:.2f} s, {toks / wall:.1f} tok/s, "
-                        f"deterministic {same}",
-                        flush=True,
-                    )
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-    base = statistics.median(tps[levels[0]]) or float("nan")
     print()
     what = f"conversations of {args.turns} requests" if args.turns > 1 else "requests"
     print(
         f"{described}; {args.requests} {what} of {args.max_tokens} tokens; prompt cache "
         f"{args.prompt_cache_size or 'off'}; medians of {args.runs} runs"
     )
-    print(
-        "| clients | aggregate tok/s | vs one at a time | latency p50 s | p90 s | max s | "
-        "cached prompt tokens (turns 2..) | same answers as one at a time |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
-    for c in levels:
-        q = statistics.quantiles(lat[c], n=10)
-        med = statistics.median(tps[c])
-        print(
-            f"| {c} | {med:.1f} | {med / base:.2f}x | {statistics.median(lat[c]):.2f} | "
-            f"{q[8]:.2f} | {max(lat[c]):.2f} | "
-            f"{statistics.mean(hits[c]) if hits[c] else 0:.1f} | "
-            f"{'yes' if answers[c] == answers[levels[0]] else 'no'} |"
-        )
+    table(rows, levels)
 
 
 if __name__ == "__main__":

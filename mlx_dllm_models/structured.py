@@ -70,22 +70,27 @@ def closing_candidates(llt) -> tuple:
     return tuple(out)
 
 
-def _strict_objects(schema):
+def _strict_objects(schema, closed: bool = True):
     """The schema with `additionalProperties: false` in every object schema that lists
     `properties` and says nothing about other keys (OpenAI's structured outputs require it
     spelled out; here it is the default). Without it any key may follow the listed ones, and a
     model that does not know the schema spends its budget on one. The text still validates
-    against the schema as given."""
+    against the schema as given. The branches of an `allOf` stay open (`closed` False): each
+    must allow the others' keys, or two object branches would exclude each other."""
     if isinstance(schema, list):
-        return [_strict_objects(s) for s in schema]
+        return [_strict_objects(s, closed) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {
-        k: v if k in ("enum", "const", "default", "examples") else _strict_objects(v)
+        k: v
+        if k in ("enum", "const", "default", "examples")
+        else _strict_objects(v, closed=k != "allOf")
         for k, v in schema.items()
     }
-    if isinstance(out.get("properties"), dict) and not (
-        {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out)
+    if (
+        closed
+        and isinstance(out.get("properties"), dict)
+        and not ({"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out))
     ):
         out["additionalProperties"] = False
     return out
@@ -215,8 +220,10 @@ def compile_rows(
             grammar = _grammar(kind, value)
             error = LLMatcher.validate_grammar(grammar, llt)
             if error:
-                first = error.strip().splitlines()[0]
-                raise SettingsError(f"{kind} of prompt {i} cannot be compiled: {first}")
+                # llguidance's message may span lines (a regex error shows the pattern, a
+                # caret under the fault, then the reason): all of it, on one line.
+                words = " ".join(line.strip() for line in error.strip().splitlines())
+                raise SettingsError(f"{kind} of prompt {i} cannot be compiled: {words[:500]}")
             compiled[key] = Constraint(kind, grammar, llt, candidates)
         out.append(compiled[key])
     return out

@@ -88,8 +88,7 @@ def test_no_capability_is_read_as_a_possibly_missing_attribute():
         for name in _getattr_names(path)
         if name in CAPABILITIES
     }
-    # server/scheduler.py is another helper's to change (its `reused` read of the backend).
-    assert found <= {("server/scheduler.py", "reused")}
+    assert not found, found
 
 
 def test_an_undeclared_class_gets_the_defaults():

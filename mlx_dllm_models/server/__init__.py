@@ -1,22 +1,24 @@
 """`mlx_dllm serve`: an OpenAI-compatible server whose concurrent requests share forwards.
 
-scheduler.py batches the requests (continuous batching at block granularity), api.py speaks
-OpenAI's HTTP API over mlx-lm's handler, process.py is the command: flags, ranks, shutdown.
+scheduler.py batches the requests (continuous batching at block granularity), api.py and
+respond.py speak OpenAI's HTTP API, app.py is the Starlette application, transport.py serves it on
+uvicorn, process.py is the command: flags, ranks, shutdown.
 """
 
-from .api import DiffusionAPIHandler, Service, StopWords
+from .api import Service, StopWords
+from .app import build_app
 from .fields import RequestError
 from .images import read_image
 from .process import follow, main, make_server, shutdown
 from .scheduler import Job, Scheduler
 
 __all__ = [
-    "DiffusionAPIHandler",
     "Job",
     "RequestError",
     "Scheduler",
     "Service",
     "StopWords",
+    "build_app",
     "follow",
     "main",
     "make_server",

@@ -1,20 +1,20 @@
-"""The OpenAI-compatible HTTP side of `mlx_dllm serve`: request bodies in, committed blocks out.
+"""The OpenAI-compatible HTTP side of `mlx_dllm serve`: the Service (a request's settings, prompt
+and preparation), stop strings, and the access log.
 
 Endpoints follow `mlx_lm.server` (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health`); a request overrides any decoding setting with a body field of the same name
-(`block_length`, `steps`, `sampler`, `threshold`, family settings) or the OpenAI one (`max_tokens` /
-`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`).
+`/health`), plus `/v1/models/{id}` and `/metrics`; a request overrides any decoding setting with a
+body field of the same name (`block_length`, `steps`, `sampler`, `threshold`, family settings) or
+the OpenAI one (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`).
+The HTTP stack is Starlette on uvicorn (app.py, transport.py); respond.py answers a completion.
 
 What comes from mlx-lm's server, and what cannot:
 
-* Reused: its HTTP handler (`APIHandler`: stream headers, the response packets
-  `generate_response` / `completion_usage_response`, `/health`), its request records
-  (`CompletionRequest`), its chat helpers (`convert_chat` for a tokenizer without a template,
-  `process_message_content`). Its `do_POST` / `do_GET` are replaced: they answer errors with a
-  bare string, where OpenAI's clients read `{"error": {"message", "type", "param", "code"}}`
-  (`error_body`), and know no `/v1/models/{id}`. Its CORS headers (`*` for every page) are
-  replaced by guards.py's: no page of another origin unless `--cors-origin` names it, and no
-  request that names a host the server does not serve (`--allowed-host`; DNS rebinding).
+* Reused: its request records (`CompletionRequest`), its chat helpers (`convert_chat` for a
+  tokenizer without a template, `process_message_content`), its response packets' shapes
+  (respond.py). Errors are OpenAI's objects (`{"error": {"message", "type", "param", "code"}}`,
+  `error_body`) on every path and method. CORS: no page of another origin unless `--cors-origin`
+  names it, and no request that names a host the server does not serve (`--allowed-host`; DNS
+  rebinding).
 * Not reused: its `ResponseGenerator` and `BatchGenerator`, which decode token by token (an AR
   loop with a per-token KV cache, per-token logprobs and a per-token stop-sequence state machine).
   Here the unit is a committed block: the scheduler (scheduler.py) decodes blocks, a streamed chunk
@@ -31,41 +31,38 @@ What OpenAI's clients send, and what it means here:
   draws noise (`draws_noise`), as OpenAI and mlx_lm.server; `seed` reproduces a request.
 * Fields that change nothing for this server are accepted and ignored (IGNORED_FIELDS, and the
   neutral values of UNSUPPORTED_FIELDS: `response_format: {"type": "text"}`, `tool_choice:
-  "none"`, a zero penalty, `n: 1`); others that would change the output are refused with a 400.
+  "none"`, a zero penalty, `n: 1`, `echo: false`, `best_of: 1`); others that would change the
+  output are refused with a 400.
 * DiffusionGemma's canvas sampler follows a temperature schedule (t_max at a canvas's first step
   down to t_min): `temperature` scales it (the family's reading, settings.resolve_settings), 1 is
   the checkpoint's schedule; it draws from the whole distribution, so `top_p` below 1 is refused.
 * `max_tokens` past the model's context is lowered to what fits (`prepare(fit_context=True)`):
   the answer then ends with finish_reason "length"; a prompt that fills the context alone is a 400.
+* `chat_template_kwargs` reach the chat template, except the arguments the server passes itself
+  (a 400), and `chat_template` (a client's own template), refused unless the server was started
+  with `--allow-client-chat-template` and then run within a budget (templates.py).
 * Streams carry `: keep-alive` comments while they wait (a long prompt's prefill, a slow first
   block); each request leaves one access-log line at INFO.
 """
 
-import argparse
 import json
 import logging
-import queue
 import secrets
-import select
-import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import List, Optional
-from urllib.parse import unquote, urlparse
 
 from mlx_lm import server as lm_server
 
-from ..request import UNSTATED_CONTEXT, Detokenizer, Request, prepare
-from ..vision import is_processor, text_tokenizer
+from ..prompts import has_chat_template, is_processor, text_tokenizer
+from ..request import UNSTATED_CONTEXT, Request, prepare
 from .fields import (
     IGNORED_FIELDS,
     REQUEST_FIELDS,
     UNSUPPORTED_FIELDS,
     RequestError,
     draws_noise,
-    error_body,
     neutral,
     read_response_format,
 )
@@ -75,16 +72,15 @@ from .guards import (
     apply_template,
     check_messages,
     check_prompt_chars,
-    cors_headers,
+    check_prompt_ids,
     most_token_chars,
-    origin_refusal,
-    read_body,
     shorten,
 )
-from .images import ImagePolicy, image_url, read_image
-from .logprobs import Logprobs
+from .images import ImagePolicy, PixelBudget, image_url, read_image
 from .logprobs import read_fields as read_logprobs
-from .scheduler import Job, Scheduler
+from .metrics import Metrics, endpoint
+from .scheduler import Scheduler
+from .templates import read_template_kwargs, render_client_template
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +137,8 @@ def tokens_before(tokenizer, tokens: List[int], chars: int) -> int:
 
 
 class Service:
-    """What mlx-lm's APIHandler calls its `response_generator` (its `cli_args` and health), and
-    this server's model, prompt building, request settings and scheduler."""
+    """This server's model, prompt building, request settings and scheduler, and what the HTTP
+    side is configured with (origins, hosts, image policy, body bound, API keys, metrics)."""
 
     def __init__(
         self,
@@ -156,6 +152,8 @@ class Service:
         image_policy: ImagePolicy = ImagePolicy(),
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         hosts: HostCheck = HostCheck(),  # the Host headers it answers (DNS rebinding)
+        api_keys=(),
+        allow_client_chat_template: bool = False,
     ):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
         self.hosts = hosts
@@ -163,11 +161,15 @@ class Service:
         self.cors_origins = list(cors_origins)
         self.image_policy = image_policy
         self.max_body_bytes = max_body_bytes
+        # Bearer keys a request to /v1 must carry (none: no key asked).
+        self.api_keys = [k for k in api_keys if k]
+        self.allow_client_chat_template = allow_client_chat_template
         # A text prompt longer than this many characters cannot fit in the context.
         self.context = model.diffusion_spec.max_position_embeddings or UNSTATED_CONTEXT
         self.token_chars = most_token_chars(text_tokenizer(tokenizer))
         self.handlers = 0  # requests being answered (shutdown waits for their last words)
         self.handlers_lock = threading.Lock()
+        self.metrics = Metrics()
         self.spec = model.diffusion_spec
         self.model_id = model_id
         self.defaults = dict(defaults or {})
@@ -179,19 +181,6 @@ class Service:
         if Path(model_id).exists():
             names.add(str(Path(model_id).resolve()))
         self.model_names = names
-        # The attributes mlx-lm's handler reads from its CLI arguments. Request defaults are
-        # None: the settings chain (request, server flags, checkpoint, family) decides.
-        self.cli_args = argparse.Namespace(
-            allowed_origins=self.cors_origins,
-            model=model_id,
-            num_draft_tokens=None,
-            max_tokens=None,
-            temp=None,
-            top_p=None,
-            top_k=None,
-            min_p=None,
-            chat_template_args=self.chat_template_args,
-        )
 
     @property
     def is_healthy(self) -> bool:
@@ -232,14 +221,9 @@ class Service:
         read_logprobs(body, overrides)
         read_response_format(body, overrides)
         if body.get("n") not in (None, 1):
-            raise RequestError(f"n must be 1 (one completion per request), got {body['n']!r}")
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise RequestError('stream_options must be an object, e.g. {"include_usage": true}')
-        stop = body.get("stop")
-        if stop is not None and not isinstance(stop, str):
-            if not isinstance(stop, list) or not all(isinstance(w, str) for w in stop):
-                raise RequestError("stop must be a string or a list of strings")
+            raise RequestError(
+                f"n must be 1 (one completion per request), got {body['n']!r}", param="n"
+            )
         return overrides
 
     def prepare(self, prompt, overrides: dict, images=None) -> Request:
@@ -252,6 +236,8 @@ class Service:
         request. A text prompt that cannot fit in the context is refused before it is tokenized."""
         if isinstance(prompt, str):
             check_prompt_chars(prompt, self.context, self.token_chars)
+        else:
+            check_prompt_ids(prompt, self.context)
         with self.preparing:
             request = prepare(
                 self.model,
@@ -278,9 +264,35 @@ class Service:
             return prompt, None
         messages = request.messages
         check_messages(messages)
-        if template_kwargs is not None and not isinstance(template_kwargs, dict):
-            raise RequestError("chat_template_kwargs must be an object")
+        args, client_template = read_template_kwargs(
+            template_kwargs, self.allow_client_chat_template
+        )
         messages = json.loads(json.dumps(messages))  # the template may not see our edits
+        images = self._read_images(messages)
+        lm_server.process_message_content(messages)
+        tok = text_tokenizer(self.tokenizer)
+        args = dict(self.chat_template_args, **args)
+        if client_template is not None:
+            special = getattr(tok, "special_tokens_map", {}) or {}
+            tokens = {k: v for k, v in special.items() if isinstance(v, str)}
+            text = render_client_template(client_template, messages, args, tokens)
+        elif has_chat_template(tok):
+            text = apply_template(tok, messages, args)
+        else:
+            text = lm_server.convert_chat(messages, request.role_mapping)
+        return text, images or None
+
+    def _read_images(self, messages) -> list:
+        """The images of the messages' image parts, in order (each part then the processor's
+        image token, the message's content text); within the image policy's limits."""
+        parts = [
+            part
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+        ]
+        budget = PixelBudget(self.image_policy)
+        budget.count(sum(isinstance(p, dict) and image_url(p) is not None for p in parts))
         vision = is_processor(self.tokenizer)
         images = []
         for message in messages:
@@ -296,7 +308,7 @@ class Service:
                             "this model reads no images (its checkpoint has no vision tower); "
                             "send text content only"
                         )
-                    images.append(read_image(url, self.image_policy))
+                    images.append(read_image(url, self.image_policy, budget))
                     pieces.append(self.tokenizer.image_token)
                 elif isinstance(part, dict) and part.get("type") == "text":
                     pieces.append(str(part.get("text", "")))
@@ -306,293 +318,65 @@ class Service:
                         "'image_url' parts"
                     )
             message["content"] = "".join(pieces)
-        lm_server.process_message_content(messages)
-        tok = text_tokenizer(self.tokenizer)
-        if getattr(tok, "chat_template", None):
-            args = dict(self.chat_template_args, **(template_kwargs or {}))
-            text = apply_template(tok, messages, args)
-        else:
-            text = lm_server.convert_chat(messages, request.role_mapping)
-        return text, images or None
+        return images
 
 
-class DiffusionAPIHandler(lm_server.APIHandler):
-    """mlx-lm's handler with the diffusion generation behind it (see the module docstring)."""
+class AccessLog:
+    """The outermost ASGI layer: one access-log line per answered request (method, path, status,
+    tokens, seconds), the metrics' request counts, the count of requests being answered (shutdown
+    waits for them), and the last word on a bug: a 500 in OpenAI's shape and one short log line
+    (not the client's body in a traceback), where no answer had begun."""
 
-    def __init__(self, service: Service, *args, **kwargs):
-        self.service = service
-        super().__init__(service, *args, system_fingerprint=FINGERPRINT, **kwargs)
+    def __init__(self, app, service: Service, bug_answer):
+        self.app, self.service, self.bug_answer = app, service, bug_answer
 
-    def log_message(self, format, *args):
-        logger.debug("%s - %s", self.address_string(), format % args)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, service = time.perf_counter(), self.service
+        record = scope["mlx_dllm"] = {"status": None, "tokens": None}
 
-    # -- one access-log line per request
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                record["status"] = message["status"]
+            await send(message)
 
-    def handle_one_request(self):
-        self.started, self.status, self.tokens = time.perf_counter(), None, None
-        self.sent_at = None  # when a stream last wrote (keep-alive comments follow its silence)
-        service = self.service
         with service.handlers_lock:
             service.handlers += 1
         try:
-            super().handle_one_request()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the client went away: nobody to answer
+            await self.app(scope, receive, sending)
         except Exception as e:
-            # A bug must cost one answer and one log line, not the connection without a word
-            # (and the client's body in a traceback).
-            self.close_connection = True
-            where = f"{getattr(self, 'command', '-')} {getattr(self, 'path', '-')}"
-            logger.error("%s failed: %s: %s", where, type(e).__name__, shorten(e, 200))
-            logger.debug("the failure's traceback", exc_info=True)
-            if self.status is None:
-                self._error(f"internal error ({type(e).__name__}); see the server log", 500)
+            log_failure(scope, e)
+            if record["status"] is None:
+                await self.bug_answer(e)(scope, receive, sending)
         finally:
             with service.handlers_lock:
                 service.handlers -= 1
-            if self.status is not None:
-                prompt, completion = self.tokens or ("-", "-")
+            status = record["status"]
+            if status is not None:
+                path = scope.get("path", "-")
+                if scope.get("query_string"):
+                    path += "?" + scope["query_string"].decode("latin-1")
+                prompt, completion = record["tokens"] or ("-", "-")
+                service.metrics.answered(endpoint(scope.get("path", "")), status, record["tokens"])
                 logger.info(
                     "%s %s %d prompt_tokens=%s completion_tokens=%s %.3fs",
-                    self.command or "-",
-                    getattr(self, "path", "-"),  # unset when the request line was malformed
-                    self.status,
+                    scope.get("method", "-"),
+                    path,
+                    status,
                     prompt,
                     completion,
-                    time.perf_counter() - self.started,
+                    time.perf_counter() - started,
                 )
 
-    def send_response(self, code, message=None):
-        self.status = code
-        super().send_response(code, message)
 
-    # -- who may call: requests naming a host it serves, pages of the origins --cors-origin names
-
-    def _refused(self) -> bool:
-        """A 403 for a request that names a host the server does not serve (DNS rebinding) or
-        comes from a web page of an origin --cors-origin does not name; False when it may go on."""
-        message = self.service.hosts.refusal(self.headers.get("Host"))
-        message = message or origin_refusal(self.headers.get("Origin"), self.service.cors_origins)
-        if message is None:
-            return False
-        self.close_connection = True  # a POST's body is left unread
-        self._error(message, 403)
-        return True
-
-    def _set_cors_headers(self):
-        for name, value in cors_headers(self.headers.get("Origin"), self.service.cors_origins):
-            self.send_header(name, value)
-
-    def do_OPTIONS(self):
-        """A browser's preflight: 204 with the CORS headers for an allowed origin, else 403."""
-        if self._refused():
-            return
-        self._set_completion_headers(204)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    # -- requests
-
-    def _error(self, message: str, status: int = 400, param=None, code=None):
-        self._send_json(error_body(message, status, param, code), status)
-
-    def _refuse(self, e: Exception):
-        """The answer to a refused request (a RequestError's status, param and code; 400 else)."""
-        status = getattr(e, "status", 400)
-        self._error(str(e), status, getattr(e, "param", None), getattr(e, "code", None))
-
-    def _send_json(self, packet: dict, status: int = 200):
-        body = json.dumps(packet).encode()
-        self._set_completion_headers(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        self.wfile.flush()
-
-    def do_POST(self):
-        """mlx-lm's do_POST, with every error in OpenAI's shape."""
-        factories = {
-            "/v1/completions": self.handle_text_completions,
-            "/v1/chat/completions": self.handle_chat_completions,
-            "/chat/completions": self.handle_chat_completions,
-        }
-        if self._refused():
-            return
-        factory = factories.get(urlparse(self.path).path)
-        if factory is None:
-            self.close_connection = True  # its body is left unread
-            return self._error(f"no such endpoint: POST {self.path}", 404)
-        try:
-            self.body = read_body(self, self.service.max_body_bytes)
-            self.stream = self.body.get("stream", False)
-            self.stream_options = self.body.get("stream_options")
-            self.requested_model = self.body.get("model", "default_model")
-            self.validate_model_parameters()
-            request = factory()
-        except ValueError as e:  # RequestError, SettingsError, CheckpointError
-            return self._refuse(e)
-        stop = self.body.get("stop") or []
-        self.handle_completion(request, [stop] if isinstance(stop, str) else stop)
-
-    def do_GET(self):
-        if self._refused():
-            return
-        path = urlparse(self.path).path.rstrip("/")
-        if path == "/v1/models":
-            self._send_json({"object": "list", "data": [self._model_object()]})
-        elif path.startswith("/v1/models/"):
-            try:
-                self.service.check_model(unquote(path[len("/v1/models/") :]))
-            except RequestError as e:
-                return self._refuse(e)
-            self._send_json(self._model_object())
-        elif path == "/health":
-            self.handle_health_check()
-        else:
-            self._error(f"no such endpoint: GET {self.path}", 404)
-
-    def _model_object(self) -> dict:
-        service = self.service
-        return {
-            "id": service.model_id,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "mlx_dllm",
-        }
-
-    def validate_model_parameters(self):
-        """Replaces mlx-lm's checks: the settings table validates every setting (do_POST answers a
-        ValueError with 400 and the message)."""
-        self._validate("stream", bool)
-        self.service.check_model(self.body.get("model"))
-        self.overrides = self.service.request_settings(self.body)
-
-    def handle_chat_completions(self):
-        if not isinstance(self.body.get("messages"), list):
-            raise RequestError("a chat completion request needs messages (a list)")
-        self.request_id = f"chatcmpl-{uuid.uuid4()}"
-        self.object_type = "chat.completion.chunk" if self.stream else "chat.completion"
-        return lm_server.CompletionRequest(
-            "chat", "", self.body["messages"], None, self.body.get("role_mapping")
-        )
-
-    def handle_text_completions(self):
-        if "prompt" not in self.body:
-            raise RequestError("a completion request needs a prompt")
-        return super().handle_text_completions()
-
-    # -- generation
-
-    def _client_gone(self) -> bool:
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
-    def _next_event(self, job: Job):
-        """The job's next event, or None when the client went away (the row is then cancelled).
-        A stream that waits longer than the service's `keepalive` seconds gets a comment."""
-        while True:
-            try:
-                return job.events.get(timeout=0.05)
-            except queue.Empty:
-                if self._client_gone():
-                    job.cancelled = True
-                    return None
-                if self.sent_at is not None:
-                    if time.monotonic() - self.sent_at >= self.service.keepalive:
-                        self._write(b": keep-alive\n\n")
-
-    def _write(self, data: bytes) -> None:
-        self.wfile.write(data)
-        self.wfile.flush()
-        self.sent_at = time.monotonic()
-
-    def _send_event(self, packet) -> None:
-        data = packet if isinstance(packet, str) else json.dumps(packet)
-        self._write(f"data: {data}\n\n".encode())
-
-    def _usage(self, job: Job, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {
-            "nfe": job.nfe,
-            "tokens_per_forward": round(completion_tokens / max(job.nfe, 1), 4),
-        }
-
-    def handle_completion(self, request, stop_words):
-        service = self.service
-        try:
-            prompt, images = service.build_prompt(request, self.body.get("chat_template_kwargs"))
-            named = self.overrides.get("seed") is not None
-            prepared = service.prepare(prompt, self.overrides, images)
-        except (ValueError, TypeError) as e:
-            return self._refuse(e)
-        fresh = not named and self.overrides.get("seed") is not None
-        job = Job(prompt, self.overrides, images, request=prepared, fresh_seed=fresh)
-        job = service.scheduler.submit(job)
-        event = self._next_event(job)
-        if event is None:
-            return
-        if event[0] == "error":
-            return self._error(*event[1:])
-        prompt_tokens = event[1]
-        stopper = StopWords(stop_words)
-        detok = Detokenizer(text_tokenizer(service.tokenizer))
-        logprobs = Logprobs.of(prepared.settings, detok.tokenizer, self.object_type)
-        text, completion_tokens, finish = "", 0, None
-        try:
-            if self.stream:
-                self._set_stream_headers(200)
-                self.end_headers()
-                self.sent_at = time.monotonic()
-            while finish is None:
-                event = self._next_event(job)
-                if event is None:
-                    return
-                if event[0] == "error":
-                    status = event[2] if len(event) > 2 else 500
-                    if self.stream:
-                        self._send_event(error_body(event[1], status))
-                        self._send_event("[DONE]")
-                        return
-                    return self._error(event[1], status)
-                _, toks, finished, eos, entries = event
-                completion_tokens += len(toks)
-                if logprobs is not None:
-                    logprobs.add(entries)
-                new = detok.add(toks) + (detok.flush() if finished else "")
-                new, hit = stopper.feed(new, final=finished)
-                if hit:
-                    finish = "stop"
-                    job.cancelled = True  # its row leaves the batch at the next block
-                    # The tokens returned: the block's tokens after the cut are not.
-                    completion_tokens = tokens_before(detok.tokenizer, detok.tokens, stopper.cut)
-                elif finished:
-                    finish = "stop" if eos else "length"
-                if self.stream:  # one chunk per committed block
-                    packet = self.generate_response(new, finish)
-                    if logprobs is not None:
-                        logprobs.attach(packet, completion_tokens)
-                    self._send_event(packet)
-                else:
-                    text += new
-            usage = self._usage(job, prompt_tokens, completion_tokens)
-            self.tokens = (prompt_tokens, completion_tokens)
-            # cached_tokens: prompt tokens whose K/V the prompt cache gave (the scheduler's count).
-            counts = (prompt_tokens, completion_tokens, job.cached_tokens)
-            if self.stream:
-                options = self.stream_options or {}
-                if options.get("include_usage"):
-                    packet = self.completion_usage_response(*counts)
-                    packet["object"] = self.object_type  # mlx-lm's says "chat.completion"
-                    packet["usage"].update(usage)
-                    self._send_event(packet)
-                self._send_event("[DONE]")
-                return
-            packet = self.generate_response(text, finish, *counts)
-            packet["usage"].update(usage)
-            if logprobs is not None:
-                logprobs.attach(packet, completion_tokens)
-            self._send_json(packet)
-        except (BrokenPipeError, ConnectionResetError):
-            job.cancelled = True
+def log_failure(scope, e: Exception) -> None:
+    """A bug's one short ERROR line (its traceback at DEBUG), once per request, written before
+    its 500 goes out."""
+    record = scope.setdefault("mlx_dllm", {})
+    if record.get("failed"):
+        return
+    record["failed"] = True
+    where = f"{scope.get('method', '-')} {scope.get('path', '-')}"
+    logger.error("%s failed: %s: %s", where, type(e).__name__, shorten(e, 200))
+    logger.debug("the failure's traceback", exc_info=e)

@@ -46,11 +46,16 @@ UNSUPPORTED_FIELDS = {
     "num_draft_tokens": "diffusion models need no draft model",
     "adapters": "adapters are chosen when the server starts (--adapter-path)",
     "tool_choice": "tool calls are not parsed by this server",
+    # OpenAI's legacy completion fields.
+    "echo": "the answer never repeats the prompt (send echo: false or leave it out)",
+    "best_of": "one completion is decoded per request (send best_of: 1 or leave it out)",
+    "suffix": "text after the completion is not taken (leave suffix out)",
 }
 # Neutral values beyond `neutral`'s defaults (None, false, 0, empty).
 NEUTRAL_VALUES = {
     "repetition_penalty": (0, 1),
     "tool_choice": ("none", "auto"),
+    "best_of": (1,),
 }
 
 

@@ -11,13 +11,16 @@ page from another origin gets a 403 and no CORS header unless `--cors-origin` na
 longer than the context could hold in any tokenization is a 400 before it is tokenized.
 """
 
+import asyncio
 import ipaddress
 import json
 import logging
 from typing import Optional, Sequence
 
 from jinja2 import TemplateError
+from starlette.requests import ClientDisconnect
 
+from ..prompts import render_chat
 from .fields import RequestError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +32,6 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # 413 rather than a reset connection; a larger one is cut off.
 DRAIN_BYTES = 256 * 1024 * 1024
 DRAIN_SECONDS = 5.0
-CHUNK = 1 << 16
 # Python's json parser recurses once per level; far below the interpreter's recursion limit.
 MAX_NESTING = 64
 
@@ -40,26 +42,43 @@ def shorten(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def read_body(handler, limit: int) -> dict:
-    """The JSON object of a POST's body, or a RequestError: no or a bad Content-Length (411 /
-    400), over `limit` bytes (413), not UTF-8, not JSON, nested deeper than MAX_NESTING, not an
-    object (400)."""
-    length = handler.headers.get("Content-Length")
+async def receive_body(request, limit: int, timeout: float) -> dict:
+    """The JSON object of a POST's body (a Starlette request), or a RequestError: no or a bad
+    Content-Length (411 / 400), over `limit` bytes (413), not all sent within `timeout` seconds
+    (408), not UTF-8, not JSON, nested deeper than MAX_NESTING, not an object (400)."""
+    length = request.headers.get("content-length")
     size = int(length) if length is not None and length.strip().isdigit() else None
     if size is None:
-        handler.close_connection = True  # a body of unknown length is left unread
         if length is None:
             raise RequestError("Content-Length header is required", 411)
         raise RequestError("Invalid Content-Length header")
     if size > limit:
-        handler.close_connection = True
-        _drain(handler, size)
+        await _drain(request, size)
         raise RequestError(
             f"the request body has {size} bytes, more than this server takes ({limit}); send a "
             "shorter prompt, or start the server with a larger --max-body-bytes",
             413,
         )
-    raw = handler.rfile.read(size)
+    chunks, got = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                got += len(chunk)
+                if got >= size:
+                    break
+    except TimeoutError:
+        raise RequestError(
+            f"the request body did not arrive within {timeout:g} s (the server's --body-timeout)",
+            408,
+        )
+    except ClientDisconnect:
+        raise RequestError("the client went away before sending its body", 400)
+    return parse_body(b"".join(chunks)[:size])
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body's JSON object, or a 400 saying what is wrong with it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -84,19 +103,16 @@ def read_body(handler, limit: int) -> dict:
     return body
 
 
-def _drain(handler, size: int):
-    """Read and drop up to DRAIN_BYTES of a refused body (DRAIN_SECONDS at most) in chunks."""
+async def _drain(request, size: int):
+    """Read and drop up to DRAIN_BYTES of a refused body (DRAIN_SECONDS at most) in chunks, so
+    that the client, still sending, reads the 413 rather than a reset connection."""
     if size > DRAIN_BYTES:
         return
     try:
-        handler.connection.settimeout(DRAIN_SECONDS)
-        left = size
-        while left > 0:
-            got = handler.rfile.read(min(CHUNK, left))
-            if not got:
-                break
-            left -= len(got)
-    except OSError:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for _ in request.stream():
+                pass
+    except (TimeoutError, ClientDisconnect):
         pass
 
 
@@ -199,9 +215,14 @@ def cors_headers(origin: Optional[str], allowed: Sequence[str]) -> list:
     return headers
 
 
+# The roles a chat template is given (OpenAI's, less `tool` and `function`: no tool calls here).
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 def check_messages(messages) -> None:
-    """A chat request's messages: a non-empty list of objects, each with a role (a string) and a
-    content that is a string, a list of parts or null."""
+    """A chat request's messages: a non-empty list of objects, each with a role (one of
+    CHAT_ROLES) and a content that is a string or a list of parts (null only in an assistant's
+    message)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestError("messages must be a list of objects with a role and a content")
     if not messages:
@@ -214,7 +235,24 @@ def check_messages(messages) -> None:
                 "assistant) and a content",
                 param=f"messages[{i}].role",
             )
+        if role not in CHAT_ROLES:
+            why = (
+                "tool messages answer tool calls, which this server does not make"
+                if role == "tool"
+                else "not a chat role"
+            )
+            raise RequestError(
+                f"messages[{i}].role is {shorten(role, 40)!r} ({why}); send system, developer, "
+                "user or assistant messages",
+                param=f"messages[{i}].role",
+            )
         content = message.get("content")
+        if content is None and role != "assistant":
+            raise RequestError(
+                f"messages[{i}].content is null: a {role} message needs a content (a string "
+                "or a list of content parts)",
+                param=f"messages[{i}].content",
+            )
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(
                 f"messages[{i}].content must be a string or a list of content parts, got "
@@ -246,14 +284,23 @@ def check_prompt_chars(prompt: str, context: int, per_token: int) -> None:
     )
 
 
+def check_prompt_ids(prompt, context: int) -> None:
+    """Refuse a prompt of token ids longer than the context before anything reads them (a
+    million ids took seconds to check one by one, only to be refused after)."""
+    if isinstance(prompt, list) and len(prompt) > context:
+        raise RequestError(
+            f"the prompt has {len(prompt)} token ids, more than the model's context of {context} "
+            "tokens can hold; shorten the prompt",
+            param="prompt",
+        )
+
+
 def apply_template(tokenizer, messages, args: dict) -> str:
     """The chat template over a request's messages. A template that raises on them (a role order
     it refuses through raise_exception, a field it needs) is the request's fault: a 400 with its
     words; any other failure of the template a 500 that says where it failed."""
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **args
-        )
+        return render_chat(tokenizer, messages, args)
     except TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {shorten(e, 300)}")
     except Exception as e:

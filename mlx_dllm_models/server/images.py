@@ -10,6 +10,12 @@ address their host resolves to is public (not loopback, link-local, private, mul
 reserved), and the connection goes to the address that was checked, so that the name cannot
 resolve elsewhere between the check and the fetch. Every refused image gets the same message
 (REFUSED); the log says why.
+
+A small file can hold a huge image (a 140 KB PNG of 12000 x 12000 grey pixels decodes to 432 MB),
+so an image's size is read from its header (PIL reads no pixels until asked) and checked before
+it is decoded: pixels per image (`--max-image-pixels`), images per request
+(`--max-images-per-request`) and pixels per request (`--max-request-pixels`), each a 400 naming its
+limit and flag.
 """
 
 import base64
@@ -19,14 +25,20 @@ import ipaddress
 import logging
 import socket
 import ssl
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
 import numpy as np
+from PIL import Image
 
 from .fields import RequestError
+
+# The pixel limits below are checked before decoding; PIL's decompression-bomb warning (raised by
+# Image.open past 89 M pixels, where ours refuse far sooner) would only add a stray log line.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,12 @@ REFUSED = (
 # The most bytes an image file or a fetched image may have (a data URL is bounded by the body).
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 FETCH_TIMEOUT = 10.0
+# The default limits: the largest image a served family reads at full size is well under 4096 x
+# 4096 (Qwen2-VL's processor caps an image at 12.8 M pixels, LLaVA-OneVision's anyres grid at
+# 2304 x 2304); a request's images together at most four such.
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGES_PER_REQUEST = 16
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,9 @@ class ImagePolicy:
 
     allowed_dir: Optional[Path] = None
     allow_remote: bool = False
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_images: int = MAX_IMAGES_PER_REQUEST
+    max_request_pixels: int = MAX_REQUEST_PIXELS
 
     def __post_init__(self):
         if self.allowed_dir is not None:
@@ -62,32 +83,72 @@ def image_url(part: dict) -> Optional[str]:
     return url.get("url") if isinstance(url, dict) else url
 
 
-def decode_image_bytes(data: bytes) -> np.ndarray:
-    """An RGB uint8 image from encoded bytes (PNG, JPEG, ...)."""
-    from PIL import Image
+class PixelBudget:
+    """One request's images against the policy's limits, checked from each image's header before
+    it is decoded."""
 
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    def __init__(self, policy: ImagePolicy):
+        self.policy = policy
+        self.pixels = 0
+
+    def count(self, images: int) -> None:
+        """The number of images a request holds, before any is read."""
+        most = self.policy.max_images
+        if images > most:
+            raise RequestError(
+                f"the request holds {images} images, more than this server takes in one request "
+                f"({most}; the server's --max-images-per-request)"
+            )
+
+    def take(self, width: int, height: int) -> None:
+        policy, pixels = self.policy, width * height
+        if pixels > policy.max_image_pixels:
+            raise RequestError(
+                f"an image is {width} x {height} = {pixels} pixels, more than this server takes "
+                f"in one image ({policy.max_image_pixels}; the server's --max-image-pixels); "
+                "send it smaller"
+            )
+        self.pixels += pixels
+        if self.pixels > policy.max_request_pixels:
+            raise RequestError(
+                f"the request's images hold {self.pixels} pixels in all, more than this server "
+                f"takes in one request ({policy.max_request_pixels}; the server's "
+                "--max-request-pixels)"
+            )
 
 
-def decode_data_url(url: str) -> np.ndarray:
+def decode_image_bytes(data: bytes, budget: Optional[PixelBudget] = None) -> np.ndarray:
+    """An RGB uint8 image from encoded bytes (PNG, JPEG, ...); its size checked against `budget`
+    from the header, before a pixel is decoded."""
+    image = Image.open(io.BytesIO(data))
+    if budget is not None:
+        budget.take(*image.size)
+    return np.asarray(image.convert("RGB"))
+
+
+def decode_data_url(url: str, budget: Optional[PixelBudget] = None) -> np.ndarray:
     """An RGB uint8 image from a data URL (data:image/png;base64,...)."""
-    return decode_image_bytes(base64.b64decode(url.partition(",")[2]))
+    return decode_image_bytes(base64.b64decode(url.partition(",")[2]), budget)
 
 
-def read_image(url, policy: ImagePolicy = ImagePolicy()):
-    """The image of an `image_url` part as an RGB array: a data URL, or what `policy` allows."""
+def read_image(url, policy: ImagePolicy = ImagePolicy(), budget: Optional[PixelBudget] = None):
+    """The image of an `image_url` part as an RGB array: a data URL, or what `policy` allows;
+    its pixels taken from `budget` (a request's; None: a budget of its own)."""
     if not isinstance(url, str):
         raise RequestError("image_url must be a string or an object with a url string")
+    budget = budget if budget is not None else PixelBudget(policy)
     if url.startswith("data:"):
-        return _decoded(decode_data_url, url, "the image data URL")
+        return _decoded(decode_data_url, url, budget, "the image data URL")
     if url.startswith(("http://", "https://")):
-        return _decoded(decode_image_bytes, _fetch(url, policy), "the fetched image")
-    return _decoded(decode_image_bytes, _read_file(url, policy), "the image file")
+        return _decoded(decode_image_bytes, _fetch(url, policy), budget, "the fetched image")
+    return _decoded(decode_image_bytes, _read_file(url, policy), budget, "the image file")
 
 
-def _decoded(decode, data, what: str):
+def _decoded(decode, data, budget: PixelBudget, what: str):
     try:
-        return decode(data)
+        return decode(data, budget)
+    except RequestError:
+        raise
     except Exception as e:  # PIL's and base64's errors: not an image
         raise RequestError(f"{what} could not be read as an image ({e})")
 

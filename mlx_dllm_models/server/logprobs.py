@@ -41,7 +41,13 @@ def read_fields(body: dict, overrides: dict) -> None:
     wrong): chat's `logprobs: true` with `top_logprobs: k` (default 0), or a text completion's
     `logprobs: k`; `logprobs: false` turns off a server default."""
     asked, top = body.get("logprobs"), body.get("top_logprobs")
-    no_top = top is None or top == -1  # -1: what mlx-lm's clients send for "none"
+    no_top = top is None
+    if not (no_top or _is_count(top)):  # -1 too: OpenAI refuses it, it asks for nothing here
+        raise FieldError(
+            f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS} (alternatives per "
+            f"token), got {top!r}",
+            "top_logprobs",
+        )
     if asked is None or asked is False:
         if not (no_top or top == 0):
             raise FieldError("top_logprobs needs logprobs: true", "top_logprobs")

@@ -9,7 +9,11 @@ the server's default.
 Safe by default, for a server started on a laptop: loopback only (a warning for any other host),
 no cross-origin access from web pages (`--cors-origin`), requests that name another host than
 the server's refused (`--allowed-host`: DNS rebinding), images only as data URLs
-(`--allowed-image-dir`, `--allow-remote-images`), bodies of at most 32 MiB (`--max-body-bytes`).
+(`--allowed-image-dir`, `--allow-remote-images`) within pixel limits read from their header
+(`--max-image-pixels`, `--max-images-per-request`, `--max-request-pixels`), bodies of at most 32 MiB
+(`--max-body-bytes`), no client chat template (`--allow-client-chat-template`), connections
+bounded in time and number (`--header-timeout`, `--body-timeout`, `--idle-timeout`,
+`--max-connections`); `--api-key` (or MLX_DLLM_API_KEY) asks /v1 requests for a bearer key.
 Flags out of range are one-line errors. SIGTERM and Ctrl-C shut down in order: the listening socket
 closes, the requests in flight get a 503 at the next denoising step, the worker thread is joined
 (its MLX work done: a process that exits under a running MLX thread aborts), then exit status 0.
@@ -28,7 +32,6 @@ import signal
 import socket
 import threading
 import time
-from http.server import ThreadingHTTPServer
 from typing import Callable, Optional
 
 from ..cli_common import (
@@ -42,11 +45,13 @@ from ..distributed import launch_group
 from ..request import checkpoint_settings
 from ..settings import resolve_settings
 from ..vision import text_tokenizer
-from .api import DiffusionAPIHandler, Service
+from .api import Service
+from .app import build_app
 from .guards import DEFAULT_MAX_BODY_BYTES, HostCheck, host_name
-from .images import ImagePolicy
+from .images import MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, ImagePolicy
 from .prompt_cache import PromptCache, parse_size
 from .scheduler import Scheduler
+from .transport import HTTPServer, Limits, fit_open_files
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ def make_server(
     image_policy: ImagePolicy = ImagePolicy(),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_hosts=(),
+    api_keys=(),
+    allow_client_chat_template: bool = False,
+    limits: Limits = Limits(),
 ):
     """An HTTP server (not yet serving), its Service as `server.service`, and the scheduler
     thread, which has loaded the model with `load_model()` -> (model, tokenizer) (its errors are
@@ -75,7 +83,10 @@ def make_server(
     `cors_origins`: the web pages' origins that may call it (`*`: any; none by default);
     `image_policy`: where image URLs may point besides data URLs (images.py); `max_body_bytes`:
     larger request bodies get a 413; `allowed_hosts`: names a request's Host header may give
-    besides the loopback names and `host` (guards.HostCheck; `*`: any)."""
+    besides the loopback names and `host` (guards.HostCheck; `*`: any); `api_keys`: the bearer
+    keys /v1 requests must carry (none: no key asked); `allow_client_chat_template`: whether a
+    request's own chat template is rendered (templates.py); `limits`: the connections' timeouts
+    and their most (transport.Limits)."""
     scheduler = Scheduler.on_thread(
         load_model,
         max_batch=max_batch,
@@ -95,17 +106,11 @@ def make_server(
         image_policy=image_policy,
         max_body_bytes=max_body_bytes,
         hosts=HostCheck(host, allowed_hosts),
+        api_keys=api_keys,
+        allow_client_chat_template=allow_client_chat_template,
     )
-    # As mlx-lm's _run_http_server: the address family of the host (IPv6 hosts too).
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, address = info[0]
-
-    class Server(ThreadingHTTPServer):
-        address_family = family
-        daemon_threads = True
-
     try:
-        server = Server(address, lambda *a, **k: DiffusionAPIHandler(service, *a, **k))
+        server = HTTPServer(build_app(service, limits), host, port, limits)
     except OSError:
         scheduler.stop()
         raise
@@ -148,19 +153,19 @@ def follow(
 
 
 def shutdown(server, serving: bool = True, timeout: Optional[float] = None):
-    """Stop a server made by make_server, in order: stop accepting (`serving`: its serve_forever
-    has run, which `shutdown()` waits for) and close the listening socket; the scheduler stops at
-    its next denoising step, answering the requests in flight with a 503, and its thread is
-    joined (up to `timeout` seconds; None: until it ends); the handlers get up to
-    HANDLERS_SECONDS to write those answers."""
-    if serving:
-        server.shutdown()
+    """Stop a server made by make_server, in order: stop accepting connections (the listening
+    socket closes); the scheduler stops at its next denoising step, answering the requests in
+    flight with a 503, and its thread is joined (up to `timeout` seconds; None: until it ends);
+    the requests being answered get up to HANDLERS_SECONDS to write those answers; then
+    (`serving`: its serve_forever has run) the HTTP server ends, its connections closed."""
     server.server_close()
     service = server.service
     service.scheduler.stop(timeout=timeout)
     deadline = time.monotonic() + HANDLERS_SECONDS
     while service.handlers and time.monotonic() < deadline:
         time.sleep(0.01)
+    if serving:
+        server.shutdown()
 
 
 HANDLERS_SECONDS = 5.0
@@ -179,8 +184,7 @@ def parser():
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="host to listen on (default: 127.0.0.1, this machine only; the server has no "
-        "authentication)",
+        help="host to listen on (default: 127.0.0.1, this machine only; see --api-key)",
     )
     p.add_argument("--port", type=int, default=8080, help="port, 0-65535 (default: 8080)")
     p.add_argument(
@@ -222,6 +226,7 @@ def parser():
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body, e.g. 64MB; larger ones get a 413 (default: 32MiB)",
     )
+    add_http_flags(p)
     p.add_argument("--chat-template", default=None, help="a chat template replacing the model's")
     p.add_argument(
         "--chat-template-args",
@@ -257,6 +262,41 @@ def parser():
     return p
 
 
+def add_http_flags(p) -> None:
+    """The flags of the HTTP side: API keys, client templates, image limits, connections."""
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key that requests to /v1 must send as 'Authorization: Bearer KEY' (repeated for "
+        f"several; default: the {API_KEY_ENV} environment variable, else none asked)",
+    )
+    p.add_argument(
+        "--allow-client-chat-template",
+        action="store_true",
+        help="render a request's own chat_template_kwargs.chat_template (in a sandboxed process, "
+        "within a time, memory and size budget; default: refused)",
+    )
+    for flag, default, what in [
+        ("--max-image-pixels", MAX_IMAGE_PIXELS, "most pixels of one image"),
+        ("--max-images-per-request", MAX_IMAGES_PER_REQUEST, "most images in one request"),
+        ("--max-request-pixels", MAX_REQUEST_PIXELS, "most pixels of a request's images"),
+        ("--max-connections", Limits.max_connections, "most open connections"),
+    ]:
+        p.add_argument(flag, type=int, default=default, help=f"{what} (default: {default})")
+    for flag, default, what in [
+        ("--header-timeout", Limits.header_timeout, "seconds a request's headers may take"),
+        ("--body-timeout", Limits.body_timeout, "seconds a request's body may take"),
+        ("--idle-timeout", Limits.idle_timeout, "seconds an idle keep-alive connection is kept"),
+    ]:
+        p.add_argument(flag, type=float, default=default, help=f"{what} (default: {default:g})")
+
+
+API_KEY_ENV = "MLX_DLLM_API_KEY"
+
+
 def check_args(args) -> None:
     """The server flags' ranges, before anything loads: a one-line SystemExit for each."""
     checks = [
@@ -284,6 +324,20 @@ def check_args(args) -> None:
             f"{args.max_body_bytes}",
         ),
     ]
+    for name in ("max_image_pixels", "max_images_per_request", "max_request_pixels"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        checks.append((value >= 1, f"{flag} must be at least 1, got {value}"))
+    checks.append(
+        (
+            args.max_connections >= 1,
+            f"--max-connections must be at least 1, got {args.max_connections}",
+        )
+    )
+    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        checks.append((value > 0, f"{flag} must be more than 0 seconds, got {value}"))
     for ok, message in checks:
         if not ok:
             raise SystemExit(f"error: {message}")
@@ -292,6 +346,8 @@ def check_args(args) -> None:
         raise SystemExit(f"error: --allowed-image-dir {folder!r} is not a folder")
     args.cors_origins = [o.strip() for a in args.cors_origins for o in a.split(",") if o.strip()]
     args.allowed_hosts = [h.strip() for a in args.allowed_hosts for h in a.split(",") if h.strip()]
+    if not args.api_keys and os.environ.get(API_KEY_ENV):
+        args.api_keys = [os.environ[API_KEY_ENV]]
     for name in args.allowed_hosts:
         if name != "*" and (not host_name(name) or any(c in name for c in "/@ \t")):
             raise SystemExit(
@@ -320,10 +376,14 @@ def main(argv=None) -> int:
     )
     if not loopback(args.host):
         logger.warning(
-            "listening on %s: other machines that can reach it can use the model, with no "
-            "authentication; --host 127.0.0.1 serves this machine only",
+            "listening on %s: other machines that can reach it can use the model, %s; --host "
+            "127.0.0.1 serves this machine only",
             args.host,
+            "with the API key" if args.api_keys else "with no authentication (see --api-key)",
         )
+    fit_open_files(args.max_connections)
+    if args.log_level != "DEBUG":  # uvicorn's start and stop lines: this server logs its own
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     defaults = chosen_settings(args)
     # Under `mlx.launch -n N` every rank loads its shard and runs the scheduler; rank 0 serves.
     group = launch_group()
@@ -344,9 +404,20 @@ def main(argv=None) -> int:
             group=group,
             prompt_cache_size=args.prompt_cache_size,
             prompt_cache_bytes=args.prompt_cache_bytes,
-            image_policy=ImagePolicy(args.allowed_image_dir, args.allow_remote_images),
+            image_policy=ImagePolicy(
+                args.allowed_image_dir,
+                args.allow_remote_images,
+                args.max_image_pixels,
+                args.max_images_per_request,
+                args.max_request_pixels,
+            ),
             max_body_bytes=args.max_body_bytes,
             allowed_hosts=args.allowed_hosts,
+            api_keys=args.api_keys,
+            allow_client_chat_template=args.allow_client_chat_template,
+            limits=Limits(
+                args.header_timeout, args.body_timeout, args.idle_timeout, args.max_connections
+            ),
         )
     except ValueError as e:  # CheckpointError, SettingsError
         raise SystemExit(f"error: {e}")
@@ -362,8 +433,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {e}")
     logger.info("serving %s on http://%s:%d", service.model_id, args.host, server.server_address[1])
     previous = _sigterm_interrupts()
+    # uvicorn serves on a thread of its own: this one keeps the signals (SIGTERM, Ctrl-C) and
+    # the order of the shutdown.
+    serving = threading.Thread(target=server.serve_forever, name="mlx_dllm-http", daemon=True)
+    serving.start()
     try:
-        server.serve_forever()
+        while serving.is_alive():
+            serving.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:

@@ -52,6 +52,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
 from ..distributed import lost_rank, lost_rank_exits, share
@@ -213,6 +214,7 @@ class Scheduler:
         self.blocks = 0
         self.forwards = 0
         self.max_rows = 0  # largest batch a forward served
+        self.batch_rows: Counter = Counter()  # forwards by the number of live rows they served
 
     # -- submission (any thread)
 
@@ -504,7 +506,7 @@ class Scheduler:
                 job.done = True
             return
         if group.prior is not None:  # the run's prefill has reused what it could
-            group.jobs[0].cached_tokens = getattr(group.decoder.backend, "reused", 0)
+            group.jobs[0].cached_tokens = group.decoder.backend.reused
             group.prior = None
         self._count_forwards(group)
         self.blocks += 1
@@ -529,9 +531,11 @@ class Scheduler:
         nfe = group.decoder.nfe
         delta, group.nfe_seen = nfe - group.nfe_seen, nfe
         self.forwards += delta
-        for job in group.jobs:
-            if not job.done:
-                job.nfe += delta
+        live = [job for job in group.jobs if not job.done]
+        for job in live:
+            job.nfe += delta
+        if delta:
+            self.batch_rows[len(live)] += delta
         return delta
 
     def _between_steps(self, group: Group) -> bool:
