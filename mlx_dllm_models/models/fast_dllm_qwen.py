@@ -19,21 +19,11 @@ code (modeling.py, `Fast_dLLM_QwenModel.eval_mask` and `Fast_dLLM_QwenForCausalL
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen2
 
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
-from . import sharding
-from .common import (
-    build_spec,
-    cached_spec,
-    check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
-)
+from .common import build_spec, cached_spec, check_special_ids
+from .mlx_lm_body import MaskedBody
 
 # modeling.py / generation_functions.py: FAST_DLLM_MASK_ID, the id of "|<MASK>|" in the Qwen2.5
 # tokenizer the checkpoints ship; their config.json does not carry it.
@@ -111,27 +101,13 @@ class ModelArgs(qwen2.ModelArgs):
             )
 
 
-class Model(qwen2.Model):
-    """Fast_dLLM_QwenForCausalLM: qwen2.Model whose forward takes the attention mask from the
-    caller and returns unshifted logits (the engine applies the spec's shift)."""
+class Model(MaskedBody, qwen2.Model):
+    """Fast_dLLM_QwenForCausalLM: mlx-lm's qwen2 read under the caller's mask, returning
+    unshifted logits (the engine applies the spec's shift)."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        weights = drop_tied_head(weights, "fast_dllm_v2", self.args.tie_word_embeddings)
-        layout = "Qwen2's layout (e.g. 'model.layers.0.self_attn.q_proj.bias')"
-        return check_weights(self, weights, "fast_dllm_v2", layout, FAST_DLLM_CONFIG_KEYS)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's qwen2.Model.shard (attention heads with their biases, and the MLP, split over
-        `group`), after a readable check that the group divides them."""
-        group = sharding.checked_group(self, group, "fast_dllm_v2", "intermediate_size")
-        super().shard(group)
+    family = "fast_dllm_v2"
+    layout = "Qwen2's layout (e.g. 'model.layers.0.self_attn.q_proj.bias')"
+    config_keys = FAST_DLLM_CONFIG_KEYS
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
