@@ -21,6 +21,7 @@ from typing import List, Optional, Union
 
 from mlx_lm.models import qwen2
 
+from ..masks import block_causal_mask
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from .common import build_spec, cached_spec, check_special_ids
 from .mlx_lm_body import MaskedBody
@@ -108,6 +109,11 @@ class Model(MaskedBody, qwen2.Model):
     family = "fast_dllm_v2"
     layout = "Qwen2's layout (e.g. 'model.layers.0.self_attn.q_proj.bias')"
     config_keys = FAST_DLLM_CONFIG_KEYS
+
+    def plain_mask(self, length: int):
+        # Fast_dLLM_QwenModel.forward in eval mode: eval_mask over blocks of its `block_size`
+        # argument, 32 unless given (not config.json's bd_size).
+        return block_causal_mask(length, 32)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

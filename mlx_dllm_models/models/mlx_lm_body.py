@@ -22,6 +22,13 @@ declaring:
 
 The head is the body's: mlx-lm's `Model` builds `lm_head` unless `args.tie_word_embeddings` (a
 family whose head is always its own sets that flag false in its ModelArgs).
+
+`plain_mask(length)` is what a call with neither mask nor cache attends with, so that
+`model(ids)` (and mlx-lm's own calls that reach it) computes what the upstream model's forward
+computes: None (every key) for the bidirectional families, "causal" where the upstream forward is
+causal (WeDLM), a block-causal mask where it is block-causal (Fast-dLLM v2). With a cache, a
+missing mask keeps meaning every key (the engine's unmasked denoising step); the engine's other
+forwards pass their mask.
 """
 
 from typing import Optional, Tuple
@@ -52,7 +59,13 @@ class MaskedBody:
     make_cache = refuse_autoregressive_tools
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        if mask is None and cache is None:
+            mask = self.plain_mask(inputs.shape[1])
         return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+
+    def plain_mask(self, length: int):
+        """The mask of a call with neither mask nor cache: the upstream forward's."""
+        return None
 
     def sanitize(self, weights):
         weights = drop_unused_buffers(weights)

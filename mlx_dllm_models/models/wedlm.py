@@ -158,6 +158,10 @@ class Model(MaskedBody, qwen3.Model):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    def plain_mask(self, length: int):
+        # WeDLMForCausalLM.forward is Qwen's causal one; the decoder passes its window's mask.
+        return "causal"
+
     @property
     def layout(self):
         body = "Qwen3's" if self.args.qk_norm else "Qwen2.5's"
