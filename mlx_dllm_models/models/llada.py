@@ -9,12 +9,11 @@ that mlx-lm, which takes this module's `ModelArgs` and `Model` for model_type "l
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
-from mlx_lm.models.base import BaseModelArgs
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
 from . import llada_moe, sharding
@@ -68,16 +67,7 @@ EOT_TOKENS = ("<|eot_id|>", "<|role_end|>")
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str = "llada"
-    architectures: Optional[List[str]] = None
-    vocab_size: Optional[int] = None
-    rope_theta: Optional[float] = None
-    rms_norm_eps: float = 1e-5
-    mask_token_id: Optional[int] = None
-    eos_token_id: Optional[Union[int, List[int]]] = None
-    pad_token_id: Optional[int] = None
-    bos_token_id: Optional[int] = None
+class ModelArgs(llada_moe.SharedArgs):
     # LLaDA 8B (OLMo field names)
     d_model: Optional[int] = None
     n_layers: Optional[int] = None
@@ -99,8 +89,6 @@ class ModelArgs(BaseModelArgs):
     activation_type: str = "silu"
     layer_norm_type: str = "rms"
     input_emb_norm: bool = False
-    max_position_embeddings: Optional[int] = None
-    tie_word_embeddings: bool = False
 
     # LLaDA-MoE's args (llada_moe.ModelArgs) say True.
     is_moe = False

@@ -61,7 +61,9 @@ def require(args, names: Sequence[str], variant: str) -> None:
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class SharedArgs(BaseModelArgs):
+    """The config.json fields LLaDA 8B and LLaDA-MoE read under the same names."""
+
     model_type: str = "llada"
     architectures: Optional[List[str]] = None
     vocab_size: Optional[int] = None
@@ -71,6 +73,12 @@ class ModelArgs(BaseModelArgs):
     eos_token_id: Optional[Union[int, List[int]]] = None
     pad_token_id: Optional[int] = None
     bos_token_id: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class ModelArgs(SharedArgs):
     hidden_size: Optional[int] = None
     num_hidden_layers: Optional[int] = None
     num_attention_heads: Optional[int] = None
@@ -88,8 +96,6 @@ class ModelArgs(BaseModelArgs):
     clip_qkv: Optional[float] = None
     moe_router_enable_expert_bias: bool = False
     hidden_act: str = "silu"
-    max_position_embeddings: Optional[int] = None
-    tie_word_embeddings: bool = False
 
     # What the family's spec and LLaDA 8B's args tell apart.
     is_moe = True
