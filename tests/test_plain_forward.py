@@ -1,5 +1,6 @@
 """`model(ids)` with no mask computes what the upstream model's own forward computes (issue 43):
-WeDLM's WeDLMForCausalLM.forward is Qwen's causal one; Fast-dLLM v2's eval-mode forward is
+WeDLM's WeDLMForCausalLM.forward is Qwen's causal one, and so is Open-dCoder's (veomni's Qwen2
+forward defaults to is_causal=True; its sampler passes False); Fast-dLLM v2's eval-mode forward is
 block-causal over blocks of 32 (its `block_size` argument's default); LLaDA's and Dream's remote
 forwards attend bidirectionally. Each plain call is held against the reference's plain forward on
 a fixture in the real layout, and against another reading, so that the comparison can fail."""
@@ -13,9 +14,16 @@ from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_fixture
+from fixtures import open_dcoder as open_dcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
-from reference import dream_torch, fast_dllm_v2_torch, llada_torch, wedlm_torch
+from reference import (
+    dream_torch,
+    fast_dllm_v2_torch,
+    llada_torch,
+    open_dcoder_torch,
+    wedlm_torch,
+)
 
 # transformers warns about the `rope_scaling: null` that LLaDA-MoE's config.json carries.
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
@@ -29,20 +37,28 @@ def plain(model, x):
     return np.array(model(mx.array(x)).astype(mx.float32))
 
 
-@pytest.mark.parametrize("body", ["qwen3", "qwen2"])
-def test_wedlm_plain_call_is_its_causal_forward(fixture_dir, body):
-    """Both bodies (Qwen3 / Qwen2.5): transformers' forward without an attention mask."""
-    builder = wedlm_fixture.build if body == "qwen3" else wedlm_fixture.build_qwen2
-    ckpt = build_once(fixture_dir / f"wedlm_{body}", builder)
+# Fixture name -> (builder, reference module whose load_reference(ckpt) is transformers' model
+# of the checkpoint, called here as upstream's plain forward: no attention mask).
+CAUSAL = {
+    "wedlm_qwen3": (wedlm_fixture.build, wedlm_torch),
+    "wedlm_qwen2": (wedlm_fixture.build_qwen2, wedlm_torch),
+    "open_dcoder": (open_dcoder_fixture.build_converted, open_dcoder_torch),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+def test_causal_plain_call_is_its_forward(fixture_dir, name):
+    builder, reference = CAUSAL[name]
+    ckpt = build_once(fixture_dir / name, builder)
     model = load_fixture(ckpt)[0]
     x = ids(13, 3)
-    reference = wedlm_torch.load_reference(str(ckpt))
     with torch.no_grad():
-        want = reference(input_ids=torch.as_tensor(x).long()).logits.float().numpy()
+        out = reference.load_reference(str(ckpt))(input_ids=torch.as_tensor(x).long())
+    want = out.logits.float().numpy()
     got = plain(model, x)
     assert_close(got, want)
     assert far(got, plain_every_key(model, x))
-    # A single row, and a head span, read the same causal forward.
+    # A shorter row, and a head span, read the same causal forward.
     assert_close(np.array(model(mx.array(x[:, :5]))), want[:, :5])
     assert_close(np.array(model(mx.array(x), head_span=(4, 9))), want[:, 4:9])
 

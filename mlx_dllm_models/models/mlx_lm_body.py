@@ -26,7 +26,7 @@ family whose head is always its own sets that flag false in its ModelArgs).
 `plain_mask(length)` is what a call with neither mask nor cache attends with, so that
 `model(ids)` (and mlx-lm's own calls that reach it) computes what the upstream model's forward
 computes: None (every key) for the bidirectional families, "causal" where the upstream forward is
-causal (WeDLM), a block-causal mask where it is block-causal (Fast-dLLM v2). With a cache, a
+causal (WeDLM, Open-dCoder), a block-causal mask where it is block-causal (Fast-dLLM v2). With a cache, a
 missing mask keeps meaning every key (the engine's unmasked denoising step); the engine's other
 forwards pass their mask.
 """

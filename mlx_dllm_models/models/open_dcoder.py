@@ -72,6 +72,11 @@ class Model(DreamModel):
 
     family = "open_dcoder"
 
+    def plain_mask(self, length: int):
+        # veomni's Qwen2ForCausalLM.forward takes is_causal=True unless told otherwise (_mdm_sample
+        # passes False; the engine passes its own mask), as transformers' Qwen2 does.
+        return "causal"
+
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         return build_spec(
