@@ -36,6 +36,7 @@ import numpy as np
 
 from .decoding.llada import guided_logits, unconditional_tokens
 from .engine import BlockEvent, make_decoder
+from .masks import every_key
 from .request import encode, prepare
 from .settings import SettingsError
 from .spec import BIDIRECTIONAL, TIMESTEP_ELBO
@@ -127,14 +128,15 @@ def _span_logits(model, noisy, start, stop, shift, cfg_scale, prompt_len, mask_i
     decoder reads them; with guidance, the unconditional rows (prompt masked) in the same
     forward."""
     span = (start - shift, stop)
+    every = every_key(noisy.shape[1])  # the estimator's bidirectional reading, given explicitly
     if cfg_scale:
         given = mx.arange(noisy.shape[1])[None] < prompt_len
         un = unconditional_tokens(noisy, mx.broadcast_to(given, noisy.shape), mask_id)
-        both = model(mx.concatenate([noisy, un]), head_span=span)
+        both = model(mx.concatenate([noisy, un]), mask=every, head_span=span)
         n = noisy.shape[0]
         logits = guided_logits(both[:n], both[n:], cfg_scale)
     else:
-        logits = model(noisy, head_span=span)
+        logits = model(noisy, mask=every, head_span=span)
     return align_logits(logits, shift)[:, shift:]
 
 

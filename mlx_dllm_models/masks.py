@@ -8,6 +8,13 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 
+def every_key(length: int) -> mx.array:
+    """A keep-mask under which every query sees all `length` keys: bidirectional attention given
+    explicitly (a call without a mask is the upstream model's own forward, which is causal or
+    block-causal for some families)."""
+    return mx.ones((1, 1, 1, length), dtype=mx.bool_)
+
+
 def padding_mask(
     left_padding: Sequence[int], length: int, ends: Optional[Sequence[int]] = None
 ) -> Optional[mx.array]:

@@ -25,6 +25,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .masks import every_key
 from .spec import CAUSAL_WINDOW
 
 Batch = Union[Mapping[str, mx.array], Tuple[mx.array, ...]]
@@ -166,8 +167,11 @@ def diffusion_loss(
     noisy, masked, p = forward_process(
         tokens, t, u, mask_token_id, prompt_lengths=prompt_lengths, maskable=maskable, eps=eps
     )
-    weighted = weighted_nll(align_logits(model(noisy), logit_shift), tokens, masked, p)
     B, L = tokens.shape
+    # Every key, given explicitly: a call without a mask is the upstream forward, which is causal
+    # or block-causal for some families.
+    logits = model(noisy, mask=every_key(L))
+    weighted = weighted_nll(align_logits(logits, logit_shift), tokens, masked, p)
     if maskable is not None:
         answer_lengths = maskable.sum(axis=1).astype(mx.float32)
     elif prompt_lengths is not None:

@@ -13,7 +13,7 @@ from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.masks import causal_mask, padding_mask
-from mlx_dllm_models.models import llada
+from mlx_dllm_models.models import llada, llada_moe
 from mlx_dllm_models.spec import BIDIRECTIONAL
 from reference.llada_torch import llada_generate, reference_logits, torch_forward
 
@@ -179,7 +179,7 @@ def test_moe_router_expert_bias_and_shared_expert():
     cfg, _ = llada_moe_arrays()
     cfg = dict(cfg, moe_router_enable_expert_bias=True, shared_expert_intermediate_size=64)
     args = llada.ModelArgs.from_dict(cfg)
-    layer = llada.MoEDecoderLayer(args, 1)
+    layer = llada_moe.MoEDecoderLayer(args, 1)
     rng = np.random.default_rng(7)
     bias = rng.standard_normal(args.num_experts).astype(np.float32) * 0.3
     layer.mlp.expert_bias = mx.array(bias)

@@ -26,6 +26,7 @@ from mlx_dllm_models.decoding import p2 as p2_rules
 from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.masks import every_key
 from mlx_dllm_models.models import open_dcoder
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
@@ -62,7 +63,9 @@ def test_logits_match_bidirectional_qwen2(loaded, ckpt, length):
     model, _ = loaded
     ids = np.random.default_rng(length).integers(0, 256, (2, length))
     ids[:, length // 2 :] = MASK
-    ours = model(mx.array(ids))
+    # _mdm_sample's reading (is_causal=False), given explicitly: the plain call is the causal
+    # forward (tests/test_plain_forward.py).
+    ours = model(mx.array(ids), mask=every_key(length))
     assert_close(ours, reference_logits(ckpt, ids))
     if length > 1:
         assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen2's AR reading fails

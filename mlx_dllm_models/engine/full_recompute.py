@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..cache import Positions
 from ..decoding.llada import guided_logits, unconditional_tokens
-from ..masks import block_causal_mask, padding_mask
+from ..masks import block_causal_mask, every_key, padding_mask
 from ..spec import BLOCK_CAUSAL
 from .block_cache import seed_block_start, seeds_at
 from .contracts import Backend
@@ -78,6 +78,10 @@ class FullRecompute(Backend):
             self.mask = padding_mask(pads, width, ends=None if ends is None else ends * 2)
             self.cache = Positions.for_left_padding(pads, len(model.layers))
             self.given = layout.given
+        if self.mask is None and self.cache is None:
+            # Every key, given explicitly: a call with neither mask nor cache is the model's plain
+            # forward, which is causal for some bidirectionally decoded families (Open-dCoder).
+            self.mask = every_key(width)
 
     def prefill(self, x):
         pass

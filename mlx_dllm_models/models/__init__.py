@@ -8,8 +8,9 @@ The protocol every module follows (the engine relies on nothing else):
   - `inputs`: (B, L) int token ids;
   - `cache`: None, or a list (one per layer) of objects with mlx-lm's protocol: `offset` (int or a
     (B,) array of per-row RoPE positions of the first input row) and `update_and_fetch(k, v)`;
-  - `mask`: None (attend to every key, i.e. bidirectional), "causal", or a boolean keep-mask / additive
-    mask broadcastable to (B, n_heads, L, n_keys);
+  - `mask`: None, "causal", or a boolean keep-mask / additive mask broadcastable to
+    (B, n_heads, L, n_keys); None with a cache attends to every key, None without one is the
+    upstream model's own forward (docs/ARCHITECTURE.md, "the plain call");
   - `head_span`: None, or a `(start, stop)` span of the L positions: the hidden states are sliced
     before the LM head, so that the head (the most expensive matmul at large vocabularies) only runs
     over the positions whose logits are needed.

@@ -10,13 +10,10 @@ decoding included (samplers "mdlm" and "bd3lm"), is models.a2d_qwen3's: one fami
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import qwen2
 
-from . import a2d_qwen3, sharding
-from .a2d_qwen3 import QWEN3_EOS_TOKEN_ID
-from .a2d_qwen3 import Model as A2DQwen3Model
+from . import a2d_qwen3
+from .a2d_qwen3 import QWEN3_EOS_TOKEN_ID, A2DBody
 from .common import check_special_ids
 
 # dllm's A2D settings family and rows.
@@ -39,18 +36,7 @@ class ModelArgs(qwen2.ModelArgs):
         check_special_ids(self, mask_default=A2D_QWEN2_MASK_TOKEN_ID)
 
 
-class Model(A2DQwen3Model):
-    """A2D-Qwen3's model with Qwen2's layers: the forward, sanitize and spec are the same."""
+class Model(A2DBody, qwen2.Model):
+    """A2D-Qwen3's checkpoint check and spec on mlx-lm's Qwen2 layers."""
 
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = qwen2.Qwen2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard."""
-        group = sharding.checked_group(self, group, "A2D-Qwen2", "intermediate_size")
-        qwen2.Model.shard(self, group)
+    shard_name = "A2D-Qwen2"

@@ -20,24 +20,13 @@ recipes (examples/a2d/{mdlm,bd3lm}/sample.py) are the same numbers.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
-import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import qwen3
 
 from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
-from . import sharding
-from .common import (
-    build_spec,
-    cached_spec,
-    check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
-)
+from .common import build_spec, cached_spec, check_special_ids
+from .mlx_lm_body import MaskedBody
 
 # The settings family of dllm's A2D specs (Qwen3 and Qwen2 bodies); it adds no setting of its own.
 FAMILY = "a2d"
@@ -75,48 +64,19 @@ class ModelArgs(qwen3.ModelArgs):
         check_special_ids(self, mask_default=A2D_MASK_TOKEN_ID)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        # Qwen3's weights and layers; the forward below runs them under the caller's mask.
-        self.model = qwen3.Qwen3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+class A2DBody(MaskedBody):
+    """What A2D's Qwen3 and Qwen2 conversions share: their checkpoint check and spec (the body is
+    the mlx-lm Model after this mixin)."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache=None,
-        mask=None,
-        head_span: Optional[Tuple[int, int]] = None,
-    ) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        name = self.args.model_type  # a2d-qwen3, or a2d-qwen2 (models.a2d_qwen2)
-        drop_tied_head(weights, name, tied=self.args.tie_word_embeddings)
-        layout = "Qwen's layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
-        keys = (
-            "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, "
-            "vocab_size, tie_word_embeddings"
-        )
-        return check_weights(self, weights, name, layout, keys)
+    layout = "Qwen's layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
+    config_keys = (
+        "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, "
+        "vocab_size, tie_word_embeddings"
+    )
 
     @property
-    def layers(self):
-        return self.model.layers
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism over `group`, as mlx-lm's qwen3.Model.shard (attention heads and
-        MLP split; embeddings and head replicated)."""
-        group = sharding.checked_group(self, group, "A2D-Qwen3", "intermediate_size")
-        qwen3.Model.shard(self, group)
+    def family(self):
+        return self.args.model_type  # a2d-qwen3, or a2d-qwen2 (models.a2d_qwen2)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
@@ -136,3 +96,9 @@ class Model(nn.Module):
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             vocab_size=self.args.vocab_size,
         )
+
+
+class Model(A2DBody, qwen3.Model):
+    """A2DQwen3LMHeadModel: mlx-lm's Qwen3 read under the caller's mask."""
+
+    shard_name = "A2D-Qwen3"

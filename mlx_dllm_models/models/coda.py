@@ -11,24 +11,18 @@ from hidden state i-1: the spec declares `logit_shift=1` and the engine applies 
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
-import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import qwen3
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
-from . import dream, sharding
+from . import dream
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
 )
+from .mlx_lm_body import MaskedBody
 
 # CoDAConfig's defaults (CoDALanguageModel/model_config.py): config.json leaves these out.
 # The settings family this module's spec belongs to, and the rows it adds: Dream's
@@ -78,45 +72,15 @@ class ModelArgs(qwen3.ModelArgs):
         check_special_ids(self, mask_default=CODA_MASK_TOKEN_ID)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        # Qwen3's weights and layers; the forward below runs them under the caller's mask.
-        self.model = qwen3.Qwen3Model(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+class Model(MaskedBody, qwen3.Model):
+    """CoDALanguageModel: mlx-lm's Qwen3 with its own head (ModelArgs forces it untied), read
+    under the caller's mask."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache=None,
-        mask=None,
-        head_span: Optional[Tuple[int, int]] = None,
-    ) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        drop_tied_head(weights, "CoDA", tied=False)
-        layout = "Qwen3's layout with its own head (e.g. 'model.layers.0.self_attn.q_norm.weight')"
-        keys = (
-            "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, vocab_size"
-        )
-        return check_weights(self, weights, "CoDA", layout, keys)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism over `group`, as mlx-lm's qwen3.Model.shard (attention heads and
-        MLP split; embeddings and head replicated)."""
-        group = sharding.checked_group(self, group, "CoDA", "intermediate_size")
-        qwen3.Model.shard(self, group)
+    family = "CoDA"
+    layout = "Qwen3's layout with its own head (e.g. 'model.layers.0.self_attn.q_norm.weight')"
+    config_keys = (
+        "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, vocab_size"
+    )
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

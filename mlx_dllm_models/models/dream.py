@@ -10,26 +10,20 @@ which hidden rows feed the head. `shift_logits` is the reference form of that sh
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import qwen2
 
 from ..settings_families import D3LLM_SETTINGS, Relation, Setting
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO, DiffusionSpec
 from ..validators import choice, cli_optional_float, number, optional
-from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
 )
+from .mlx_lm_body import MaskedBody
 
 # The settings family this module's spec belongs to (the settings table groups rows by it).
 FAMILY = "dream"
@@ -161,45 +155,13 @@ def shift_logits(logits: mx.array) -> mx.array:
     return mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        # Qwen2's weights and layers; the forward below runs them under the caller's mask.
-        self.model = qwen2.Qwen2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+class Model(MaskedBody, qwen2.Model):
+    """Dream's model: mlx-lm's Qwen2 (q/k/v biases) read under the caller's mask."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache=None,
-        mask=None,
-        head_span: Optional[Tuple[int, int]] = None,
-    ) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        drop_tied_head(weights, "dream", self.args.tie_word_embeddings)
-        # q/k/v biases are what tells a Qwen2 (Dream) checkpoint from a Llama-like one.
-        layout = "Qwen2's layout, with q/k/v biases (e.g. 'model.layers.0.self_attn.k_proj.bias')"
-        keys = "num_hidden_layers, hidden_size, intermediate_size, head counts, vocab_size"
-        return check_weights(self, weights, "dream", layout, keys)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard (attention heads and
-        MLP split; embeddings and head replicated)."""
-        group = sharding.checked_group(self, group, "dream", "intermediate_size")
-        qwen2.Model.shard(self, group)
+    family = "dream"
+    # q/k/v biases are what tells a Qwen2 (Dream) checkpoint from a Llama-like one.
+    layout = "Qwen2's layout, with q/k/v biases (e.g. 'model.layers.0.self_attn.k_proj.bias')"
+    config_keys = "num_hidden_layers, hidden_size, intermediate_size, head counts, vocab_size"
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

@@ -19,23 +19,18 @@ code (modeling.py, `Fast_dLLM_QwenModel.eval_mask` and `Fast_dLLM_QwenForCausalL
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen2
 
+from ..masks import block_causal_mask
 from ..settings_families import Relation, Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from ..validators import positive_int
-from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
 )
+from .mlx_lm_body import MaskedBody
 
 # The settings family of Fast-dLLM v2's spec, and the row it adds: generate's small_block_size, the
 # sub-blocks a block is decoded in.
@@ -138,27 +133,18 @@ class ModelArgs(qwen2.ModelArgs):
             )
 
 
-class Model(qwen2.Model):
-    """Fast_dLLM_QwenForCausalLM: qwen2.Model whose forward takes the attention mask from the
-    caller and returns unshifted logits (the engine applies the spec's shift)."""
+class Model(MaskedBody, qwen2.Model):
+    """Fast_dLLM_QwenForCausalLM: mlx-lm's qwen2 read under the caller's mask, returning
+    unshifted logits (the engine applies the spec's shift)."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
+    family = "fast_dllm_v2"
+    layout = "Qwen2's layout (e.g. 'model.layers.0.self_attn.q_proj.bias')"
+    config_keys = FAST_DLLM_CONFIG_KEYS
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        weights = drop_tied_head(weights, "fast_dllm_v2", self.args.tie_word_embeddings)
-        layout = "Qwen2's layout (e.g. 'model.layers.0.self_attn.q_proj.bias')"
-        return check_weights(self, weights, "fast_dllm_v2", layout, FAST_DLLM_CONFIG_KEYS)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's qwen2.Model.shard (attention heads with their biases, and the MLP, split over
-        `group`), after a readable check that the group divides them."""
-        group = sharding.checked_group(self, group, "fast_dllm_v2", "intermediate_size")
-        super().shard(group)
+    def plain_mask(self, length: int):
+        # Fast_dLLM_QwenModel.forward in eval mode: eval_mask over blocks of its `block_size`
+        # argument, 32 unless given (not config.json's bd_size).
+        return block_causal_mask(length, 32)
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

@@ -24,18 +24,14 @@ as a Gumbel top-k over the confidences).
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen2
 
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
-from . import dream, sharding
+from . import dream
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
 )
 from .dream import Model as DreamModel
 
@@ -84,17 +80,12 @@ class Model(DreamModel):
     """Dream's model (Qwen2's body under the caller's mask, untouched logits) under its own name,
     head tied as Qwen2.5-Coder-0.5B's; the spec is Open-dCoder's."""
 
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        drop_tied_head(weights, "open_dcoder", self.args.tie_word_embeddings)
-        layout = "Qwen2's layout, with q/k/v biases (e.g. 'model.layers.0.self_attn.k_proj.bias')"
-        keys = "num_hidden_layers, hidden_size, intermediate_size, head counts, vocab_size"
-        return check_weights(self, weights, "open_dcoder", layout, keys)
+    family = "open_dcoder"
 
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism over `group`, as mlx-lm's qwen2.Model.shard."""
-        group = sharding.checked_group(self, group, "open_dcoder", "intermediate_size")
-        qwen2.Model.shard(self, group)
+    def plain_mask(self, length: int):
+        # veomni's Qwen2ForCausalLM.forward takes is_causal=True unless told otherwise (_mdm_sample
+        # passes False; the engine passes its own mask), as transformers' Qwen2 does.
+        return "causal"
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

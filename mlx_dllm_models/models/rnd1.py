@@ -18,23 +18,17 @@ read as it is, as mlx-lm reads every model, so that other sizes (the tests' fixt
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
 from ..settings_families import Setting
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
 from ..validators import cli_optional_float, number, optional
-from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    masked_forward,
-    refuse_autoregressive_tools,
-    sanitize_experts,
 )
+from .mlx_lm_body import MaskedBody
 
 # The settings family of RND1's spec, and the row it adds: sampling.py's entropy-bounded variant of
 # its sampler.
@@ -91,32 +85,17 @@ class ModelArgs(qwen3_moe.ModelArgs):
         check_special_ids(self, mask_default=RND1_MASK_TOKEN_ID)
 
 
-class Model(qwen3_moe.Model):
-    """RND1LM: qwen3_moe.Model whose forward takes the attention mask from the caller (None:
-    every position sees every other)."""
+class Model(MaskedBody, qwen3_moe.Model):
+    """RND1LM: mlx-lm's qwen3_moe read under the caller's mask (None: every position sees every
+    other)."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        drop_tied_head(weights, "rnd1", self.args.tie_word_embeddings)
-        weights = sanitize_experts(super().sanitize, weights, "rnd1", self.args.num_experts)
-        layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
-        keys = "num_hidden_layers, hidden_size, head counts, head_dim, num_experts, "
-        keys += "moe_intermediate_size, vocab_size"
-        return check_weights(self, weights, "rnd1", layout, keys)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's qwen3_moe.Model.shard (attention heads split over `group`, the experts over
-        their intermediate dimension, the router replicated), after a readable check that the
-        group divides them."""
-        group = sharding.checked_group(
-            self, group, "rnd1", "moe_intermediate_size", "intermediate_size"
-        )
-        super().shard(group)
+    family = "rnd1"
+    layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
+    config_keys = (
+        "num_hidden_layers, hidden_size, head counts, head_dim, num_experts, "
+        "moe_intermediate_size, vocab_size"
+    )
+    shard_widths = ("moe_intermediate_size", "intermediate_size")
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

@@ -9,22 +9,17 @@ Logits at position i predict token i (no shift).
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen3
 
 from ..settings_families import Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from ..validators import number
-from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
 )
+from .mlx_lm_body import MaskedBody
 
 # The settings family of SDAR's specs (SDAR, SDAR-MoE), and the row it adds: generate.py's
 # entropy_bounded remasking.
@@ -104,25 +99,12 @@ class ModelArgs(qwen3.ModelArgs):
         check_special_ids(self, SDAR_SPECIAL_IDS, mask_default=SDAR_MASK_TOKEN_ID)
 
 
-class Model(qwen3.Model):
-    """SDARForCausalLM: qwen3.Model whose forward takes the attention mask from the caller."""
+class Model(MaskedBody, qwen3.Model):
+    """SDARForCausalLM: mlx-lm's qwen3 read under the caller's mask."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = super().sanitize(drop_unused_buffers(weights))
-        layout = "Qwen3's layout (e.g. 'model.layers.0.self_attn.q_norm.weight')"
-        return check_weights(self, weights, "sdar", layout, SDAR_CONFIG_KEYS)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's qwen3.Model.shard (attention heads and MLP split over `group`), after a
-        readable check that the group divides them."""
-        group = sharding.checked_group(self, group, "sdar", "intermediate_size")
-        super().shard(group)
+    family = "sdar"
+    layout = "Qwen3's layout (e.g. 'model.layers.0.self_attn.q_norm.weight')"
+    config_keys = SDAR_CONFIG_KEYS
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

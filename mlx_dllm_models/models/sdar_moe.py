@@ -6,19 +6,15 @@ Same attention contract as `sdar`: the caller passes the block-causal mask.
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-import mlx.core as mx
 from mlx_lm.models import qwen3_moe
 
 from ..spec import DiffusionSpec
-from . import sdar, sharding
+from . import sdar
 from .common import (
     cached_spec,
     check_special_ids,
-    check_weights,
-    masked_forward,
-    refuse_autoregressive_tools,
-    sanitize_experts,
 )
+from .mlx_lm_body import MaskedBody
 from .sdar import (
     SDAR_BLOCK_SIZE,
     SDAR_CONFIG_KEYS,
@@ -43,29 +39,13 @@ class ModelArgs(qwen3_moe.ModelArgs):
         check_special_ids(self, SDAR_SPECIAL_IDS, mask_default=SDAR_MASK_TOKEN_ID)
 
 
-class Model(qwen3_moe.Model):
-    """SDARMoeForCausalLM: qwen3_moe.Model whose forward takes the attention mask from the caller."""
+class Model(MaskedBody, qwen3_moe.Model):
+    """SDARMoeForCausalLM: mlx-lm's qwen3_moe read under the caller's mask."""
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
-
-    def sanitize(self, weights):
-        weights = sanitize_experts(super().sanitize, weights, "sdar_moe", self.args.num_experts)
-        layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
-        keys = f"{SDAR_CONFIG_KEYS}, num_experts, moe_intermediate_size"
-        return check_weights(self, weights, "sdar_moe", layout, keys)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's qwen3_moe.Model.shard (attention heads and dense MLPs split over `group`, the
-        experts split over their intermediate dimension, the router replicated), after a readable
-        check that the group divides them."""
-        group = sharding.checked_group(
-            self, group, "sdar_moe", "moe_intermediate_size", "intermediate_size"
-        )
-        super().shard(group)
+    family = "sdar_moe"
+    layout = "Qwen3-MoE's layout (e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight')"
+    config_keys = f"{SDAR_CONFIG_KEYS}, num_experts, moe_intermediate_size"
+    shard_widths = ("moe_intermediate_size", "intermediate_size")
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:

@@ -24,7 +24,6 @@ model_type, and WeDLM's is "wedlm" (configuration_wedlm.py's WeDLMConfig.model_t
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen2, qwen3
 from mlx_lm.models.base import BaseModelArgs
@@ -32,17 +31,12 @@ from mlx_lm.models.base import BaseModelArgs
 from ..settings_families import Setting
 from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
 from ..validators import cli_optional_float, number, optional
-from . import sharding
 from .common import (
     build_spec,
     cached_spec,
     check_special_ids,
-    check_weights,
-    drop_tied_head,
-    drop_unused_buffers,
-    masked_forward,
-    refuse_autoregressive_tools,
 )
+from .mlx_lm_body import MaskedBody
 
 # The settings family of WeDLM's spec, and the rows it adds: its SamplingParams
 # (wedlm/sampling_params.py); its window is block_length.
@@ -189,12 +183,15 @@ def wedlm_spec(args: ModelArgs) -> DiffusionSpec:
     )
 
 
-class Model(nn.Module):
-    """WeDLMForCausalLM: mlx-lm's Qwen2 or Qwen3 body (config.json's qk_norm decides) whose
-    forward takes the attention mask from the caller."""
+class Model(MaskedBody, qwen3.Model):
+    """WeDLMForCausalLM: mlx-lm's Qwen2 or Qwen3 body (config.json's qk_norm decides) read under
+    the caller's mask. Qwen3's `sanitize` and `shard` serve both bodies (the same names)."""
+
+    family = "wedlm"
+    config_keys = WEDLM_CONFIG_KEYS
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
+        nn.Module.__init__(self)
         self.args = args
         self.model_type = args.model_type
         module, body = args.body_args()
@@ -202,28 +199,14 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
-    make_cache = refuse_autoregressive_tools
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
-        return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+    def plain_mask(self, length: int):
+        # WeDLMForCausalLM.forward is Qwen's causal one; the decoder passes its window's mask.
+        return "causal"
 
     @property
-    def layers(self):
-        return self.model.layers
-
-    def sanitize(self, weights):
-        weights = drop_unused_buffers(weights)
-        weights = drop_tied_head(weights, "wedlm", self.args.tie_word_embeddings)
+    def layout(self):
         body = "Qwen3's" if self.args.qk_norm else "Qwen2.5's"
-        layout = f"{body} layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
-        return check_weights(self, weights, "wedlm", layout, WEDLM_CONFIG_KEYS)
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """mlx-lm's Qwen shard (attention heads with their biases or q/k norms, and the MLP, split
-        over `group`; embeddings and head replicated), after a readable divisibility check."""
-        group = sharding.checked_group(self, group, "wedlm", "intermediate_size")
-        qwen3.Model.shard(self, group)
+        return f"{body} layout (e.g. 'model.layers.0.self_attn.q_proj.weight')"
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
