@@ -1,5 +1,5 @@
-"""What `mlx_dllm generate` and `mlx_dllm chat` share: the settings flags (from settings.SETTINGS,
-with mlx-lm's `--temp`), loading with mlx-lm's habits (`--adapter-path`, `--extra-eos-token`,
+"""What `mlx_dllm generate` and `mlx_dllm chat` share: the settings flags (from the settings
+table's index, settings_index, with mlx-lm's `--temp`), loading with mlx-lm's habits (`--adapter-path`, `--extra-eos-token`,
 `--chat-template-config`), and the live canvas on a terminal (redrawn in place, clipped to the
 terminal's height, counting display width).
 """
@@ -13,8 +13,8 @@ import time
 import unicodedata
 from pathlib import Path
 
-from .settings import SETTINGS
-from .validators import cli_bool
+from .settings_index import choices, flag_rows
+from .validators import CLI_KINDS, cli_bool
 
 # mlx-lm's spelling of a setting, accepted next to ours.
 ALIASES = {"temperature": ("--temp",), "max_tokens": ("-m",)}
@@ -75,23 +75,10 @@ def add_on_off(group, flag: str, dest: str, help: str):
 
 
 def fixed_values() -> dict:
-    """Setting -> the values it can take at all, from the tables that define them: every sampler
-    (decoding.samplers' commit rules and the samplers decoding loops implement themselves), every
-    cache (engine.registry's backends), and the rows whose check is a fixed choice. Which of them a
-    family takes is checked once the checkpoint is known."""
-    from .decoding.samplers import COMMIT_RULES
-    from .engine.registry import BACKENDS, DECODERS
-
-    loops = [n for decoder in DECODERS.values() for n in getattr(decoder, "samplers", ())]
-    values = {
-        "sampler": tuple(dict.fromkeys([*COMMIT_RULES, *loops])),
-        "cache": ("auto",) + tuple(sorted({name for row in BACKENDS.values() for name in row})),
-    }
-    for setting in SETTINGS:
-        options = getattr(setting.check, "options", None)
-        if options:
-            values[setting.name] = tuple(options)
-    return values
+    """Setting -> the values it can take at all (every sampler, every cache, the rows whose check
+    is a fixed choice), from the index of the tables that define them (settings_index). Which of
+    them a family takes is checked once the checkpoint is known."""
+    return choices()
 
 
 def one_of(setting, options):
@@ -99,7 +86,7 @@ def one_of(setting, options):
     values and the closest one."""
 
     def parse(text):
-        value = setting.cli_type(text)
+        value = CLI_KINDS[setting.kind](text)
         if value in options:
             return value
         close = difflib.get_close_matches(text, options, n=1)
@@ -117,10 +104,10 @@ SAMPLING = ("sampler", "temperature", "top_p", "top_k")
 
 
 def setting_groups():
-    """(title, rows) of the settings table in help order: common, sampler, cache, then one group
-    for each set of families a row belongs to."""
+    """(title, rows) of the settings table (its index's FlagRows) in help order: common, sampler,
+    cache, then one group for each set of families a row belongs to."""
     groups = {"common settings": [], "sampler settings": [], "cache": []}
-    for s in SETTINGS:
+    for s in flag_rows():
         if s.families:
             title = f"{' / '.join(s.families)} settings"
         elif s.name == "cache":
@@ -134,17 +121,19 @@ def setting_groups():
 
 
 def add_setting_flags(parser: argparse.ArgumentParser):
-    """One flag per row of settings.SETTINGS, in groups (setting_groups); its help says which family
-    it belongs to, on/off settings take `--x` / `--no-x`, and fixed values are choices."""
+    """One flag per row of the settings table, from its index (settings_index: no model module is
+    imported), in groups (setting_groups); on/off settings take `--x` / `--no-x`, and fixed values
+    are choices."""
     fixed = fixed_values()
     for title, rows in setting_groups():
         group = parser.add_argument_group(title)
         for setting in rows:
             flags = ("--" + setting.name.replace("_", "-"),) + ALIASES.get(setting.name, ())
-            if setting.cli_type is cli_bool:
+            if setting.kind == "on/off":
                 add_on_off(group, flags[0], setting.name, setting.help)
                 continue
-            kwargs = dict(dest=setting.name, type=setting.cli_type, default=None, help=setting.help)
+            kind = CLI_KINDS[setting.kind]
+            kwargs = dict(dest=setting.name, type=kind, default=None, help=setting.help)
             options = fixed.get(setting.name)
             if options:
                 kwargs.update(type=one_of(setting, options), choices=options, metavar="NAME")
@@ -153,7 +142,8 @@ def add_setting_flags(parser: argparse.ArgumentParser):
 
 
 def chosen_settings(args) -> dict:
-    return {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name) is not None}
+    names = [s.name for s in flag_rows()]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def add_loading_flags(parser: argparse.ArgumentParser):

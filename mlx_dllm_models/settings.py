@@ -4,7 +4,8 @@
 each belongs to, its package default, its validator and its CLI flag: the shared rows here, then
 the rows each family declares in its model file (collected on first use). Resolving one family's
 settings reads the shared rows and its spec (its rows, the shared settings it has no use for or
-reads in its own terms, the pairs that must agree); the CLI's flags read the whole table.
+reads in its own terms, the pairs that must agree); the CLI's flags read the whole table through
+its index (settings_index, generated from this table), which imports no model module.
 
 Resolution order: explicit arguments, then the checkpoint (generation_config.json, config.json),
 then the family's reference defaults (its DiffusionSpec), then the package defaults below.

@@ -108,3 +108,14 @@ def a_name(name, v):
 def cli_optional_float(text: str):
     """CLI values of settings that may be unset: 'none' / 'null' unset them."""
     return None if text.lower() in ("none", "null") else float(text)
+
+
+# The parsers a setting's CLI flag takes, by the name the CLI's index of the settings table
+# (settings_index) records: the parser is rebuilt from the name without importing the table.
+CLI_KINDS = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "on/off": cli_bool,
+    "optional float": cli_optional_float,
+}

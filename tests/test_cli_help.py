@@ -278,10 +278,13 @@ def test_a_setting_the_family_does_not_take_is_refused_before_the_weights_are_re
 
 
 def test_resolution_says_where_each_value_came_from():
+    from mlx_dllm_models.models.llada2_moe import SETTINGS as LLADA2_ROWS
+
     spec = DiffusionSpec(
         family="llada2",
         attention=BLOCK_CAUSAL,
         mask_token_id=0,
+        settings=LLADA2_ROWS,
         samplers=SHARED_SAMPLERS,
         defaults={"block_length": 32, "editing_mode": "quality"},
         sampler_defaults={"threshold": {"threshold": 0.8}},
