@@ -13,9 +13,9 @@ import torch
 from mlx_lm.models.cache import KVCache
 from safetensors.numpy import load_file
 
-from conftest import ROOT, assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
+from helpers import ROOT, assert_close, convert_and_generate, far, load_fixture
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models import load as load_checkpoint
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.decoding.block import sequential_commit

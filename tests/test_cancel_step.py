@@ -11,7 +11,6 @@ server's scheduler, which drops such a row without ending or restarting the run.
 
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures import diffusion_gemma as dg_fx
 from fixtures import fast_dllm_v2 as v2_fx
@@ -21,6 +20,7 @@ from fixtures import wedlm as wedlm_fx
 from fixtures.lavida import build_lavida
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.server import Job, Scheduler
 

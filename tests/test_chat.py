@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_fixture
 from fixtures import llada2 as l2_fx
 from fixtures import nemotron as nem_fx
 from fixtures import sdar as sdar_fx
+from helpers import load_fixture
 from mlx_dllm_models import load
 from mlx_dllm_models.cache import PriorKV
 from mlx_dllm_models.chat import ChatSession

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_pty
 from fixtures import sdar as sdar_fx
+from helpers import read_pty
 from mlx_dllm_models import load
 from mlx_dllm_models.chat import HELP, ChatSession
 

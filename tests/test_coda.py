@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.coda import IM_END, MASK, build
+from helpers import assert_close, convert_and_generate, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import dream as dream_rules

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import convert_and_generate
 from fixtures import build_once
 from fixtures import dream as dream_fixture
+from helpers import convert_and_generate
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.models import dream
 from mlx_dllm_models.request import checkpoint_settings, eos_ids, prepare

@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import cli_env, mlx_lm_convert, run_cli, spy_forwards
+from helpers import cli_env, mlx_lm_convert, run_cli, spy_forwards
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.default import DEFAULT_PROMPT, default_checkpoint

@@ -21,8 +21,8 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from conftest import parity
 from fixtures import all_checkpoints, build_once
+from helpers import parity
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.models import cpu_layers
 from mlx_dllm_models.models.cpu_layers import restore_layers, use_float32_matmuls

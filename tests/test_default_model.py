@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from helpers import cli_env
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.default import (
     ASSET,

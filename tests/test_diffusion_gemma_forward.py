@@ -13,9 +13,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import assert_close, load_fixture, mlx_lm_convert, parity
 from fixtures import build_once
 from fixtures import diffusion_gemma as fx
+from helpers import assert_close, load_fixture, mlx_lm_convert, parity
 from mlx_dllm_models.models.diffusion_gemma import Model, ModelArgs
 from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import ENCODER_CANVAS

@@ -26,8 +26,8 @@ from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
     until_eos,
 )
 
-from conftest import mlx_lm_convert
 from fixtures import diffusion_gemma as fx
+from helpers import mlx_lm_convert
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.settings import SettingsError

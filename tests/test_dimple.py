@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
+from helpers import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.models import dimple

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
+from helpers import assert_close, convert_and_generate, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas

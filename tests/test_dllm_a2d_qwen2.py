@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture, mlx_lm_convert
 from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK
 from fixtures.dllm_qwen2 import build
+from helpers import assert_close, far, load_fixture, mlx_lm_convert
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import a2d_qwen2

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli_env
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
+from helpers import cli_env
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule

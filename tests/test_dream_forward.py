@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, MASK, build
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models import dream

@@ -7,11 +7,11 @@ synchronisations per step (issue #14 section 3)."""
 import mlx.core as mx
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from fixtures.sdar import build_sdar
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.fast_dllm import ApproxPrefixCache, DualCache
 from mlx_dllm_models.request import checkpoint_settings

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, cut_at_eos, far, load_fixture
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
+from helpers import assert_close, cut_at_eos, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.decoding.samplers import StepContext
 from mlx_dllm_models.decoding.stats import TokenStats

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cut_at_eos, load_fixture
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
 from fixtures import sdar as sdar_fx
+from helpers import cut_at_eos, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.generate import stream_events
 from reference.fast_dllm_v2_torch import Reference, generate

@@ -10,12 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import (
+from fixtures import build_once
+from fixtures import fast_dllm_v2 as fx
+from helpers import (
     convert_and_generate,
     load_fixture,
 )
-from fixtures import build_once
-from fixtures import fast_dllm_v2 as fx
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
+from helpers import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.masks import prompt_block_mask

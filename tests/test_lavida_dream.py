@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK
 from fixtures.lavida import build_lavida_dream
+from helpers import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.masks import prompt_block_mask
 from mlx_dllm_models.models import llava_dream

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
 from fixtures.llada import CHECKPOINTS
+from helpers import load_fixture
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from reference.llada_torch import llada_generate, torch_forward
 

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.masks import causal_mask, padding_mask

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS
+from helpers import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from reference.llada_torch import llada_generate

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.llada_v import TILE, build_llada_v
+from helpers import served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError
@@ -159,7 +159,7 @@ def test_anyres_tiles_match_process_anyres_image_on_a_real_photo(size):
 def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, shape):
     """Tiles through the tower, unpadded, downsampled past anyres_max_4 and closed by
     image_newline per row, after the base tile: mlx-vlm's packing against llava_arch's."""
-    from conftest import assert_close
+    from helpers import assert_close
     from reference.llada_v_torch import anyres_image_features
 
     model, processor = loaded
@@ -174,7 +174,7 @@ def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, 
 def test_plain_mlx_lm_convert_keeps_the_vision_path(loaded, fixture_dir, tmp_path):
     """python -m mlx_lm convert of the HF checkpoint loads back (its vision weights already in
     mlx's layout) and answers an image prompt with the same tokens."""
-    from conftest import mlx_lm_convert
+    from helpers import mlx_lm_convert
 
     model, processor = loaded
     out = mlx_lm_convert(fixture_dir / "llada_v", tmp_path / "converted")

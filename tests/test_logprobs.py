@@ -23,11 +23,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import load_fixture
 from fixtures import build_once, sdar
 from fixtures import diffusion_gemma as dgfx
 from fixtures import nemotron as nfx
 from fixtures.llada import build_llada
+from helpers import load_fixture
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events

@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from helpers import run_cli
 from mlx_dllm_models.default import (
     chat_prompt,
     default_checkpoint,
@@ -23,7 +24,6 @@ from mlx_dllm_models.default import (
     held_out_problems,
     in_addition_task,
 )
-from tests.conftest import run_cli
 
 HELD_OUT = 32
 # MLX_DLLM_SLOW_TESTS=1 runs the recipe that reaches the 0.8 from every seed measured

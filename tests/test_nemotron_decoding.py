@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import cli_env, load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import cli_env, load_fixture, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.self_spec import speculative_accept

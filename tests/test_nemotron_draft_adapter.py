@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture, spy_forwards, stream_tokens
 from fixtures import nemotron as fx
+from helpers import load_fixture, spy_forwards, stream_tokens
 from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.errors import CheckpointError

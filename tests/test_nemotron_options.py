@@ -9,8 +9,8 @@ token-identical to a transcription of the remote code's ar_generate.
 
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.cli_common import add_setting_flags, chosen_settings
 from mlx_dllm_models.engine import BlockEvent

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, stream_tokens
 from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
+from helpers import assert_close, cut_at_eos, far, stream_tokens
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures import nemotron_vlm as fx
+from helpers import served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref

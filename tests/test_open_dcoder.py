@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, assert_close, cli_env, far, run_cli
 from fixtures import build_once
 from fixtures.open_dcoder import ENDOFTEXT, MASK, VOCAB, build, build_converted
+from helpers import ROOT, assert_close, cli_env, far, run_cli
 from mlx_dllm_models import CheckpointError, SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.conversion import retyped_config

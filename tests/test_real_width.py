@@ -43,8 +43,8 @@ import pytest
 from mlx.utils import tree_flatten
 from test_real_configs import hf_shape
 
-from conftest import parity
 from fixtures.llada import llada_moe_names
+from helpers import parity
 from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
 from mlx_dllm_models.registry import MODEL_TYPES
 

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models.cache import RowKVCache
 from mlx_dllm_models.engine import join_policy
 from mlx_dllm_models.generate import stream_events

@@ -16,12 +16,12 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from conftest import data_url
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.nemotron import build as build_nemotron
 from fixtures.sdar import build_sdar
+from helpers import data_url
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown

@@ -26,7 +26,6 @@ import regex as partial_re
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import load_fixture, run_cli
 from fixtures import (
     build_once,
     coda,
@@ -42,6 +41,7 @@ from fixtures import (
 )
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada_v import build_llada_v
+from helpers import load_fixture, run_cli
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cli import main
 from mlx_dllm_models.decoding.constrained import allowed_tokens, commit_prefix

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from conftest import cli_env, run_cli
 from fixtures import all_checkpoints
+from helpers import cli_env, run_cli
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.wedlm import IM_END, MASK, build, build_qwen2
+from helpers import assert_close, convert_and_generate, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.wedlm import reordered_causal_mask, wedlm_commit
