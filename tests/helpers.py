@@ -164,11 +164,11 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
-    """The answer of `mlx_dllm serve` (on loopback, over the checkpoint) to one chat message of an
-    image_url part (`image`) then a text part (`text`), with `settings` as body fields."""
+@contextlib.contextmanager
+def serving(checkpoint, model_id):
+    """`mlx_dllm serve` over the checkpoint on loopback, in a thread: yields its base URL
+    (`http://127.0.0.1:PORT`) and shuts it down afterwards."""
     import threading
-    import urllib.request
 
     from mlx_dllm_models import load
     from mlx_dllm_models.server import make_server, shutdown
@@ -176,20 +176,43 @@ def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
     server = make_server(lambda: load(checkpoint), host="127.0.0.1", port=0, model_id=model_id)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        content = [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": text},
-        ]
-        body = dict(settings, messages=[{"role": "user", "content": content}])
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        shutdown(server)
+
+
+def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
+    """The answer of `mlx_dllm serve` (on loopback, over the checkpoint) to one chat message of an
+    image_url part (`image`) then a text part (`text`), with `settings` as body fields."""
+    import urllib.request
+
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": text},
+    ]
+    body = dict(settings, messages=[{"role": "user", "content": content}])
+    with serving(checkpoint, model_id) as url:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+            f"{url}/v1/chat/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
-    finally:
-        shutdown(server)
+
+
+class Ranks:
+    """Stands for a group of `n` ranks: `shard` reads its size and rank before splitting, so a
+    refusal needs no second process."""
+
+    def __init__(self, n: int, rank: int = 0):
+        self.n, self.r = n, rank
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return self.r
 
 
 def stream_tokens(model, tok, prompt, **settings):

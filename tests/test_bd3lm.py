@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
-from helpers import ROOT, assert_close, convert_and_generate, far, load_fixture
+from helpers import ROOT, assert_close, far, load_fixture
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,
@@ -229,15 +229,6 @@ def test_spec_is_the_published_recipe():
 
 
 # ------------------------------------------------------------------------- mlx-lm and errors
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(ckpt, tmp_path / "mlx", [""], max_tokens=8, seed=1)
-    assert got["config"]["model_type"] == "bd3lm" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.bd3lm"
-    want = batch_generate_diffusion(model, tok, [""], max_tokens=8, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
 
 
 def test_bad_inputs_are_clear_errors(loaded, ckpt, tmp_path):

@@ -3,7 +3,6 @@ decoding against a transcription of CoDA's generation_utils.py (tests/reference/
 published config and recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches, sharding and serve."""
 
 import json
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +12,7 @@ import torch
 
 from fixtures import build_once
 from fixtures.coda import IM_END, MASK, build
-from helpers import assert_close, convert_and_generate, far, load_fixture
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import dream as dream_rules
@@ -200,62 +199,6 @@ def test_bad_settings_are_clear_errors(loaded):
 
 
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(
-        ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4, seed=1
-    )
-    assert got["config"]["model_type"] == "CoDA" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.coda"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_chat_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="coda")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        messages = [{"role": "user", "content": "hi"}]
-        answer = client.chat.completions.create(
-            model="coda", messages=messages, max_tokens=8, seed=3, temperature=0
-        )
-        text = text_tokenizer(tok).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
-        assert answer.choices[0].message.content == want
-    finally:
-        shutdown(server)
 
 
 # ---------------------------------------------------------------------- the published files

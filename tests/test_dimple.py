@@ -16,7 +16,7 @@ from PIL import Image
 
 from fixtures import build_once
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
-from helpers import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
+from helpers import Ranks, assert_close, cut_at_eos, far, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.models import dimple
@@ -338,8 +338,6 @@ def test_serve_answers_an_image_url_part(loaded, ckpt):
 
 
 def test_shard_over_one_rank_keeps_image_logits_and_three_ranks_are_refused(ckpt):
-    from test_sharding import Ranks
-
     from mlx_dllm_models import SettingsError
 
     model, processor = load(ckpt)  # its own copy: shard changes it

@@ -5,7 +5,6 @@ transcription of dllm's MDLMSampler (tests/reference/dllm_a2d.py), its schedule,
 
 import json
 import math
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 
 from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
-from helpers import assert_close, convert_and_generate, far, load_fixture
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
@@ -251,62 +250,6 @@ def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loa
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
 
 
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(
-        ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4, seed=1
-    )
-    assert got["config"]["model_type"] == "a2d-qwen3" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.a2d_qwen3"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_chat_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        messages = [{"role": "user", "content": "hi"}]
-        answer = client.chat.completions.create(
-            model="a2d", messages=messages, max_tokens=8, seed=3, temperature=0
-        )
-        text = text_tokenizer(tok).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
-        assert answer.choices[0].message.content == want
-    finally:
-        shutdown(server)
-
-
 # ---------------------------------------------------------------------- the published config
 
 
@@ -414,28 +357,3 @@ def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(loaded, ckpt):
     got, _ = ours(model, prompts, **kw)
     for row, ref in zip(got, bd3lm_reference(ckpt, prompts, 12, 4, 3)):
         assert row[: len(ref)] == ref[: len(row)]
-
-
-def test_bd3lm_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        answer = client.completions.create(
-            model="a2d",
-            prompt="hello",
-            max_tokens=8,
-            seed=3,
-            temperature=0,
-            extra_body={"sampler": "bd3lm", "block_length": 4},
-        )
-        kw = dict(sampler="bd3lm", block_length=4, max_tokens=8, seed=3)
-        want = "".join(r.text for r in stream(model, tok, "hello", **kw))
-        assert answer.choices[0].text == want
-    finally:
-        shutdown(server)

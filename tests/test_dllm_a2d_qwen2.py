@@ -14,8 +14,8 @@ import pytest
 from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK
 from fixtures.dllm_qwen2 import build
-from helpers import assert_close, far, load_fixture, mlx_lm_convert
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import assert_close, far, load_fixture
+from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import a2d_qwen2
 from mlx_dllm_models.settings import resolve_settings
@@ -74,18 +74,6 @@ def test_greedy_tokens_match_dllms_samplers(loaded, ckpt, sampler, case):
         if isinstance(event, BlockEvent):
             got.extend(event.tokens[0])
     assert got[: len(want)] == want
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "a2d-qwen2"
-    from mlx_lm import load as mlx_load
-
-    converted, ctok = mlx_load(str(out))
-    kw = dict(max_tokens=8, block_length=4, steps=3, sampler="bd3lm")
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], **kw).tokens
-    assert batch_generate_diffusion(converted, ctok, [[40, 41, 42]], **kw).tokens == want
 
 
 def test_published_config_builds_the_full_model_lazily():

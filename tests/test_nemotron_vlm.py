@@ -16,7 +16,7 @@ from PIL import Image
 from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
-from helpers import assert_close, cut_at_eos, far, stream_tokens
+from helpers import Ranks, assert_close, cut_at_eos, far, stream_tokens
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 
@@ -201,16 +201,9 @@ def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
     ids = mx.array([processor(text=["a<image>b"], images=[picture(6)])["input_ids"][0] + [258]])
     before = np.array(model(ids))
 
-    class Ranks:
-        def size(self):
-            return 3
-
-        def rank(self):
-            return 0
-
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks())
+        model.shard(Ranks(3))
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
     model.shard(mx.distributed.init())  # the single-process group
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,6 @@ sharding and serve."""
 
 import dataclasses
 import json
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +14,7 @@ import torch
 
 from fixtures import build_once
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
-from helpers import assert_close, convert_and_generate, far, load_fixture
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import rnd1 as rnd1_rules
@@ -264,56 +263,6 @@ def test_rnd1_sampler_needs_no_dream_settings(loaded):
 
 
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4)
-    assert got["config"]["model_type"] == "rnd1" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.rnd1"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_completion_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="rnd1")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        answer = client.completions.create(
-            model="rnd1", prompt="Question: hi\nAnswer:", max_tokens=8, temperature=0
-        )
-        text = "Question: hi\nAnswer:"
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, temperature=0))
-        assert answer.choices[0].text == want
-    finally:
-        shutdown(server)
 
 
 # ------------------------------------------------------------------- the reconstructed config
