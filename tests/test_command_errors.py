@@ -276,7 +276,8 @@ def test_lora_num_layers_beyond_the_model_adapts_every_layer(tmp_path):
         adapted = {k.split(".")[2] for k, _ in tree_flatten(model.trainable_parameters())}
         assert adapted == {"0", "1", "2", "3"}
         again, _ = load(default_checkpoint(), adapter_path=str(out))
-        assert again is not None
+        loaded = {k.split(".")[2] for k, _ in tree_flatten(again.parameters()) if "lora_a" in k}
+        assert loaded == adapted, "the adapter did not reach every layer on load"
 
 
 def test_lora_errors_reach_the_terminal_as_one_line(tmp_path):

@@ -537,7 +537,8 @@ def test_cli_flags(tmp_path, capsys):
     grammar = tmp_path / "g.lark"
     grammar.write_text('start: "yes" | "no"\n')
     assert generate("--lark", str(grammar)).strip() in ("yes", "no")
-    assert json.loads(generate("--json-schema", '{"type": "array", "maxItems": 2}')) is not None
+    out = json.loads(generate("--json-schema", '{"type": "array", "maxItems": 2}'))
+    jsonschema.validate(out, {"type": "array", "maxItems": 2})
     with pytest.raises(SystemExit, match="error: --json-schema .*missing.json"):
         main(["generate", "--json-schema", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit, match="regex of prompt 0 cannot be compiled"):
