@@ -215,6 +215,43 @@ class Ranks:
         return self.r
 
 
+def checkpoint_fixtures(folder, build, loaded="loaded"):
+    """A test module's two module-scoped fixtures, bound as `ckpt, loaded = checkpoint_fixtures(
+    "coda", build)`: `ckpt`, the checkpoint `build` writes once a session as fixture_dir / folder,
+    and (named `loaded`) the package's load of it."""
+    from fixtures import build_once
+
+    @pytest.fixture(scope="module", name="ckpt")
+    def checkpoint(fixture_dir):
+        return build_once(fixture_dir / folder, build)
+
+    @pytest.fixture(scope="module", name=loaded)
+    def loaded_checkpoint(ckpt):
+        from mlx_dllm_models import load
+
+        return load(ckpt)
+
+    return checkpoint, loaded_checkpoint
+
+
+def random_prompt(n, seed):
+    """`n` ids below 256 (the tiny fixtures' byte tokens) drawn with `seed`."""
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def decoded(decoder, prompts):
+    """(each row's tokens over `decoder.run(prompts)`, gathered from its block events by row, the
+    decoder's forward count)."""
+    from mlx_dllm_models.engine import BlockEvent
+
+    out = [[] for _ in prompts]
+    for event in decoder.run(prompts):
+        if isinstance(event, BlockEvent):
+            for row, toks in zip(event.rows, event.tokens):
+                out[row].extend(toks)
+    return out, decoder.nfe
+
+
 def stream_tokens(model, tok, prompt, **settings):
     """Every token the public stream returns for one prompt."""
     from mlx_dllm_models import stream_generate_diffusion

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures.coda import IM_END, MASK, build
-from helpers import assert_close, far, load_fixture
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from helpers import assert_close, checkpoint_fixtures, decoded, far, load_fixture
+from helpers import random_prompt as prompt
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import dream as dream_rules
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import coda
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
@@ -26,18 +26,7 @@ from reference.coda_torch import coda_generate, reference_forward, reference_log
 DATA = Path(__file__).parent / "data" / "Salesforce__CoDA-v0-Instruct"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "coda", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("coda", build)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -101,12 +90,7 @@ def ours(model, prompts, **kw):
     kw = {"temperature": 0.0, **kw}
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, steps, **kw):

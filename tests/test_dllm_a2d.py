@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
-from helpers import assert_close, far, load_fixture
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from helpers import assert_close, checkpoint_fixtures, decoded, far, load_fixture
+from helpers import random_prompt as prompt
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, join_policy, make_decoder, select_backend
+from mlx_dllm_models.engine import join_policy, make_decoder, select_backend
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
@@ -36,18 +36,7 @@ from reference.dllm_a2d import (
 DATA = Path(__file__).parent / "data" / "dllm-hub__Qwen3-0.6B-diffusion-mdlm-v0.1"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "a2d_qwen3", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("a2d_qwen3", build)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -137,12 +126,7 @@ def ours(model, prompts, **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, prompts, max_tokens, block, steps_per_block):

@@ -11,11 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK
 from fixtures.dllm_qwen2 import build
-from helpers import assert_close, far, load_fixture
-from mlx_dllm_models import load
+from helpers import assert_close, checkpoint_fixtures, far, load_fixture
+from helpers import random_prompt as prompt
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import a2d_qwen2
 from mlx_dllm_models.settings import resolve_settings
@@ -24,18 +23,7 @@ from reference.dllm_a2d import bd3lm_sample, mdlm_sample, reference_forward, ref
 DATA = Path(__file__).parent / "data" / "dllm-hub__Qwen2.5-Coder-0.5B-Instruct-diffusion-mdlm-v0.1"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "a2d_qwen2", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("a2d_qwen2", build)
 
 
 @pytest.mark.parametrize("length", [1, 11])

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
-from helpers import cli_env
-from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
+from helpers import checkpoint_fixtures, cli_env, decoded
+from helpers import random_prompt as prompt
+from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule
 from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
@@ -25,18 +25,7 @@ from reference.dream_torch import dream_generate, reference_forward
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "dream", build)
-
-
-@pytest.fixture(scope="module")
-def dream(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, dream = checkpoint_fixtures("dream", build, loaded="dream")
 
 
 def settings_for(model, **kw):
@@ -50,12 +39,7 @@ def settings_for(model, **kw):
 def ours(model, prompts, **kw):
     """Full canvases (no EOS cut) and the forward count of the engine."""
     decoder = make_decoder(model, settings_for(model, **kw), eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 _REFERENCE = {}

@@ -16,7 +16,8 @@ import torch
 
 from fixtures import build_once
 from fixtures.open_dcoder import ENDOFTEXT, MASK, VOCAB, build, build_converted
-from helpers import ROOT, assert_close, cli_env, far, run_cli
+from helpers import ROOT, assert_close, checkpoint_fixtures, cli_env, decoded, far, run_cli
+from helpers import random_prompt as prompt
 from mlx_dllm_models import CheckpointError, SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.conversion import retyped_config
@@ -24,7 +25,7 @@ from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding import p2 as p2_rules
 from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import open_dcoder
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
@@ -39,18 +40,7 @@ def published(fixture_dir):
     return build_once(fixture_dir / "open_dcoder_published", build)
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "open_dcoder", build_converted)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("open_dcoder", build_converted)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -97,12 +87,7 @@ def ours(model, prompts, **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, steps, **kw):

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
-from helpers import assert_close, far, load_fixture
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from helpers import assert_close, checkpoint_fixtures, decoded, far, load_fixture
+from helpers import random_prompt as prompt
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import rnd1 as rnd1_rules
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
@@ -28,18 +28,7 @@ from reference.rnd1_sampling import generate, reference_forward, reference_logit
 DATA = Path(__file__).parent / "data" / "radicalnumerics__RND1-Base-0910"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "rnd1", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -105,12 +94,7 @@ def ours(model, prompts, **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, {"temperature": 0.0, **kw}, {})
     decoder = make_decoder(model, settings, eos_token_ids=(), suffix=[ENDOFTEXT])
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, steps, **kw):

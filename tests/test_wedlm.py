@@ -16,7 +16,8 @@ import torch
 
 from fixtures import build_once
 from fixtures.wedlm import IM_END, MASK, build, build_qwen2
-from helpers import assert_close, far, load_fixture
+from helpers import assert_close, decoded, far, load_fixture
+from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.wedlm import reordered_causal_mask, wedlm_commit
@@ -40,10 +41,6 @@ def ckpt(request, fixture_dir):
 @pytest.fixture(scope="module")
 def loaded(ckpt):
     return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -225,12 +222,7 @@ def ours(model, prompts, eos=(IM_END,), **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, {})
     decoder = make_decoder(model, settings, eos_token_ids=eos)
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, eos=(IM_END,), **kw):
