@@ -17,10 +17,11 @@ from mlx.utils import tree_flatten
 
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
 from fixtures import wedlm as wedlm_fixture
-from helpers import Ranks, convert_and_generate, load_fixture, serving
+from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture, serving
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.server import Job, Scheduler
+from reference import coda_torch, dllm_a2d, open_dcoder_torch, rnd1_sampling
 
 CHAT = [{"role": "user", "content": "hi"}]
 QUESTION = "Question: hi\nAnswer:"
@@ -49,8 +50,10 @@ class Family:
     fixture_dir), the model_type a converted config says (`config`: other fields it must hold) and
     the module plain mlx-lm loads (`module`, else the row's name), the prompts and settings of the
     convert parity run (`length`: the exact token count, else some), the ids and forward keywords
-    of the one-rank shard check (None: none), its server requests, and the prompts of the
-    scheduler's batch check (None: none)."""
+    of the one-rank shard check (None: none), its server requests, the prompts of the scheduler's
+    batch check (None: none), and its forward's reference (`reference(ckpt, ids, causal=)`: the
+    logits, or its body's causal reading, which the family must not match) over canvases of
+    `lengths` whose second half is the `mask` id."""
 
     build: object
     model_type: str
@@ -64,6 +67,9 @@ class Family:
     serve: tuple = ()
     structured: str | None = None
     scheduler_prompts: list | None = None
+    reference: object = None
+    mask: int | None = None
+    lengths: tuple = (1, 9, 24)
 
 
 def masked(mask, seed):
@@ -89,13 +95,21 @@ SEEDED = dict(max_tokens=8, steps=4, seed=1)
 
 FAMILIES = {
     "coda": Family(
-        coda.build, "CoDA", convert=SEEDED, shard_ids=masked(coda.MASK, 3), serve=(CHAT_AT_SEED_3,)
+        coda.build,
+        "CoDA",
+        convert=SEEDED,
+        shard_ids=masked(coda.MASK, 3),
+        serve=(CHAT_AT_SEED_3,),
+        reference=coda_torch.reference_logits,
+        mask=coda.MASK,
     ),
     "a2d_qwen3": Family(
         dllm.build,
         "a2d-qwen3",
         convert=SEEDED,
         shard_ids=masked(dllm.MASK, 3),
+        reference=dllm_a2d.reference_logits,
+        mask=dllm.MASK,
         serve=(
             CHAT_AT_SEED_3,
             Serve(
@@ -110,12 +124,17 @@ FAMILIES = {
         dllm_qwen2.build,
         "a2d-qwen2",
         convert=dict(max_tokens=8, block_length=4, steps=3, sampler="bd3lm"),
+        reference=dllm_a2d.reference_logits,
+        mask=dllm.MASK,
+        lengths=(1, 11),
     ),
     "rnd1": Family(
         rnd1.build,
         "rnd1",
         convert=dict(max_tokens=8, steps=4),
         shard_ids=masked(rnd1.MASK, 3),
+        reference=rnd1_sampling.reference_logits,
+        mask=rnd1.MASK,
         serve=(
             Serve(
                 prompt=QUESTION,
@@ -169,6 +188,9 @@ FAMILIES = {
         "open_dcoder",
         serve=(TOKEN_PROMPT,),
         scheduler_prompts=SCHEDULER_PROMPTS,
+        reference=open_dcoder_torch.reference_logits,
+        mask=open_dcoder.MASK,
+        lengths=(1, 11),
     ),
 }
 
@@ -191,6 +213,23 @@ def checkpoints(fixture_dir):
         return built[name]
 
     return get
+
+
+@pytest.mark.parametrize(
+    "name, length", [(n, length) for n in rows("reference") for length in FAMILIES[n].lengths]
+)
+def test_logits_match_the_reference_and_not_the_causal_reading(checkpoints, name, length):
+    row, path, _ = checkpoints(name)
+    model, _ = load_fixture(path)
+    assert type(model).__module__ == f"mlx_dllm_models.models.{row.module or name}"
+    ids = np.random.default_rng(length).integers(0, 256, (2, length))
+    ids[:, length // 2 :] = row.mask
+    ours = model(mx.array(ids))
+    assert_close(ours, row.reference(path, ids))
+    if length > 1:
+        assert far(ours, row.reference(path, ids, causal=True))
+    half = max(1, length // 2)
+    assert_close(model(mx.array(ids), head_span=(0, half)), np.array(ours)[:, :half])
 
 
 @pytest.mark.parametrize("name", rows("convert"))

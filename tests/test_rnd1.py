@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
-from helpers import assert_close, checkpoint_fixtures, decoded, far, load_fixture
+from helpers import checkpoint_fixtures, decoded
 from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
@@ -23,7 +23,7 @@ from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
 from mlx_dllm_models.spec import BIDIRECTIONAL
-from reference.rnd1_sampling import generate, reference_forward, reference_logits
+from reference.rnd1_sampling import generate, reference_forward
 
 DATA = Path(__file__).parent / "data" / "radicalnumerics__RND1-Base-0910"
 
@@ -32,19 +32,6 @@ ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 # ------------------------------------------------------------------------------------ forward
-
-
-@pytest.mark.parametrize("length", [1, 9, 24])
-def test_logits_match_bidirectional_qwen3_moe(ckpt, length):
-    model, _ = load_fixture(ckpt)
-    ids = np.random.default_rng(length).integers(0, 256, (2, length))
-    ids[:, length // 2 :] = MASK
-    ours = model(mx.array(ids))
-    assert_close(ours, reference_logits(ckpt, ids))
-    if length > 1:
-        assert far(ours, reference_logits(ckpt, ids, causal=True))  # the causal reading fails
-    half = max(1, length // 2)
-    assert_close(model(mx.array(ids), head_span=(0, half)), np.array(ours)[:, :half])
 
 
 def test_spec_and_defaults_are_the_readme_recipe(loaded):
