@@ -201,6 +201,28 @@ def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
             return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
+def job_gone_after_looks(*args, looks: int, **kwargs):
+    """A server Job (`Job(*args, **kwargs)`) whose client goes away once the scheduler has looked
+    `looks` times at whether it is cancelled."""
+    from mlx_dllm_models.server import Job
+
+    class GoneAfterLooks(Job):
+        def __init__(self):
+            self.looks, self.limit = 0, looks
+            super().__init__(*args, **kwargs)
+
+        @property
+        def cancelled(self):
+            self.looks += 1
+            return self.looks > self.limit
+
+        @cancelled.setter
+        def cancelled(self, value):
+            pass
+
+    return GoneAfterLooks()
+
+
 class Ranks:
     """Stands for a group of `n` ranks: `shard` reads its size and rank before splitting, so a
     refusal needs no second process."""

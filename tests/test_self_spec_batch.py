@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import load_fixture, spy_forwards
+from helpers import job_gone_after_looks, load_fixture, spy_forwards
 from mlx_dllm_models.cache import RowKVCache
 from mlx_dllm_models.engine import join_policy
 from mlx_dllm_models.generate import stream_events
@@ -186,23 +186,6 @@ def test_concurrent_server_requests_share_forwards(loaded):
     assert len(calls) < sum(n for _, n in alone)
 
 
-class GoneAfterLooks(Job):
-    """A job whose client goes away once the scheduler has looked `looks` times."""
-
-    def __init__(self, *args, looks: int, **kwargs):
-        self.looks, self.limit = 0, looks
-        super().__init__(*args, **kwargs)
-
-    @property
-    def cancelled(self):
-        self.looks += 1
-        return self.looks > self.limit
-
-    @cancelled.setter
-    def cancelled(self, value):
-        pass
-
-
 def _serve(scheduler):
     steps = 0
     while scheduler.step():
@@ -225,7 +208,7 @@ def test_a_later_request_joins_a_running_batch_and_a_cancelled_one_leaves(loaded
     assert 0 < len(first.tokens) < len(alone[0])
     later = scheduler.submit(Job(PROMPTS[1], dict(mode="self_spec", max_tokens=20)))
     gone = scheduler.submit(
-        GoneAfterLooks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
+        job_gone_after_looks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
     )
     _serve(scheduler)
     assert scheduler.joins == 1 and scheduler.max_rows == 3
