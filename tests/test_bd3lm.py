@@ -54,6 +54,7 @@ def ids(n, seed):
 # ----------------------------------------------------------------------------------- forward
 
 
+@pytest.mark.slow
 def test_logits_match_the_reference_under_the_block_causal_mask(loaded, ref):
     model, _ = loaded
     x = [[ENDOFTEXT] + ids(13, 1) + [MASK] * 6]

@@ -88,6 +88,7 @@ CACHE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", CACHE_CASES)
 def test_prefix_cache_is_token_identical_to_full_recompute(family, name, kw):
     _, model, tok = family(name)
@@ -421,6 +422,7 @@ def test_llada20_matches_reference_generate(llada2, block_length, steps, thresho
         assert dec.nfe - dec.backend.prefill_forwards == ref_forwards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block_length,threshold,editing_threshold,max_post_steps",
     [

@@ -70,6 +70,7 @@ def run_chat(model, lines, *flags):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_the_repl_attaches_images(checkpoint, tmp_path):
     path = tmp_path / "pic.png"
     picture(1).save(path)

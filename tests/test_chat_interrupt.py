@@ -75,6 +75,7 @@ def test_ctrl_c_drops_the_reply_keeps_the_conversation_and_exits_at_the_prompt(
     assert session.reused > 0, "the first turn's K/V were reused after the interruption"
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_terminal(sdar):
     """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
     command at the prompt that follows, then ^C at the prompt."""

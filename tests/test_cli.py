@@ -75,6 +75,7 @@ def test_live_canvas_on_a_terminal(ckpt):
     assert STATS.search(screen)
 
 
+@pytest.mark.slow
 def test_unknown_setting_is_a_clear_error(ckpt):
     out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--alg", "entropy")
     assert out.returncode != 0
@@ -82,6 +83,7 @@ def test_unknown_setting_is_a_clear_error(ckpt):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_bad_value_is_a_clear_error(ckpt):
     out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--steps", "0")
     assert out.returncode != 0 and "steps must be an integer >= 1" in out.stderr
@@ -94,6 +96,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
     out = run_cli(
         "convert",

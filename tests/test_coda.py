@@ -119,6 +119,7 @@ class _Noise:
         return torch.topk(torch.log(probs) + torch.from_numpy(g)[None], n).indices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [(7, 3, 256, 128), (5, 4, 24, 12)])
 def test_the_recipe_matches_the_reference_with_the_same_draws(loaded, ckpt, monkeypatch, case):
     """The defaults (alg entropy, alg_temp 0.1, 128 steps for 256 tokens, temperature 0) against

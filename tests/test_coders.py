@@ -169,6 +169,7 @@ def test_a_row_ends_at_dlm_pad(fixture_dir, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_plain_mlx_lm_convert_and_load(tiny, tmp_path):
     name, path, model, tok = tiny
     got = convert_and_generate(path, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, seed=1)

@@ -258,6 +258,7 @@ def test_lora_missing_resume_adapter_file(capsys, tmp_path):
     assert f"--resume-adapter-file {missing}" in message and "no such file" in message, message
 
 
+@pytest.mark.slow
 def test_lora_num_layers_beyond_the_model_adapts_every_layer(tmp_path):
     """README's command (mlx-lm's default --num-layers 16) on the embedded default (4 layers)."""
     from mlx_dllm_models import lora
@@ -280,6 +281,7 @@ def test_lora_num_layers_beyond_the_model_adapts_every_layer(tmp_path):
         assert loaded == adapted, "the adapter did not reach every layer on load"
 
 
+@pytest.mark.slow
 def test_lora_errors_reach_the_terminal_as_one_line(tmp_path):
     """The same, end to end: stderr is one line, no traceback."""
     _write(tmp_path / "data", "train.jsonl", [])
@@ -315,6 +317,7 @@ def lm_eval_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, pattern",
     [
@@ -334,6 +337,7 @@ def test_evaluate_flag_mistakes(capsys, lm_eval_offline, tmp_path, flags, patter
     assert re.search(pattern, message), message
 
 
+@pytest.mark.slow
 def test_evaluate_unknown_task(capsys, lm_eval_offline, tmp_path):
     message = one_line_error(capsys, ["evaluate", "--tasks", "arc_easy", "no_such_task_here"])
     assert "unknown task 'no_such_task_here'" in message, message
@@ -497,6 +501,7 @@ def _varied_prompts():
     return [[10 + (7 * i + j) % 240 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
+@pytest.mark.slow
 def test_batch_of_very_different_lengths_is_no_more_work_than_one_by_one(ckpt):
     """A batch padded every row to its longest prompt: 9 prompts of 1-100 tokens did about 3x the
     forward work of the same prompts one by one. Rows of similar length now share runs: no more
@@ -534,6 +539,7 @@ def test_batch_of_very_different_lengths_is_no_more_work_than_one_by_one(ckpt):
     assert forwards < solo_forwards  # rows of equal length did share runs
 
 
+@pytest.mark.slow
 def test_batch_above_temperature_0_is_reproducible(ckpt):
     model, tok = load(ckpt)
     prompts = _varied_prompts()
@@ -553,6 +559,7 @@ def test_generate_without_a_prompt_shows_the_question(capsys):
     assert captured.out.split("=" * 10)[0].strip() == "132"
 
 
+@pytest.mark.slow
 def test_conversion_prints_no_transformers_model_type_warning(tmp_path):
     from fixtures import all_checkpoints
 

@@ -232,6 +232,7 @@ def test_logits_match_the_reference_and_not_the_causal_reading(checkpoints, name
     assert_close(model(mx.array(ids), head_span=(0, half)), np.array(ours)[:, :half])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", rows("convert"))
 def test_plain_mlx_lm_convert_and_load(checkpoints, name, tmp_path):
     row, path, (model, tok) = checkpoints(name)

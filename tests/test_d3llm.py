@@ -143,6 +143,7 @@ def test_early_stop_fires_and_saves_forwards(family):
     assert same_without
 
 
+@pytest.mark.slow
 def test_the_checks_can_fail(family):
     """The LLaDA and Dream forms of the threshold rule differ (the lowest-entropy mask always
     taken, <= against <), and decoding without the early stop the reference applies differs."""

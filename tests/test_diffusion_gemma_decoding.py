@@ -215,6 +215,7 @@ def parity_runs(dg, reference):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generation_matches_transformers_step_by_step(parity_runs, case):
     _, (rec, tokens, blocks), (ref_rec, ref_tokens) = parity_runs[case]

@@ -98,6 +98,7 @@ def _run(model, chunks=(PROMPT_LEN,)):
     }
 
 
+@pytest.mark.slow
 def test_encoder_logits_match_transformers(model, expected):
     assert_close(_run(model)["encoder"], expected["encoder"])
 

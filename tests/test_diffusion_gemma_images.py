@@ -93,6 +93,7 @@ def _worst(ours, theirs):
     return max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(ours, theirs))
 
 
+@pytest.mark.slow
 def test_image_generation_matches_transformers_step_by_step(image_parity):
     _, (rec, tokens, _), (ref_rec, ref_tokens) = image_parity
     assert_same_steps(rec, ref_rec)
@@ -137,6 +138,7 @@ def test_the_image_changes_the_output(dg, eos_ids):
     assert first == _generate(model, processor, "describe", image=picture(1))
 
 
+@pytest.mark.slow
 def test_image_from_a_path_equals_the_pil_image(dg, eos_ids, tmp_path):
     model, processor = dg
     path = tmp_path / "picture.png"
@@ -210,6 +212,7 @@ def test_images_need_the_processor_and_one_text_prompt(dg, checkpoint):
         batch_generate_diffusion(model, processor, ["a", "b"], images=picture(0), max_tokens=4)
 
 
+@pytest.mark.slow
 def test_batched_image_prompts_equal_single_runs(dg):
     """A different image (or none, or two) per row, rows of different lengths (left padding), a
     token-id row: each row's tokens equal its run alone (DiffusionGemma samples on a schedule;
@@ -256,6 +259,7 @@ def test_cli_image(checkpoint, tmp_path, capsys):
         cli_main(args[:5] + ["--image", str(tmp_path / "missing.png")] + args[9:])
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_keeps_the_vision_tower(checkpoint, tmp_path):
     """mlx-lm's convert keeps vision_config and the tower's weights (unquantized); without
     processor_config.json the processor takes patch size and pooling from the tower's config."""

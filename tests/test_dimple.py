@@ -41,6 +41,7 @@ def picture(seed, size=(90, 117)):
     return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
 
 
+@pytest.mark.slow
 def test_processor_matches_transformers_qwen2vl_image_processor(loaded):
     """Odd sizes (a resize to multiples of 28 both ways) and the max_pixels bound (a downscale)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (

@@ -147,6 +147,7 @@ def test_greedy_tokens_match_the_mdlm_sampler(loaded, ckpt, case):
     assert nfe == sum(len(linear_alpha_quotas(m, steps)) for m in blocks)
 
 
+@pytest.mark.slow
 def test_the_recipe_matches_the_sampler(loaded, ckpt):
     """The defaults (128 tokens in blocks of 32, 32 steps a block, greedy) end to end."""
     model, _ = loaded
@@ -205,6 +206,7 @@ def test_sampled_tokens_match_the_sampler_with_the_same_draws(loaded, ckpt, monk
     assert ours(model, [p], **{**kw, "temperature": 0.0})[0][0] != want  # the draws matter
 
 
+@pytest.mark.slow
 def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loaded, ckpt):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
@@ -262,6 +264,7 @@ BD3LM_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 @pytest.mark.parametrize("case", BD3LM_CASES)
 def test_bd3lm_greedy_tokens_match_the_block_sampler(loaded, ckpt, case, cache):

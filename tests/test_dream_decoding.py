@@ -419,6 +419,7 @@ def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
         model.generation_config = saved
 
 
+@pytest.mark.slow
 def test_cli_generates_with_dream_settings(ckpt):
     env = cli_env()
     cmd = [

@@ -34,6 +34,7 @@ def canvas(batch, length, prompt, seed):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [1, 7, 16, 33])
 def test_logits_match_bidirectional_reference(model, ckpt, length):
     ids = canvas(2, length, max(1, length // 2), seed=length)

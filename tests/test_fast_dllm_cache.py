@@ -63,6 +63,7 @@ def widths(model, run):
 # ----------------------------------------------------------------------------- reference parity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LLADA_CHECKPOINTS))
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("threshold", [None, 0.9])

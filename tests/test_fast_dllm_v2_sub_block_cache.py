@@ -64,6 +64,7 @@ def reference_tokens(ref, ids, n, settings, use_block_cache):
     return cut_at_eos(out[0, len(ids) :].tolist(), {fx.IM_END})[:n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length, settings", CASES)
 def test_tokens_match_the_reference_with_its_sub_block_cache(loaded, ref, length, settings):
     model, tok = loaded
@@ -72,6 +73,7 @@ def test_tokens_match_the_reference_with_its_sub_block_cache(loaded, ref, length
     assert got.tokens[0] == reference_tokens(ref, ids, 80, settings, True)
 
 
+@pytest.mark.slow
 def test_the_cases_tell_the_cache_from_exact_decoding(ref):
     # The approximation shows: most cases decode other tokens without the sub-block cache.
     differ = [
@@ -82,6 +84,7 @@ def test_the_cases_tell_the_cache_from_exact_decoding(ref):
     assert sum(differ) >= len(CASES) // 2
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [prompt(n) for n in (7, 45, 64, 33, 100)]

@@ -73,6 +73,7 @@ def _single(model, tok, text, **settings):
     return tokens, out
 
 
+@pytest.mark.slow
 def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(loaded, checkpoint):
     """Requests arrive one block apart and join the batch at block boundaries (a restart over
     [prompt ; committed], whose seeded blocks must come out as in the run)."""

@@ -207,6 +207,7 @@ def test_other_layouts_refuse_infilling(family, tmp_path_factory):
             stream_tokens(model, tok, [40, m, 42], max_tokens=4)
 
 
+@pytest.mark.slow
 def test_cli_suffix(llada):
     path, model, tok = llada
     env = cli_env()

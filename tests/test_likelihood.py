@@ -117,6 +117,7 @@ def default_model():
     return load(default_checkpoint())
 
 
+@pytest.mark.slow
 def test_default_model_ranks_the_right_sum_first(default_model):
     model, tok = default_model
     # Measured: 20/20 on the first 20 problems at mc_samples 8 (18/20 at 4).

@@ -173,6 +173,7 @@ def test_moe_mask_token_defaults_to_its_generate_s():
     assert llada.ModelArgs.from_dict(cfg).mask_token_id == 303
 
 
+@pytest.mark.slow
 def test_moe_router_expert_bias_and_shared_expert():
     """The LLaDA-MoE block as its remote code writes it: softmax in float32, expert bias added to
     the probabilities (biased values rank and weight), no renormalisation; shared expert added."""

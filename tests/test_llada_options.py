@@ -59,6 +59,7 @@ def _reference(model, prompts, gen, block, steps_per_block, **kw):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg_scale", [0.5, 2.0])
 def test_cfg_scale_matches_generate_py(llada, cfg_scale):
     _, model, tok = llada

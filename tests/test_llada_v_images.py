@@ -77,6 +77,7 @@ def test_generate_with_an_image_equals_the_prompt_of_feature_ids(loaded):
     assert other != got  # the image is read
 
 
+@pytest.mark.slow
 def test_batch_rows_with_other_several_or_no_images_equal_single_runs(loaded):
     model, processor = loaded
     prompts = ["<image>What is it?", "<image> and <image>: which?", "No picture here", "<image>?"]
@@ -95,6 +96,7 @@ def test_bad_images_are_clear_errors(loaded, tmp_path):
         stream_tokens(model, processor, [1, 2, -5], **SETTINGS)
 
 
+@pytest.mark.slow
 def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_dir):
     """The chat endpoint with an image_url data URL answers the tokens of one generate call on the
     chat prompt with the image where the part was; the scheduler batches image and text rows, each
@@ -139,6 +141,7 @@ def photo():
     return Image.fromarray(datasets.load_sample_image("china.jpg"))  # 640 x 427
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [TILE, 384])
 def test_anyres_tiles_match_process_anyres_image_on_a_real_photo(size):
     """LLaDA-V's pinpoints (1x1 ... 6x6 tiles) at the real tile (384) and the fixture's."""
@@ -171,6 +174,7 @@ def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, 
     assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_plain_mlx_lm_convert_keeps_the_vision_path(loaded, fixture_dir, tmp_path):
     """python -m mlx_lm convert of the HF checkpoint loads back (its vision weights already in
     mlx's layout) and answers an image prompt with the same tokens."""

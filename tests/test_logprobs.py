@@ -341,6 +341,7 @@ SETTINGS = dict(max_tokens=16, block_length=8)
 QUESTION = "Why is the sky blue?"
 
 
+@pytest.mark.slow
 def test_chat_logprobs_not_streaming_and_streaming(llada, served):
     model, tok = llada
     client = OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)

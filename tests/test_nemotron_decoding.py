@@ -237,6 +237,7 @@ def test_self_spec_sampling_is_seeded_and_cache_exact(loaded):
     assert fx.MASK not in a
 
 
+@pytest.mark.slow
 def test_speculative_accept_keeps_the_target_distribution():
     """Speculative sampling: whatever the drafts' distribution q, each returned token follows p."""
     p = mx.array([[0.6, 0.3, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
@@ -281,6 +282,7 @@ def _cli(checkpoint, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "self_spec"])
 def test_cli_generates(checkpoint, mode):
     out = _cli(checkpoint, *(["--mode", mode] if mode else []))
@@ -288,6 +290,7 @@ def test_cli_generates(checkpoint, mode):
     assert "tokens/forward" in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_rejects_an_unknown_mode(checkpoint):
     out = _cli(checkpoint, "--mode", "fast")
     assert out.returncode != 0 and "unknown mode 'fast'" in out.stderr

@@ -172,6 +172,7 @@ def _reference_rounds(model, prompt, max_tokens, draft_threshold):
     return rounds, nfe, trace
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_threshold", [None, 0.9])
 @pytest.mark.parametrize("adapter", [True, False])
 def test_self_spec_rounds_equal_linear_spec_generate(

@@ -205,6 +205,7 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
 # ------------------------------------------------------------- convert, load, bad input
 
 
+@pytest.mark.slow
 def test_convert_with_model_type_then_plain_mlx_lm_load(loaded, published, tmp_path):
     model, tok = loaded
     out = tmp_path / "mlx"

@@ -105,6 +105,7 @@ def reference(ckpt, p, max_tokens, steps, **kw):
 CASES = [(7, 0, 12, 12), (3, 1, 16, 5), (10, 2, 9, 20), (5, 3, 24, 256)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}-N{c[2]}-S{c[3]}")
 def test_greedy_tokens_match_the_reference(loaded, ckpt, case):
     """Temperature 0 here is the reference's greedy=True read at temperature 1 (its temperature 0

@@ -77,6 +77,7 @@ def decode(model, tok, prompts, oracle=None, **kw):
     return out, decoder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_batch_rows_equal_their_single_runs(loaded, cache):
     model, tok = loaded
@@ -90,6 +91,7 @@ def test_batch_rows_equal_their_single_runs(loaded, cache):
     assert decoder.nfe == max(nfes) < sum(nfes), (decoder.nfe, nfes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_rows_keeping_different_drafts_equal_their_single_runs(loaded, cache):
     model, tok = loaded
@@ -144,6 +146,7 @@ def test_thinking_budget_and_logprobs_per_row(loaded):
     assert forced >= 1
 
 
+@pytest.mark.slow
 def test_sampled_batch_is_seeded_and_cache_exact(loaded):
     model, tok = loaded
     kw = dict(max_tokens=16, temperature=0.8, seed=5)
@@ -228,6 +231,7 @@ def with_adapter(tmp_path_factory):
     return load_fixture(fx.build_with_draft_adapter(tmp_path_factory.mktemp("lora") / "ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [dict(cache="auto"), dict(cache="none"), dict(draft_threshold=0.99)],

@@ -387,6 +387,7 @@ def test_cli_corrupt_weights_is_one_line(monkeypatch, capsys, tmp_path, ckpt):
     assert err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_cli_bad_seed_is_one_line(ckpt):
     out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--seed", "-1", "--no-live")
     assert out.returncode != 0
@@ -394,6 +395,7 @@ def test_cli_bad_seed_is_one_line(ckpt):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_broken_pipe(ckpt):
     """`mlx_dllm generate ... | head -c 1`: the reader leaves early; no traceback."""
     proc = subprocess.Popen(
