@@ -263,6 +263,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_the_parity_check_catches_mistakes(dg, parity_runs, mistake, monkeypatch):
     draws, _, (ref_rec, ref_tokens) = parity_runs["two_canvases_early_stop"]
