@@ -237,21 +237,21 @@ class Ranks:
         return self.r
 
 
-def checkpoint_fixtures(folder, build, loaded="loaded"):
+def checkpoint_fixtures(folder, build, loaded="loaded", name="ckpt", loader=None):
     """A test module's two module-scoped fixtures, bound as `ckpt, loaded = checkpoint_fixtures(
-    "coda", build)`: `ckpt`, the checkpoint `build` writes once a session as fixture_dir / folder,
-    and (named `loaded`) the package's load of it."""
+    "coda", build)`: the checkpoint `build` writes once a session as fixture_dir / folder (named
+    `name`), and (named `loaded`) its load by `loader` (the package's `load` unless given)."""
     from fixtures import build_once
 
-    @pytest.fixture(scope="module", name="ckpt")
+    @pytest.fixture(scope="module", name=name)
     def checkpoint(fixture_dir):
         return build_once(fixture_dir / folder, build)
 
     @pytest.fixture(scope="module", name=loaded)
-    def loaded_checkpoint(ckpt):
+    def loaded_checkpoint(request):
         from mlx_dllm_models import load
 
-        return load(ckpt)
+        return (loader or load)(request.getfixturevalue(name))
 
     return checkpoint, loaded_checkpoint
 

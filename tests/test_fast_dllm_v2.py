@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
-from helpers import assert_close, cut_at_eos, far, load_fixture
+from helpers import assert_close, checkpoint_fixtures, cut_at_eos, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.decoding.samplers import StepContext
 from mlx_dllm_models.decoding.stats import TokenStats
@@ -22,15 +21,9 @@ from mlx_dllm_models.decoding.sub_block import sub_block_commit, sub_block_index
 from mlx_dllm_models.masks import block_causal_mask
 from reference.fast_dllm_v2_torch import Reference, generate
 
-
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")

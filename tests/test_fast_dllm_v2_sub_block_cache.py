@@ -10,20 +10,14 @@ import torch
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
 from fixtures import sdar as sdar_fx
-from helpers import cut_at_eos, load_fixture
+from helpers import checkpoint_fixtures, cut_at_eos, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.generate import stream_events
 from reference.fast_dllm_v2_torch import Reference, generate
 
-
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
-from helpers import (
-    load_fixture,
-)
+from helpers import checkpoint_fixtures, load_fixture
 from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
@@ -20,14 +17,9 @@ from mlx_dllm_models.generate import stream_events
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 def prompt(n):
