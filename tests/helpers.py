@@ -261,6 +261,14 @@ def random_prompt(n, seed):
     return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
+def random_picture(seed, size):
+    """An RGB PIL image of `size` (height, width) of uniform noise drawn with `seed`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+
+
 def decoded(decoder, prompts):
     """(each row's tokens over `decoder.run(prompts)`, gathered from its block events by row, the
     decoder's forward count)."""

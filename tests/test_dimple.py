@@ -14,9 +14,17 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures import build_once
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
-from helpers import Ranks, assert_close, cut_at_eos, far, served_image_answer, stream_tokens
+from helpers import (
+    Ranks,
+    assert_close,
+    checkpoint_fixtures,
+    cut_at_eos,
+    far,
+    random_picture,
+    served_image_answer,
+    stream_tokens,
+)
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.models import dimple
@@ -26,19 +34,11 @@ EOS = {IM_END, ENDOFTEXT}
 SETTINGS = dict(max_tokens=12, steps=6, temperature=0.0, top_p=None, alg="maskgit_plus")
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "dimple", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("dimple", build)
 
 
 def picture(seed, size=(90, 117)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 @pytest.mark.slow

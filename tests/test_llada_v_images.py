@@ -8,7 +8,7 @@ from PIL import Image
 
 from fixtures import build_once
 from fixtures.llada_v import TILE, build_llada_v
-from helpers import served_image_answer, stream_tokens
+from helpers import random_picture, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError
@@ -22,8 +22,7 @@ def loaded(fixture_dir):
 
 
 def picture(seed, size=(40, 70)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def reference_preprocess(image, size):

@@ -11,12 +11,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from PIL import Image
 
 from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
-from helpers import Ranks, assert_close, cut_at_eos, far, stream_tokens
+from helpers import Ranks, assert_close, cut_at_eos, far, random_picture, stream_tokens
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 
@@ -41,8 +40,7 @@ def text_ref(ckpt):
 
 
 def picture(seed, size=(60, 90)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def test_tower_and_projector_match_transformers(loaded, ckpt):
