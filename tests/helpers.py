@@ -309,10 +309,11 @@ def cut_at_eos(tokens, eos):
     return tokens if at is None else tokens[:at]
 
 
-def read_pty(fd, pid, timeout=120):
-    """Everything a child on a pseudo-terminal writes until it closes the terminal, decoded;
-    reaps the child (killed first if it wrote nothing for `timeout` seconds: a hung child fails
-    its test instead of holding the suite)."""
+def pty_session(fd, pid, timeout=120, on_output=None):
+    """(everything a child on a pseudo-terminal writes until it closes the terminal, as bytes; its
+    exit status). `on_output(out)` sees the output so far after each read (to type an answer).
+    Reaps the child, killed first if it wrote nothing for `timeout` seconds: a hung child fails its
+    test instead of holding the suite."""
     out = b""
     while True:
         ready, _, _ = select.select([fd], [], [], timeout)
@@ -326,8 +327,16 @@ def read_pty(fd, pid, timeout=120):
         if not data:
             break
         out += data
-    os.waitpid(pid, 0)
-    return out.decode("utf-8", "replace")
+        if on_output is not None:
+            on_output(out)
+    _, status = os.waitpid(pid, 0)
+    return out, os.waitstatus_to_exitcode(status)
+
+
+def read_pty(fd, pid, timeout=120):
+    """Everything a child on a pseudo-terminal writes until it closes the terminal, decoded (see
+    pty_session)."""
+    return pty_session(fd, pid, timeout)[0].decode("utf-8", "replace")
 
 
 MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
