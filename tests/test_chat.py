@@ -124,6 +124,7 @@ def _pty_run(args, lines, rows=24, cols=100, timeout=120):
     return out.decode("utf-8", "replace"), code
 
 
+@pytest.mark.slow
 def test_chat_repl_on_a_terminal(checkpoints):
     args = ["chat", "--model", str(checkpoints["sdar"]), "--max-tokens", "8"]
     args += ["--block-length", "4", "--steps", "4"]

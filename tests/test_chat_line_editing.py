@@ -47,6 +47,7 @@ def _type(fd, data: bytes):
         data = data[os.write(fd, data[:1024]) :]
 
 
+@pytest.mark.slow
 def test_a_line_longer_than_the_terminal_line_arrives_whole(sdar):
     pid, fd = _spawn(["chat", "--model", str(sdar), "--no-live", "--max-tokens", "8"])
     out = b""

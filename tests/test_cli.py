@@ -22,6 +22,7 @@ def ckpt(tmp_path_factory):
 STATS = re.compile(r"NFE: (\d+), ([\d.]+) tokens/forward \| Peak memory: [\d.]+ GB")
 
 
+@pytest.mark.slow
 def test_generate_prints_text_and_statistics(ckpt):
     out = run_cli(
         "generate",
@@ -44,6 +45,7 @@ def test_generate_prints_text_and_statistics(ckpt):
     assert "░" not in out.stdout
 
 
+@pytest.mark.slow
 def test_live_canvas_on_a_terminal(ckpt):
     """On a TTY the canvas is drawn with masked cells and redrawn in place as it fills in."""
     pid, fd = pty.fork()
@@ -90,6 +92,7 @@ def test_bad_value_is_a_clear_error(ckpt):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     out = run_cli("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
     assert out.returncode != 0 and "no checkpoint at" in out.stderr

@@ -149,6 +149,7 @@ def _dtypes(folder: Path) -> set:
     return found
 
 
+@pytest.mark.slow
 def test_convert_dtype_is_what_config_json_says(ckpt, tmp_path):
     """--dtype float16 wrote float16 weights under "torch_dtype": "float32": a second conversion
     (mlx-lm's default dtype is config.json's) would double the size again."""

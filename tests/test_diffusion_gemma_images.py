@@ -101,6 +101,7 @@ def test_image_generation_matches_transformers_step_by_step(image_parity):
     assert _worst(rec["processed"], ref_rec["processed"]) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", ["image_tokens_causal", "features_one_token_late"])
 def test_the_image_parity_check_catches_mistakes(
     dg, image_prompt, image_parity, mistake, monkeypatch

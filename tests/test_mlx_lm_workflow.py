@@ -227,6 +227,7 @@ def test_lora_writes_mlx_lm_adapter_files_that_load_back(lora_run):
     assert not mx.allclose(base(lora_run.ids), lora_run.logits, atol=1e-3).item()
 
 
+@pytest.mark.slow
 def test_fuse_folds_the_adapters_into_a_checkpoint(lora_run):
     import mlx.core as mx
 
