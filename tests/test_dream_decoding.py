@@ -2,8 +2,6 @@
 algorithms) with a plain transcription of the reference on the torch forward, the shared samplers
 block-wise, batching, settings and errors, the CLI."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +10,7 @@ import pytest
 import torch
 
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
-from helpers import checkpoint_fixtures, cli_env, decoded
+from helpers import checkpoint_fixtures, decoded, run_cli
 from helpers import random_prompt as prompt
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
@@ -421,33 +419,9 @@ def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
 
 @pytest.mark.slow
 def test_cli_generates_with_dream_settings(ckpt):
-    env = cli_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlx_dllm_models",
-        "generate",
-        "--model",
-        str(ckpt),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "8",
-        "--alg",
-        "entropy",
-        "--steps",
-        "8",
-        "--no-live",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    args = ["generate", "--model", str(ckpt), "--prompt", "hi", "--max-tokens", "8"]
+    out = run_cli(*args, "--alg", "entropy", "--steps", "8", "--no-live")
     assert out.returncode == 0, out.stderr
     assert "NFE:" in out.stdout
-    bad = subprocess.run(
-        cmd[:-5] + ["--alg", "nope", "--no-live"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
+    bad = run_cli(*args, "--alg", "nope", "--no-live")
     assert bad.returncode != 0 and "unknown alg 'nope'" in bad.stderr

@@ -8,8 +8,6 @@ greedy AR decoding with mlx-lm.
 """
 
 import dataclasses
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import cli_env, load_fixture, spy_forwards
+from helpers import load_fixture, run_cli, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.self_spec import speculative_accept
@@ -264,22 +262,8 @@ def test_bad_settings_raise_clear_errors(loaded):
 
 
 def _cli(checkpoint, *extra):
-    env = cli_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlx_dllm_models",
-        "generate",
-        "--model",
-        str(checkpoint),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "16",
-        "--no-live",
-        *extra,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    args = ["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "16"]
+    return run_cli(*args, "--no-live", *extra)
 
 
 @pytest.mark.slow
