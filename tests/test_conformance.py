@@ -21,6 +21,7 @@ from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.server import Job, Scheduler
+from mlx_dllm_models.spec import BIDIRECTIONAL, CAUSAL_WINDOW
 from reference import coda_torch, dllm_a2d, open_dcoder_torch, rnd1_sampling
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -53,7 +54,7 @@ class Family:
     of the one-rank shard check (None: none), its server requests, the prompts of the scheduler's
     batch check (None: none), and its forward's reference (`reference(ckpt, ids, causal=)`: the
     logits, or its body's causal reading, which the family must not match) over canvases of
-    `lengths` whose second half is the `mask` id."""
+    `lengths` whose second half is the `mask` id; `spec`: fields its DiffusionSpec must hold."""
 
     build: object
     model_type: str
@@ -70,11 +71,18 @@ class Family:
     reference: object = None
     mask: int | None = None
     lengths: tuple = (1, 9, 24)
+    spec: dict = dataclasses.field(default_factory=dict)
 
 
 def masked(mask, seed):
     """Seven prompt ids (drawn with `seed`) then five masks: the canvas the shard check reads."""
     return np.random.default_rng(seed).integers(0, 256, 7).tolist() + [mask] * 5
+
+
+def spec_facts(family, attention, logit_shift, mask):
+    """The DiffusionSpec fields every row states: the family's name, its attention layout, its
+    logit shift and mask id."""
+    return dict(family=family, attention=attention, logit_shift=logit_shift, mask_token_id=mask)
 
 
 CHAT_AT_SEED_3 = Serve(
@@ -102,6 +110,7 @@ FAMILIES = {
         serve=(CHAT_AT_SEED_3,),
         reference=coda_torch.reference_logits,
         mask=coda.MASK,
+        spec=dict(spec_facts("coda", BIDIRECTIONAL, 1, coda.MASK), eos_token_ids=(coda.IM_END,)),
     ),
     "a2d_qwen3": Family(
         dllm.build,
@@ -135,6 +144,7 @@ FAMILIES = {
         shard_ids=masked(rnd1.MASK, 3),
         reference=rnd1_sampling.reference_logits,
         mask=rnd1.MASK,
+        spec=dict(spec_facts("rnd1", BIDIRECTIONAL, 1, rnd1.MASK), eos_token_ids=(rnd1.IM_END,)),
         serve=(
             Serve(
                 prompt=QUESTION,
@@ -154,6 +164,10 @@ FAMILIES = {
             shard_forward={"mask": "causal"},
             serve=(GREEDY_WEDLM,),
             structured="[a-c]{2,4}",
+            spec=dict(
+                spec_facts("wedlm", CAUSAL_WINDOW, 0, wedlm_fixture.MASK),
+                eos_token_ids=(wedlm_fixture.IM_END,),
+            ),
         )
         for body, build in (("qwen3", wedlm_fixture.build), ("qwen2", wedlm_fixture.build_qwen2))
     },
@@ -190,6 +204,7 @@ FAMILIES = {
         scheduler_prompts=SCHEDULER_PROMPTS,
         reference=open_dcoder_torch.reference_logits,
         mask=open_dcoder.MASK,
+        spec=spec_facts("open_dcoder", BIDIRECTIONAL, 1, open_dcoder.MASK),
         lengths=(1, 11),
     ),
 }
@@ -213,6 +228,13 @@ def checkpoints(fixture_dir):
         return built[name]
 
     return get
+
+
+@pytest.mark.parametrize("name", rows("spec"))
+def test_spec_states_the_family(checkpoints, name):
+    _, _, (model, _) = checkpoints(name)
+    spec = model.diffusion_spec
+    assert {k: getattr(spec, k) for k in FAMILIES[name].spec} == FAMILIES[name].spec
 
 
 @pytest.mark.parametrize(

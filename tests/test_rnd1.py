@@ -22,7 +22,6 @@ from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
-from mlx_dllm_models.spec import BIDIRECTIONAL
 from reference.rnd1_sampling import generate, reference_forward
 
 DATA = Path(__file__).parent / "data" / "radicalnumerics__RND1-Base-0910"
@@ -37,8 +36,6 @@ ckpt, loaded = checkpoint_fixtures("rnd1", build)
 def test_spec_and_defaults_are_the_readme_recipe(loaded):
     model, _ = loaded
     spec = model.diffusion_spec
-    assert (spec.family, spec.attention, spec.logit_shift) == ("rnd1", BIDIRECTIONAL, 1)
-    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
     assert spec.samplers[0] == "rnd1"
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     assert (s["sampler"], s["temperature"], s["top_p"], s["top_k"]) == ("rnd1", 0.01, None, None)
