@@ -53,6 +53,7 @@ def family(request, fixture_dir):
     return request.param, model, tok, prompts, max_tokens
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_single_runs_at_the_defaults(family):
     name, model, tok, prompts, max_tokens = family
     alone = [batch_generate_diffusion(model, tok, [p], max_tokens=max_tokens) for p in prompts]
@@ -63,6 +64,7 @@ def test_batch_rows_equal_single_runs_at_the_defaults(family):
     assert any(len(r.tokens[0]) > 1 for r in alone), "nothing generated: the test shows nothing"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_single_requests(family):
     """Requests submitted together share the server's runs (or join them) and get the tokens of
     a request served alone."""
@@ -82,6 +84,7 @@ def test_concurrent_requests_equal_single_requests(family):
     assert rows > 1, f"{name}: the requests did not share a forward"
 
 
+@pytest.mark.slow
 def test_simultaneous_canvas_requests_share_a_run(fixture_dir):
     """DiffusionGemma's canvases take no rows once a run has started: requests sent at the same
     moment by concurrent clients wait the server's short gathering window and share one run,
@@ -121,6 +124,7 @@ def test_simultaneous_canvas_requests_share_a_run(fixture_dir):
         shutdown(server)
 
 
+@pytest.mark.slow
 def test_canvas_rows_with_their_own_seeds_share_a_run(fixture_dir):
     """DiffusionGemma's rows draw from streams of their own seeds: requests with different seeds
     (a client's, or one drawn for a request that named none) share a run, each with the tokens
@@ -193,6 +197,7 @@ def test_backends_that_draw_for_the_batch_keep_seeds_apart(fixture_dir):
 MOE = ("diffusion_gemma", "llada2_moe", "llada_moe", "sdar_moe")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bf16", "q4"])
 @pytest.mark.parametrize("name", MOE)
 def test_narrow_moe_rows_equal_single_runs_on_the_cpu_path(name, form, fixture_dir, monkeypatch):

@@ -8,8 +8,8 @@ each prompt alone, and the forwards must really shrink (else the test would pass
 import mlx.core as mx
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import dream, llada, llada2, nemotron, sdar
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.engine.block_cache import PrefixCache
 

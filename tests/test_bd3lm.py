@@ -13,9 +13,9 @@ import torch
 from mlx_lm.models.cache import KVCache
 from safetensors.numpy import load_file
 
-from conftest import ROOT, assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
+from helpers import ROOT, assert_close, far, load_fixture
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,
@@ -54,6 +54,7 @@ def ids(n, seed):
 # ----------------------------------------------------------------------------------- forward
 
 
+@pytest.mark.slow
 def test_logits_match_the_reference_under_the_block_causal_mask(loaded, ref):
     model, _ = loaded
     x = [[ENDOFTEXT] + ids(13, 1) + [MASK] * 6]
@@ -229,15 +230,6 @@ def test_spec_is_the_published_recipe():
 
 
 # ------------------------------------------------------------------------- mlx-lm and errors
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(ckpt, tmp_path / "mlx", [""], max_tokens=8, seed=1)
-    assert got["config"]["model_type"] == "bd3lm" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.bd3lm"
-    want = batch_generate_diffusion(model, tok, [""], max_tokens=8, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
 
 
 def test_bad_inputs_are_clear_errors(loaded, ckpt, tmp_path):

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models import load as load_checkpoint
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.decoding.block import sequential_commit
@@ -88,6 +88,7 @@ CACHE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", CACHE_CASES)
 def test_prefix_cache_is_token_identical_to_full_recompute(family, name, kw):
     _, model, tok = family(name)
@@ -421,6 +422,7 @@ def test_llada20_matches_reference_generate(llada2, block_length, steps, thresho
         assert dec.nfe - dec.backend.prefill_forwards == ref_forwards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block_length,threshold,editing_threshold,max_post_steps",
     [

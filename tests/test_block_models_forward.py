@@ -8,10 +8,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models.masks import block_causal_mask, causal_mask
 from mlx_dllm_models.models import llada2_moe, sdar, sdar_moe
 from mlx_dllm_models.settings import family_settings

@@ -11,7 +11,6 @@ server's scheduler, which drops such a row without ending or restarting the run.
 
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures import diffusion_gemma as dg_fx
 from fixtures import fast_dllm_v2 as v2_fx
@@ -21,6 +20,7 @@ from fixtures import wedlm as wedlm_fx
 from fixtures.lavida import build_lavida
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
+from helpers import job_gone_after_looks, load_fixture, spy_forwards
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.server import Job, Scheduler
 
@@ -168,23 +168,6 @@ def test_a_cancelled_row_leaves_at_the_next_step(fixture_dir, case):
     print(f"{case}: forwards' rows {sizes[:mark]} | {sizes[mark:]}")
 
 
-class GoneAfterLooks(Job):
-    """A job whose client goes away once the scheduler has looked `looks` times."""
-
-    def __init__(self, *args, looks: int, **kwargs):
-        self.looks, self.limit = 0, looks
-        super().__init__(*args, **kwargs)
-
-    @property
-    def cancelled(self):
-        self.looks += 1
-        return self.looks > self.limit
-
-    @cancelled.setter
-    def cancelled(self, value):
-        pass
-
-
 def test_the_server_drops_a_canvas_row_mid_canvas_and_the_run_goes_on(fixture_dir):
     """DiffusionGemma's rows cannot join a running batch (their noise streams would start over),
     so a cancelled row once stayed until the run's end; now the run drops it at the next step
@@ -196,7 +179,7 @@ def test_the_server_drops_a_canvas_row_mid_canvas_and_the_run_goes_on(fixture_di
     while alone.step():
         pass
     scheduler = Scheduler(model, tok)
-    gone = scheduler.submit(GoneAfterLooks(PROMPTS[0], dict(settings), looks=4))
+    gone = scheduler.submit(job_gone_after_looks(PROMPTS[0], dict(settings), looks=4))
     stays = scheduler.submit(Job(PROMPTS[1], dict(settings)))
     with Rows(model, pytest.MonkeyPatch()) as rows:
         while scheduler.step():

@@ -3,16 +3,15 @@ whole conversation; the REPL on a pseudo-terminal (two turns, /reset, /exit)."""
 
 import os
 import pty
-import select
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import load_fixture
 from fixtures import llada2 as l2_fx
 from fixtures import nemotron as nem_fx
 from fixtures import sdar as sdar_fx
+from helpers import load_fixture, pty_session
 from mlx_dllm_models import load
 from mlx_dllm_models.cache import PriorKV
 from mlx_dllm_models.chat import ChatSession
@@ -115,25 +114,17 @@ def _pty_run(args, lines, rows=24, cols=100, timeout=120):
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         os.chdir(ROOT)
         os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
-    out, pending = b"", list(lines)
-    while True:
-        ready, _, _ = select.select([fd], [], [], timeout)
-        if not ready:
-            os.kill(pid, 9)
-            break
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
+    pending = list(lines)
+
+    def type_next(out):
         if pending and out.count(b">> ") > len(lines) - len(pending):
             os.write(fd, (pending.pop(0) + "\n").encode())
-    _, status = os.waitpid(pid, 0)
-    return out.decode("utf-8", "replace"), os.waitstatus_to_exitcode(status)
+
+    out, code = pty_session(fd, pid, timeout, type_next)
+    return out.decode("utf-8", "replace"), code
 
 
+@pytest.mark.slow
 def test_chat_repl_on_a_terminal(checkpoints):
     args = ["chat", "--model", str(checkpoints["sdar"]), "--max-tokens", "8"]
     args += ["--block-length", "4", "--steps", "4"]

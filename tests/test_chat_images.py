@@ -6,12 +6,11 @@ error line and the conversation goes on."""
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from fixtures import build_once
 from fixtures.llada_v import build_llada_v
+from helpers import random_picture
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.chat import ChatSession
 from mlx_dllm_models.tiny import build_tiny_llada
@@ -26,8 +25,7 @@ def checkpoint(fixture_dir):
 
 
 def picture(seed, size=(40, 70)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def test_a_later_turn_still_sees_the_first_turns_image(checkpoint):
@@ -70,6 +68,7 @@ def run_chat(model, lines, *flags):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_the_repl_attaches_images(checkpoint, tmp_path):
     path = tmp_path / "pic.png"
     picture(1).save(path)

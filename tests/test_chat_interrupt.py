@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_pty
 from fixtures import sdar as sdar_fx
+from helpers import read_pty
 from mlx_dllm_models import chat, load
 from mlx_dllm_models.chat import INTERRUPTED, ChatSession, chat_main
 
@@ -75,6 +75,7 @@ def test_ctrl_c_drops_the_reply_keeps_the_conversation_and_exits_at_the_prompt(
     assert session.reused > 0, "the first turn's K/V were reused after the interruption"
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_terminal(sdar):
     """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
     command at the prompt that follows, then ^C at the prompt."""

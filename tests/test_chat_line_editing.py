@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_pty
 from fixtures import sdar as sdar_fx
+from helpers import read_pty
 from mlx_dllm_models import load
 from mlx_dllm_models.chat import HELP, ChatSession
 
@@ -47,6 +47,7 @@ def _type(fd, data: bytes):
         data = data[os.write(fd, data[:1024]) :]
 
 
+@pytest.mark.slow
 def test_a_line_longer_than_the_terminal_line_arrives_whole(sdar):
     pid, fd = _spawn(["chat", "--model", str(sdar), "--no-live", "--max-tokens", "8"])
     out = b""

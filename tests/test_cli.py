@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, read_pty, run_cli
+from helpers import cli_env, read_pty, run_cli
 from mlx_dllm_models.tiny import build_tiny_llada
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +22,7 @@ def ckpt(tmp_path_factory):
 STATS = re.compile(r"NFE: (\d+), ([\d.]+) tokens/forward \| Peak memory: [\d.]+ GB")
 
 
+@pytest.mark.slow
 def test_generate_prints_text_and_statistics(ckpt):
     out = run_cli(
         "generate",
@@ -44,6 +45,7 @@ def test_generate_prints_text_and_statistics(ckpt):
     assert "░" not in out.stdout
 
 
+@pytest.mark.slow
 def test_live_canvas_on_a_terminal(ckpt):
     """On a TTY the canvas is drawn with masked cells and redrawn in place as it fills in."""
     pid, fd = pty.fork()
@@ -75,6 +77,7 @@ def test_live_canvas_on_a_terminal(ckpt):
     assert STATS.search(screen)
 
 
+@pytest.mark.slow
 def test_unknown_setting_is_a_clear_error(ckpt):
     out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--alg", "entropy")
     assert out.returncode != 0
@@ -82,18 +85,21 @@ def test_unknown_setting_is_a_clear_error(ckpt):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_bad_value_is_a_clear_error(ckpt):
     out = run_cli("generate", "--model", str(ckpt), "--prompt", "hi", "--steps", "0")
     assert out.returncode != 0 and "steps must be an integer >= 1" in out.stderr
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     out = run_cli("generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
     assert out.returncode != 0 and "no checkpoint at" in out.stderr
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
     out = run_cli(
         "convert",

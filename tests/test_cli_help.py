@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import cli_env, run_cli
+from helpers import cli_env, run_cli
 from mlx_dllm_models import load
 from mlx_dllm_models.cli import COMMANDS, generate_parser
 from mlx_dllm_models.cli import main as cli_main

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from helpers import cli_env
 from mlx_dllm_models import settings, settings_index
 from mlx_dllm_models.cli_common import setting_groups
 from mlx_dllm_models.settings import SETTINGS

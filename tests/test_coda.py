@@ -3,7 +3,6 @@ decoding against a transcription of CoDA's generation_utils.py (tests/reference/
 published config and recipe, plain `mlx_lm convert` / `mlx_lm.load`, batches, sharding and serve."""
 
 import json
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,57 +10,30 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
-from fixtures import build_once
-from fixtures.coda import IM_END, MASK, build
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from fixtures.coda import MASK, build
+from helpers import checkpoint_fixtures, decoded
+from helpers import random_prompt as prompt
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import dream as dream_rules
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import coda
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
-from mlx_dllm_models.spec import BIDIRECTIONAL
-from reference.coda_torch import coda_generate, reference_forward, reference_logits
+from reference.coda_torch import coda_generate, reference_forward
 
 DATA = Path(__file__).parent / "data" / "Salesforce__CoDA-v0-Instruct"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "coda", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("coda", build)
 
 
 # ------------------------------------------------------------------------------------ forward
 
 
-@pytest.mark.parametrize("length", [1, 9, 24])
-def test_logits_match_bidirectional_qwen3(ckpt, length):
-    model, _ = load_fixture(ckpt)
-    ids = np.random.default_rng(length).integers(0, 256, (2, length))
-    ids[:, length // 2 :] = MASK
-    ours = model(mx.array(ids))
-    assert_close(ours, reference_logits(ckpt, ids))
-    if length > 1:
-        assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen3's causal reading fails
-    part = model(mx.array(ids), head_span=(0, max(1, length // 2)))
-    assert_close(part, np.array(ours)[:, : max(1, length // 2)])
-
-
 def test_spec_and_defaults_are_the_published_recipe(loaded):
     model, _ = loaded
     spec = model.diffusion_spec
-    assert (spec.family, spec.attention, spec.logit_shift) == ("coda", BIDIRECTIONAL, 1)
-    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
     assert set(family_settings("coda")) == {"alg", "alg_temp", "eps"}
     # The published generation_config.json (alg "original", alg_temp 0.2, diffusion_steps 10)
     # is what the reference never reads; the deployment recipe is the default.
@@ -102,12 +74,7 @@ def ours(model, prompts, **kw):
     kw = {"temperature": 0.0, **kw}
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, steps, **kw):
@@ -149,6 +116,7 @@ class _Noise:
         return torch.topk(torch.log(probs) + torch.from_numpy(g)[None], n).indices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [(7, 3, 256, 128), (5, 4, 24, 12)])
 def test_the_recipe_matches_the_reference_with_the_same_draws(loaded, ckpt, monkeypatch, case):
     """The defaults (alg entropy, alg_temp 0.1, 128 steps for 256 tokens, temperature 0) against
@@ -200,62 +168,6 @@ def test_bad_settings_are_clear_errors(loaded):
 
 
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(
-        ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4, seed=1
-    )
-    assert got["config"]["model_type"] == "CoDA" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.coda"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_chat_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="coda")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        messages = [{"role": "user", "content": "hi"}]
-        answer = client.chat.completions.create(
-            model="coda", messages=messages, max_tokens=8, seed=3, temperature=0
-        )
-        text = text_tokenizer(tok).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
-        assert answer.choices[0].message.content == want
-    finally:
-        shutdown(server)
 
 
 # ---------------------------------------------------------------------- the published files

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import convert_and_generate
 from fixtures import build_once
 from fixtures import dream as dream_fixture
+from helpers import convert_and_generate
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.models import dream
 from mlx_dllm_models.request import checkpoint_settings, eos_ids, prepare
@@ -169,6 +169,7 @@ def test_a_row_ends_at_dlm_pad(fixture_dir, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_plain_mlx_lm_convert_and_load(tiny, tmp_path):
     name, path, model, tok = tiny
     got = convert_and_generate(path, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, seed=1)

@@ -21,8 +21,8 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from conftest import parity
 from fixtures import all_checkpoints, build_once
+from helpers import parity
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.models import cpu_layers
 from mlx_dllm_models.models.cpu_layers import restore_layers, use_float32_matmuls
@@ -105,6 +105,7 @@ def narrow_layers(model):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("name", NAMES)
 def test_family_computes_its_float32_upcast(ckpts, name, form):
@@ -219,6 +220,7 @@ def _switch_glu(bits):
     return glu, reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [None, 4, 8])
 @pytest.mark.parametrize("tokens, among", [(2, 16), (40, 16), (40, 10)])
 def test_expert_gather_widens_exactly(bits, tokens, among):
@@ -383,6 +385,7 @@ for bits in (2, 4, 8):
 """
 
 
+@pytest.mark.slow
 def test_widening_compiles_one_kernel_for_every_width(tmp_path):
     """MLX's CPU backend builds each fused kernel with the system C++ compiler at its first use
     (about 1 s each, cached under $TMPDIR/mlx): widening 2-, 4- and 8-bit linears and expert

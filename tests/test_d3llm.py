@@ -15,9 +15,11 @@ from fixtures import build_once
 from fixtures.dream import MASK as DREAM_MASK
 from fixtures.dream import build as build_dream
 from fixtures.llada import LLADA_TOKENS, build_llada
+from helpers import decoded
+from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models.decoding import d3llm
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
 from reference.d3llm_multi_block import multi_block_generate
@@ -45,19 +47,10 @@ def family(request, fixture_dir):
     return request.param, model, tok, forward, mask
 
 
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
 def ours(model, prompts, eos=(), **kw):
     settings = resolve_settings(model.diffusion_spec, {"sampler": "d3llm", **kw}, {})
     decoder = make_decoder(model, settings, eos_token_ids=eos)
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(family, p, max_tokens, eos=None, **kw):
@@ -150,6 +143,7 @@ def test_early_stop_fires_and_saves_forwards(family):
     assert same_without
 
 
+@pytest.mark.slow
 def test_the_checks_can_fail(family):
     """The LLaDA and Dream forms of the threshold rule differ (the lowest-entropy mask always
     taken, <= against <), and decoding without the early stop the reference applies differs."""

@@ -4,6 +4,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,7 @@ def test_quota_meets_quota_exactly(data, k):
             assert conf[r][commit[r]].min() >= conf[r][cand[r] & ~commit[r]].max()
 
 
+@pytest.mark.slow
 @given(rows(), st.floats(0.01, 1.0), st.booleans())
 def test_threshold(data, thr, strict):
     conf, cand = data

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from helpers import cli_env
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.default import (
     ASSET,
@@ -45,6 +45,7 @@ def default_model():
     return load(default_checkpoint())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", sorted(FLOORS))
 def test_held_out_accuracy_above_floor(default_model, sampler):
     model, tokenizer = default_model
@@ -57,6 +58,7 @@ def test_held_out_accuracy_above_floor(default_model, sampler):
     )
 
 
+@pytest.mark.slow
 def test_cli_answers_the_default_prompt():
     answer = dict(held_out_problems(2))[DEFAULT_PROMPT]
     env = cli_env()

@@ -215,6 +215,7 @@ def parity_runs(dg, reference):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generation_matches_transformers_step_by_step(parity_runs, case):
     _, (rec, tokens, blocks), (ref_rec, ref_tokens) = parity_runs[case]
@@ -262,6 +263,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_the_parity_check_catches_mistakes(dg, parity_runs, mistake, monkeypatch):
     draws, _, (ref_rec, ref_tokens) = parity_runs["two_canvases_early_stop"]

@@ -13,9 +13,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import assert_close, load_fixture, mlx_lm_convert, parity
 from fixtures import build_once
 from fixtures import diffusion_gemma as fx
+from helpers import assert_close, load_fixture, mlx_lm_convert, parity
 from mlx_dllm_models.models.diffusion_gemma import Model, ModelArgs
 from mlx_dllm_models.settings import family_settings
 from mlx_dllm_models.spec import ENCODER_CANVAS
@@ -98,10 +98,12 @@ def _run(model, chunks=(PROMPT_LEN,)):
     }
 
 
+@pytest.mark.slow
 def test_encoder_logits_match_transformers(model, expected):
     assert_close(_run(model)["encoder"], expected["encoder"])
 
 
+@pytest.mark.slow
 def test_decoder_logits_match_transformers_with_and_without_self_conditioning(model, expected):
     out = _run(model)
     assert out["first"].dtype == mx.float32
@@ -109,6 +111,7 @@ def test_decoder_logits_match_transformers_with_and_without_self_conditioning(mo
     assert_close(out["second"], expected["second"])
 
 
+@pytest.mark.slow
 def test_self_conditioning_reads_the_given_logits(model, expected):
     """transformers' second step, fed with its own first-step logits, also matches."""
     _, _, canvas2 = _inputs()
@@ -118,6 +121,7 @@ def test_self_conditioning_reads_the_given_logits(model, expected):
     assert_close(got, expected["second"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [(5, 1, 7), (1,) * PROMPT_LEN, (9, 4)])
 def test_encoding_in_chunks_continues_positions_and_windows(model, expected, chunks):
     out = _run(model, chunks)
@@ -127,6 +131,7 @@ def test_encoding_in_chunks_continues_positions_and_windows(model, expected, chu
     assert_close(out["second"], expected["second"])
 
 
+@pytest.mark.slow
 def test_decode_reads_the_cache_without_writing_it(model):
     out = _run(model)
     before = [(c.offset, np.array(c.keys)) for c in out["cache"]]
@@ -137,6 +142,7 @@ def test_decode_reads_the_cache_without_writing_it(model):
         assert c.offset == offset and np.array_equal(keys, np.array(c.keys))
 
 
+@pytest.mark.slow
 def test_protocol_call_is_the_decoder_without_self_conditioning(model):
     _, canvas, _ = (mx.array(a) for a in _inputs())
     alone = model.decode(canvas, None)
@@ -172,6 +178,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_the_parity_checks_catch_mistakes(converted, expected, mistake):
     model = load_fixture(converted["f32"])[0]
@@ -246,6 +253,7 @@ def test_per_layer_config_and_named_global_fields_agree(checkpoint):
     assert (b.global_head_dim, b.num_global_key_value_heads) == (32, 1)
 
 
+@pytest.mark.slow
 def test_quantized_conversion_keeps_embeddings_attention_and_router_at_8_bits(converted, model):
     cfg = json.loads((converted["q4"] / "config.json").read_text())
     q = cfg["quantization"]
@@ -278,6 +286,7 @@ def test_quantized_conversion_keeps_embeddings_attention_and_router_at_8_bits(co
         assert corr > least, (name, corr)
 
 
+@pytest.mark.slow
 def test_diffusion_spec_comes_from_config_and_generation_config(model):
     spec = model.diffusion_spec
     assert spec.family == "diffusion_gemma"
@@ -310,6 +319,7 @@ def test_diffusion_spec_comes_from_config_and_generation_config(model):
         assert name in family_settings(spec.family)
 
 
+@pytest.mark.slow
 def test_make_cache_windows_sliding_layers(model):
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -321,6 +331,7 @@ def test_make_cache_windows_sliding_layers(model):
             assert type(c) is KVCache
 
 
+@pytest.mark.slow
 def test_fixture_is_confident(expected):
     """At the first step's temperature (t_max = 0.8) a fair share of positions pass 0.9 and the
     proposals differ across positions, so samplers have something to choose."""

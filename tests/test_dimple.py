@@ -14,9 +14,17 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
-from fixtures import build_once
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
+from helpers import (
+    Ranks,
+    assert_close,
+    checkpoint_fixtures,
+    cut_at_eos,
+    far,
+    random_picture,
+    served_image_answer,
+    stream_tokens,
+)
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.models import dimple
@@ -26,21 +34,14 @@ EOS = {IM_END, ENDOFTEXT}
 SETTINGS = dict(max_tokens=12, steps=6, temperature=0.0, top_p=None, alg="maskgit_plus")
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "dimple", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("dimple", build)
 
 
 def picture(seed, size=(90, 117)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
+@pytest.mark.slow
 def test_processor_matches_transformers_qwen2vl_image_processor(loaded):
     """Odd sizes (a resize to multiples of 28 both ways) and the max_pixels bound (a downscale)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -338,8 +339,6 @@ def test_serve_answers_an_image_url_part(loaded, ckpt):
 
 
 def test_shard_over_one_rank_keeps_image_logits_and_three_ranks_are_refused(ckpt):
-    from test_sharding import Ranks
-
     from mlx_dllm_models import SettingsError
 
     model, processor = load(ckpt)  # its own copy: shard changes it

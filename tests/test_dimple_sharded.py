@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import assert_sharded_is_one_process, launch_two_ranks
 from fixtures.dimple import build
+from helpers import assert_sharded_is_one_process, launch_two_ranks
 
 pytestmark = [
     pytest.mark.distributed,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from distributed_worker import run
 
-from conftest import free_port, launch_two_ranks
 from fixtures import all_checkpoints
+from helpers import free_port, launch_two_ranks
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.tiny import build_tiny_llada
 from mlx_dllm_models.vision import text_tokenizer

@@ -5,7 +5,6 @@ transcription of dllm's MDLMSampler (tests/reference/dllm_a2d.py), its schedule,
 
 import json
 import math
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
-from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from helpers import checkpoint_fixtures, decoded, load_fixture
+from helpers import random_prompt as prompt
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, join_policy, make_decoder, select_backend
+from mlx_dllm_models.engine import join_policy, make_decoder, select_backend
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
@@ -31,40 +30,15 @@ from reference.dllm_a2d import (
     get_num_transfer_tokens,
     mdlm_sample,
     reference_forward,
-    reference_logits,
 )
 
 DATA = Path(__file__).parent / "data" / "dllm-hub__Qwen3-0.6B-diffusion-mdlm-v0.1"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "a2d_qwen3", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("a2d_qwen3", build)
 
 
 # ------------------------------------------------------------------------------------ forward
-
-
-@pytest.mark.parametrize("length", [1, 9, 24])
-def test_logits_match_qwen3_under_the_padding_only_mask(ckpt, length):
-    model, _ = load_fixture(ckpt)
-    ids = np.random.default_rng(length).integers(0, 256, (2, length))
-    ids[:, length // 2 :] = MASK
-    ours = model(mx.array(ids))
-    assert_close(ours, reference_logits(ckpt, ids))
-    if length > 1:
-        assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen3's causal reading fails
-    part = model(mx.array(ids), head_span=(0, max(1, length // 2)))
-    assert_close(part, np.array(ours)[:, : max(1, length // 2)])
 
 
 def test_head_is_tied_as_qwen3_0_6b(ckpt):
@@ -138,12 +112,7 @@ def ours(model, prompts, **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, prompts, max_tokens, block, steps_per_block):
@@ -178,6 +147,7 @@ def test_greedy_tokens_match_the_mdlm_sampler(loaded, ckpt, case):
     assert nfe == sum(len(linear_alpha_quotas(m, steps)) for m in blocks)
 
 
+@pytest.mark.slow
 def test_the_recipe_matches_the_sampler(loaded, ckpt):
     """The defaults (128 tokens in blocks of 32, 32 steps a block, greedy) end to end."""
     model, _ = loaded
@@ -236,6 +206,7 @@ def test_sampled_tokens_match_the_sampler_with_the_same_draws(loaded, ckpt, monk
     assert ours(model, [p], **{**kw, "temperature": 0.0})[0][0] != want  # the draws matter
 
 
+@pytest.mark.slow
 def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loaded, ckpt):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
@@ -249,62 +220,6 @@ def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loa
 
 
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(
-        ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=8, steps=4, seed=1
-    )
-    assert got["config"]["model_type"] == "a2d-qwen3" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.a2d_qwen3"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=8, steps=4, seed=1)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_chat_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        messages = [{"role": "user", "content": "hi"}]
-        answer = client.chat.completions.create(
-            model="a2d", messages=messages, max_tokens=8, seed=3, temperature=0
-        )
-        text = text_tokenizer(tok).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=8, seed=3))
-        assert answer.choices[0].message.content == want
-    finally:
-        shutdown(server)
 
 
 # ---------------------------------------------------------------------- the published config
@@ -349,6 +264,7 @@ BD3LM_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 @pytest.mark.parametrize("case", BD3LM_CASES)
 def test_bd3lm_greedy_tokens_match_the_block_sampler(loaded, ckpt, case, cache):
@@ -414,28 +330,3 @@ def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(loaded, ckpt):
     got, _ = ours(model, prompts, **kw)
     for row, ref in zip(got, bd3lm_reference(ckpt, prompts, 12, 4, 3)):
         assert row[: len(ref)] == ref[: len(row)]
-
-
-def test_bd3lm_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="a2d")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        answer = client.completions.create(
-            model="a2d",
-            prompt="hello",
-            max_tokens=8,
-            seed=3,
-            temperature=0,
-            extra_body={"sampler": "bd3lm", "block_length": 4},
-        )
-        kw = dict(sampler="bd3lm", block_length=4, max_tokens=8, seed=3)
-        want = "".join(r.text for r in stream(model, tok, "hello", **kw))
-        assert answer.choices[0].text == want
-    finally:
-        shutdown(server)

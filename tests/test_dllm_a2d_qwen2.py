@@ -7,47 +7,21 @@ import json
 import math
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture, mlx_lm_convert
-from fixtures import build_once
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK
 from fixtures.dllm_qwen2 import build
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import checkpoint_fixtures
+from helpers import random_prompt as prompt
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import a2d_qwen2
 from mlx_dllm_models.settings import resolve_settings
-from reference.dllm_a2d import bd3lm_sample, mdlm_sample, reference_forward, reference_logits
+from reference.dllm_a2d import bd3lm_sample, mdlm_sample, reference_forward
 
 DATA = Path(__file__).parent / "data" / "dllm-hub__Qwen2.5-Coder-0.5B-Instruct-diffusion-mdlm-v0.1"
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "a2d_qwen2", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
-@pytest.mark.parametrize("length", [1, 11])
-def test_logits_match_qwen2_under_the_padding_only_mask(ckpt, length):
-    model, _ = load_fixture(ckpt)
-    assert type(model).__module__ == "mlx_dllm_models.models.a2d_qwen2"
-    ids = np.random.default_rng(length).integers(0, 256, (2, length))
-    ids[:, length // 2 :] = MASK
-    ours = model(mx.array(ids))
-    assert_close(ours, reference_logits(ckpt, ids))
-    if length > 1:
-        assert far(ours, reference_logits(ckpt, ids, causal=True))
+ckpt, loaded = checkpoint_fixtures("a2d_qwen2", build)
 
 
 @pytest.mark.parametrize("sampler", ["mdlm", "bd3lm"])
@@ -74,18 +48,6 @@ def test_greedy_tokens_match_dllms_samplers(loaded, ckpt, sampler, case):
         if isinstance(event, BlockEvent):
             got.extend(event.tokens[0])
     assert got[: len(want)] == want
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    out = mlx_lm_convert(ckpt, tmp_path / "mlx")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "a2d-qwen2"
-    from mlx_lm import load as mlx_load
-
-    converted, ctok = mlx_load(str(out))
-    kw = dict(max_tokens=8, block_length=4, steps=3, sampler="bd3lm")
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], **kw).tokens
-    assert batch_generate_diffusion(converted, ctok, [[40, 41, 42]], **kw).tokens == want
 
 
 def test_published_config_builds_the_full_model_lazily():

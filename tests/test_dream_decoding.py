@@ -2,8 +2,6 @@
 algorithms) with a plain transcription of the reference on the torch forward, the shared samplers
 block-wise, batching, settings and errors, the CLI."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli_env
-from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK, build
-from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
+from helpers import checkpoint_fixtures, decoded, run_cli
+from helpers import random_prompt as prompt
+from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding.schedule import transfer_schedule
 from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
@@ -25,18 +23,7 @@ from reference.dream_torch import dream_generate, reference_forward
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "dream", build)
-
-
-@pytest.fixture(scope="module")
-def dream(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, dream = checkpoint_fixtures("dream", build, loaded="dream")
 
 
 def settings_for(model, **kw):
@@ -50,12 +37,7 @@ def settings_for(model, **kw):
 def ours(model, prompts, **kw):
     """Full canvases (no EOS cut) and the forward count of the engine."""
     decoder = make_decoder(model, settings_for(model, **kw), eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 _REFERENCE = {}
@@ -435,34 +417,11 @@ def test_end_of_turn_only_when_the_checkpoint_declares_it(dream):
         model.generation_config = saved
 
 
+@pytest.mark.slow
 def test_cli_generates_with_dream_settings(ckpt):
-    env = cli_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlx_dllm_models",
-        "generate",
-        "--model",
-        str(ckpt),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "8",
-        "--alg",
-        "entropy",
-        "--steps",
-        "8",
-        "--no-live",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    args = ["generate", "--model", str(ckpt), "--prompt", "hi", "--max-tokens", "8"]
+    out = run_cli(*args, "--alg", "entropy", "--steps", "8", "--no-live")
     assert out.returncode == 0, out.stderr
     assert "NFE:" in out.stdout
-    bad = subprocess.run(
-        cmd[:-5] + ["--alg", "nope", "--no-live"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
+    bad = run_cli(*args, "--alg", "nope", "--no-live")
     assert bad.returncode != 0 and "unknown alg 'nope'" in bad.stderr

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, MASK, build
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models import dream
@@ -34,6 +34,7 @@ def canvas(batch, length, prompt, seed):
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [1, 7, 16, 33])
 def test_logits_match_bidirectional_reference(model, ckpt, length):
     ids = canvas(2, length, max(1, length // 2), seed=length)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from conftest import spy_forwards
+from helpers import spy_forwards
 from mlx_dllm_models import (
     batch_generate_diffusion,
     generate_diffusion,

@@ -7,12 +7,12 @@ synchronisations per step (issue #14 section 3)."""
 import mlx.core as mx
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import build_once
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from fixtures.sdar import build_sdar
-from mlx_dllm_models.engine import BlockEvent, make_decoder
+from helpers import decoded, load_fixture, spy_forwards
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.engine.fast_dllm import ApproxPrefixCache, DualCache
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import SettingsError, resolve_settings
@@ -45,12 +45,7 @@ def decode(model, prompts, backend=None, eos=(), suffix=(), **kw):
     decoder = make_decoder(model, s, eos_token_ids=eos, suffix=suffix)
     if backend is not None:
         decoder.backend_cls = backend
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def refreshed(cls):
@@ -68,6 +63,7 @@ def widths(model, run):
 # ----------------------------------------------------------------------------- reference parity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LLADA_CHECKPOINTS))
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("threshold", [None, 0.9])

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, cut_at_eos, far, load_fixture
-from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
+from helpers import assert_close, checkpoint_fixtures, cut_at_eos, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.decoding.samplers import StepContext
 from mlx_dllm_models.decoding.stats import TokenStats
@@ -22,15 +21,9 @@ from mlx_dllm_models.decoding.sub_block import sub_block_commit, sub_block_index
 from mlx_dllm_models.masks import block_causal_mask
 from reference.fast_dllm_v2_torch import Reference, generate
 
-
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +103,7 @@ def reference_tokens(ref, ids, n, settings):
     return cut_at_eos(out[0, len(ids) :].tolist(), {fx.IM_END})[:n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length, settings", PARITY)
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_tokens_match_the_reference_generate(loaded, ref, length, settings, cache):
@@ -121,12 +115,14 @@ def test_tokens_match_the_reference_generate(loaded, ref, length, settings, cach
     assert got.finish_reasons[0] == ("stop" if len(want) < 80 else "length")
 
 
+@pytest.mark.slow
 def test_the_cases_stop_at_eos_and_run_long(loaded, ref):
     # The parity cases hold both endings: an EOS in a block (the stop-token rules) and 80 tokens.
     ends = {len(reference_tokens(ref, prompt(n), 80, s)) < 80 for n, s in PARITY}
     assert ends == {True, False}
 
 
+@pytest.mark.slow
 def test_a_wrong_shift_or_no_seed_changes_the_tokens(loaded, ref):
     """The two declarations the family's decoding rests on are each seen by the parity test."""
     import dataclasses
@@ -144,6 +140,7 @@ def test_a_wrong_shift_or_no_seed_changes_the_tokens(loaded, ref):
         model.diffusion_spec = spec
 
 
+@pytest.mark.slow
 def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [prompt(n) for n in (7, 45, 64, 33, 100)]
@@ -304,6 +301,7 @@ def test_bad_config_is_one_clear_error(checkpoint, tmp_path, change, message):
         load_fixture(bad)
 
 
+@pytest.mark.slow
 def test_logprobs_of_a_blocks_seed_are_its_argmax_logit(loaded, ref):
     """A block's first token, which no step decides, gets the log-probability of the finished
     prefix's last logit (the reference's forward over the prefix), and leads its alternatives."""

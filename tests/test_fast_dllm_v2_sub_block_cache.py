@@ -7,23 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cut_at_eos, load_fixture
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
 from fixtures import sdar as sdar_fx
+from helpers import checkpoint_fixtures, cut_at_eos, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.generate import stream_events
 from reference.fast_dllm_v2_torch import Reference, generate
 
-
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +58,7 @@ def reference_tokens(ref, ids, n, settings, use_block_cache):
     return cut_at_eos(out[0, len(ids) :].tolist(), {fx.IM_END})[:n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length, settings", CASES)
 def test_tokens_match_the_reference_with_its_sub_block_cache(loaded, ref, length, settings):
     model, tok = loaded
@@ -72,6 +67,7 @@ def test_tokens_match_the_reference_with_its_sub_block_cache(loaded, ref, length
     assert got.tokens[0] == reference_tokens(ref, ids, 80, settings, True)
 
 
+@pytest.mark.slow
 def test_the_cases_tell_the_cache_from_exact_decoding(ref):
     # The approximation shows: most cases decode other tokens without the sub-block cache.
     differ = [
@@ -82,6 +78,7 @@ def test_the_cases_tell_the_cache_from_exact_decoding(ref):
     assert sum(differ) >= len(CASES) // 2
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [prompt(n) for n in (7, 45, 64, 33, 100)]

@@ -3,49 +3,27 @@ in a fresh process, an earlier run's K/V reused (chat turns), sharding (one rank
 ranks of mlx.launch's ring backend: tests/test_sharded_families.py), and `serve`: one completion, and rows joining a running batch
 with the tokens of single calls."""
 
-import threading
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import (
-    convert_and_generate,
-    load_fixture,
-)
-from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from helpers import checkpoint_fixtures, load_fixture
+from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 def prompt(n):
     return np.random.default_rng(n).integers(0, 256, n).tolist()
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, checkpoint, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(checkpoint, tmp_path / "mlx", [list(range(40, 85))], max_tokens=40)
-    cfg = got["config"]
-    assert cfg["model_type"] == "Fast_dLLM_Qwen" and "auto_map" not in cfg
-    assert cfg["bd_size"] == fx.BLOCK_SIZE
-    assert got["module"] == "mlx_dllm_models.models.fast_dllm_qwen"
-    want = batch_generate_diffusion(model, tok, [list(range(40, 85))], max_tokens=40)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) > 0
 
 
 def _tokens(decoder, ids, **kw):
@@ -77,27 +55,6 @@ def test_a_later_prompt_reuses_an_earlier_runs_kv_exactly(loaded, first_length, 
     assert reusing.backend.reused > 0
 
 
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(checkpoint):
-    model, _ = load_fixture(checkpoint)
-    ids = mx.array([prompt(7) + [fx.MASK] * 5])
-    before = np.array(model(ids))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(checkpoint)[0].shard(_Ranks(3))
-
-
 def _single(model, tok, text, **settings):
     from mlx_dllm_models import stream_generate_diffusion
 
@@ -108,24 +65,7 @@ def _single(model, tok, text, **settings):
     return tokens, out
 
 
-def test_one_completion_request_through_serve(loaded, checkpoint):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-
-    model, tok = loaded
-    server = make_server(lambda: load(checkpoint), host="127.0.0.1", port=0, model_id="fdllm")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        text = "Question: what is a block?\nAnswer:"
-        answer = client.completions.create(model="fdllm", prompt=text, max_tokens=40, temperature=0)
-        _, want = _single(model, tok, text, max_tokens=40, temperature=0)
-        assert answer.choices[0].text == want and len(want) > 0
-    finally:
-        shutdown(server)
-
-
+@pytest.mark.slow
 def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(loaded, checkpoint):
     """Requests arrive one block apart and join the batch at block boundaries (a restart over
     [prompt ; committed], whose seeded blocks must come out as in the run)."""

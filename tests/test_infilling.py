@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli_env, cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.dream import MASK as DREAM_MASK
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA
+from helpers import cli_env, cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from reference.dream_torch import dream_generate, reference_forward
@@ -207,6 +207,7 @@ def test_other_layouts_refuse_infilling(family, tmp_path_factory):
             stream_tokens(model, tok, [40, m, 42], max_tokens=4)
 
 
+@pytest.mark.slow
 def test_cli_suffix(llada):
     path, model, tok = llada
     env = cli_env()

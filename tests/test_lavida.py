@@ -12,13 +12,19 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
-from fixtures import build_once
 from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import (
+    assert_close,
+    checkpoint_fixtures,
+    cut_at_eos,
+    far,
+    random_picture,
+    served_image_answer,
+    stream_tokens,
+)
+from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.masks import prompt_block_mask
 from mlx_dllm_models.models import lavida, llava_llada
@@ -30,19 +36,11 @@ STOP = {LLADA_TOKENS["<|eot_id|>"], LLADA_TOKENS["<|endoftext|>"]}
 SETTINGS = dict(max_tokens=16, block_length=8, steps=4)
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "lavida", build_lavida)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("lavida", build_lavida)
 
 
 def picture(seed, size=(90, 150)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 @pytest.mark.parametrize("shape", [(90, 150), (160, 60)])

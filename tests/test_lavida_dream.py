@@ -10,32 +10,29 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, served_image_answer, stream_tokens
-from fixtures import build_once
 from fixtures.dream import ENDOFTEXT, IM_END, MASK
 from fixtures.lavida import build_lavida_dream
-from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
+from helpers import (
+    assert_close,
+    checkpoint_fixtures,
+    cut_at_eos,
+    far,
+    random_picture,
+    served_image_answer,
+    stream_tokens,
+)
+from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.masks import prompt_block_mask
 from mlx_dllm_models.models import llava_dream
 from mlx_dllm_models.spec import PREFIX_DLM
 from reference import lavida_torch as ref
 
-
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "lavida_dream", build_lavida_dream)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("lavida_dream", build_lavida_dream)
 
 
 def picture(seed, size=(90, 150)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 IM_START = 257  # <|im_start|> of the tiny Dream tokenizer

@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture
 from fixtures.dream import MASK as DREAM_MASK
 from fixtures.dream import build as build_dream
 from fixtures.llada import CHECKPOINTS as LLADA
+from helpers import load_fixture
 from mlx_dllm_models import load
 from mlx_dllm_models.default import chat_prompt, default_checkpoint, held_out_problems
 from mlx_dllm_models.likelihood import (
@@ -117,6 +117,7 @@ def default_model():
     return load(default_checkpoint())
 
 
+@pytest.mark.slow
 def test_default_model_ranks_the_right_sum_first(default_model):
     model, tok = default_model
     # Measured: 20/20 on the first 20 problems at mc_samples 8 (18/20 at 4).

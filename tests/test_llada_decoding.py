@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
 from fixtures.llada import CHECKPOINTS
+from helpers import load_fixture
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from reference.llada_torch import llada_generate, torch_forward
 
@@ -43,6 +43,7 @@ def _reference_tokens(x, prompt_len, eos_ids):
     return gen if cut is None else gen[:cut]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forward_kind", ["transformers", "ours"])
 @pytest.mark.parametrize(
     "gen_length, block_length, steps_total",
@@ -80,6 +81,7 @@ def test_quota_matches_llada_generate(llada, forward_kind, gen_length, block_len
         assert max(committed_per_step) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forward_kind", ["transformers", "ours"])
 @pytest.mark.parametrize("threshold", [0.9, 0.6])
 def test_threshold_matches_fast_dllm(llada, forward_kind, threshold):

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS, llada_moe_arrays
+from helpers import assert_close, far, load_fixture
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.engine import cache_choices
 from mlx_dllm_models.masks import causal_mask, padding_mask
@@ -173,6 +173,7 @@ def test_moe_mask_token_defaults_to_its_generate_s():
     assert llada.ModelArgs.from_dict(cfg).mask_token_id == 303
 
 
+@pytest.mark.slow
 def test_moe_router_expert_bias_and_shared_expert():
     """The LLaDA-MoE block as its remote code writes it: softmax in float32, expert bias added to
     the probabilities (biased values rank and weight), no renormalisation; shared expert added."""

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from fixtures.llada import CHECKPOINTS, LLADA_TOKENS
+from helpers import cut_at_eos, load_fixture, stream_tokens, torch_logits_fn
 from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from reference.llada_torch import llada_generate
@@ -59,6 +59,7 @@ def _reference(model, prompts, gen, block, steps_per_block, **kw):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg_scale", [0.5, 2.0])
 def test_cfg_scale_matches_generate_py(llada, cfg_scale):
     _, model, tok = llada

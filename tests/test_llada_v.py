@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_close, far
 from fixtures import build_once
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, TILE, build_llada_v
+from helpers import Ranks, assert_close, far
 from mlx_dllm_models.models import llava_llada
 from reference import llada_v_torch as ref
 
@@ -119,7 +119,7 @@ def test_bad_config_is_a_clear_error():
 
 
 def tokens(model, tok, ids, **settings):
-    from conftest import stream_tokens
+    from helpers import stream_tokens
 
     return stream_tokens(model, tok, ids, **settings)
 
@@ -153,7 +153,7 @@ def test_answers_stop_at_eot_as_the_reference(eot_loaded, eot_ckpt, case):
 
 
 def check_greedy(loaded, ckpt, case):
-    from conftest import cut_at_eos
+    from helpers import cut_at_eos
 
     model, tok = loaded
     gen, block, steps = case
@@ -205,7 +205,7 @@ def test_greedy_tokens_over_an_anyres_image_match_generate_with_embeds(loaded, c
     reference packs, then its greedy decoding."""
     from PIL import Image
 
-    from conftest import cut_at_eos
+    from helpers import cut_at_eos
 
     model, processor = loaded
     rng = np.random.default_rng(12)
@@ -257,16 +257,9 @@ def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
     ids = mx.array([[300] + model.image_slots(pixels(5)) + [72, MASK, MASK]])
     before = np.array(model(ids))
 
-    class Ranks:
-        def size(self):
-            return 3
-
-        def rank(self):
-            return 0
-
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks())
+        model.shard(Ranks(3))
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
     model.shard(mx.distributed.init())  # the single-process group
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures.llada_v import TILE, build_llada_v
+from helpers import random_picture, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError
@@ -22,8 +22,7 @@ def loaded(fixture_dir):
 
 
 def picture(seed, size=(40, 70)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def reference_preprocess(image, size):
@@ -77,6 +76,7 @@ def test_generate_with_an_image_equals_the_prompt_of_feature_ids(loaded):
     assert other != got  # the image is read
 
 
+@pytest.mark.slow
 def test_batch_rows_with_other_several_or_no_images_equal_single_runs(loaded):
     model, processor = loaded
     prompts = ["<image>What is it?", "<image> and <image>: which?", "No picture here", "<image>?"]
@@ -95,6 +95,7 @@ def test_bad_images_are_clear_errors(loaded, tmp_path):
         stream_tokens(model, processor, [1, 2, -5], **SETTINGS)
 
 
+@pytest.mark.slow
 def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_dir):
     """The chat endpoint with an image_url data URL answers the tokens of one generate call on the
     chat prompt with the image where the part was; the scheduler batches image and text rows, each
@@ -139,6 +140,7 @@ def photo():
     return Image.fromarray(datasets.load_sample_image("china.jpg"))  # 640 x 427
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [TILE, 384])
 def test_anyres_tiles_match_process_anyres_image_on_a_real_photo(size):
     """LLaDA-V's pinpoints (1x1 ... 6x6 tiles) at the real tile (384) and the fixture's."""
@@ -159,7 +161,7 @@ def test_anyres_tiles_match_process_anyres_image_on_a_real_photo(size):
 def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, shape):
     """Tiles through the tower, unpadded, downsampled past anyres_max_4 and closed by
     image_newline per row, after the base tile: mlx-vlm's packing against llava_arch's."""
-    from conftest import assert_close
+    from helpers import assert_close
     from reference.llada_v_torch import anyres_image_features
 
     model, processor = loaded
@@ -171,10 +173,11 @@ def test_anyres_image_features_match_the_reference_packing(loaded, fixture_dir, 
     assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_plain_mlx_lm_convert_keeps_the_vision_path(loaded, fixture_dir, tmp_path):
     """python -m mlx_lm convert of the HF checkpoint loads back (its vision weights already in
     mlx's layout) and answers an image prompt with the same tokens."""
-    from conftest import mlx_lm_convert
+    from helpers import mlx_lm_convert
 
     model, processor = loaded
     out = mlx_lm_convert(fixture_dir / "llada_v", tmp_path / "converted")

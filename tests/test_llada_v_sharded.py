@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import assert_sharded_is_one_process, launch_two_ranks
 from fixtures.llada_v import build_llada_v
+from helpers import assert_sharded_is_one_process, launch_two_ranks
 
 pytestmark = pytest.mark.distributed
 

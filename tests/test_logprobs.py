@@ -23,11 +23,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import load_fixture
 from fixtures import build_once, sdar
 from fixtures import diffusion_gemma as dgfx
 from fixtures import nemotron as nfx
 from fixtures.llada import build_llada
+from helpers import load_fixture
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
@@ -341,6 +341,7 @@ SETTINGS = dict(max_tokens=16, block_length=8)
 QUESTION = "Why is the sky blue?"
 
 
+@pytest.mark.slow
 def test_chat_logprobs_not_streaming_and_streaming(llada, served):
     model, tok = llada
     client = OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)

@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from helpers import run_cli
 from mlx_dllm_models.default import (
     chat_prompt,
     default_checkpoint,
@@ -23,7 +24,6 @@ from mlx_dllm_models.default import (
     held_out_problems,
     in_addition_task,
 )
-from tests.conftest import run_cli
 
 HELD_OUT = 32
 # MLX_DLLM_SLOW_TESTS=1 runs the recipe that reaches the 0.8 from every seed measured
@@ -105,6 +105,7 @@ def trained(tmp_path_factory):
     return adapters
 
 
+@pytest.mark.slow
 def test_the_default_cannot_do_the_task_before_training():
     from mlx_dllm_models.loader import load
 
@@ -123,12 +124,14 @@ def answered(trained):
     return answered
 
 
+@pytest.mark.slow
 def test_lora_adapters_learn_the_task_and_load_back(trained, answered):
     assert (trained / "adapters.safetensors").exists()
     assert json.loads((trained / "adapter_config.json").read_text())["fine_tune_type"] == "lora"
     assert len(answered) >= FLOOR * HELD_OUT, len(answered)
 
 
+@pytest.mark.slow
 def test_generate_answers_with_the_adapters(trained, answered):
     # A held-out problem the adapted model answers right in Python (one answer of a half-trained
     # model can fall either way): the CLI must load the same adapters and answer it the same.

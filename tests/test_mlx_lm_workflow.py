@@ -76,6 +76,7 @@ print("RESULT", json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_load_resolves_a_repo_id_from_the_hugging_face_cache_offline(hub_cache):
     proc = _run(["-c", LOAD_BY_REPO_ID, REPO, COMMIT], hub_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -88,6 +89,7 @@ def test_load_resolves_a_repo_id_from_the_hugging_face_cache_offline(hub_cache):
     assert "tiny-org/not-cached" in got["missing"] and "f" * 40 in got["bad_revision"]
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_repo_id(hub_cache):
     proc = _run(
         ["-m", "mlx_dllm_models", "generate", "--model", REPO, "--no-live", "--max-tokens", "16"],
@@ -204,6 +206,7 @@ def lora_run(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_lora_writes_mlx_lm_adapter_files_that_load_back(lora_run):
     import mlx.core as mx
 
@@ -224,6 +227,7 @@ def test_lora_writes_mlx_lm_adapter_files_that_load_back(lora_run):
     assert not mx.allclose(base(lora_run.ids), lora_run.logits, atol=1e-3).item()
 
 
+@pytest.mark.slow
 def test_fuse_folds_the_adapters_into_a_checkpoint(lora_run):
     import mlx.core as mx
 
@@ -368,6 +372,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_evaluate_scores_local_lm_eval_tasks_on_the_default(tmp_path, monkeypatch):
     pytest.importorskip("lm_eval", reason="the [eval] extra (lm-eval) is not installed")
     from mlx_dllm_models.cli import main

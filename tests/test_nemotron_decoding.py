@@ -8,8 +8,6 @@ greedy AR decoding with mlx-lm.
 """
 
 import dataclasses
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import cli_env, load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import load_fixture, run_cli, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.self_spec import speculative_accept
@@ -237,6 +235,7 @@ def test_self_spec_sampling_is_seeded_and_cache_exact(loaded):
     assert fx.MASK not in a
 
 
+@pytest.mark.slow
 def test_speculative_accept_keeps_the_target_distribution():
     """Speculative sampling: whatever the drafts' distribution q, each returned token follows p."""
     p = mx.array([[0.6, 0.3, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
@@ -263,24 +262,11 @@ def test_bad_settings_raise_clear_errors(loaded):
 
 
 def _cli(checkpoint, *extra):
-    env = cli_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlx_dllm_models",
-        "generate",
-        "--model",
-        str(checkpoint),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "16",
-        "--no-live",
-        *extra,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    args = ["generate", "--model", str(checkpoint), "--prompt", "hi", "--max-tokens", "16"]
+    return run_cli(*args, "--no-live", *extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "self_spec"])
 def test_cli_generates(checkpoint, mode):
     out = _cli(checkpoint, *(["--mode", mode] if mode else []))
@@ -288,6 +274,7 @@ def test_cli_generates(checkpoint, mode):
     assert "tokens/forward" in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_rejects_an_unknown_mode(checkpoint):
     out = _cli(checkpoint, "--mode", "fast")
     assert out.returncode != 0 and "unknown mode 'fast'" in out.stderr

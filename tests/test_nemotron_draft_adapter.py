@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture, spy_forwards, stream_tokens
 from fixtures import nemotron as fx
+from helpers import load_fixture, spy_forwards, stream_tokens
 from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.errors import CheckpointError
@@ -172,6 +172,7 @@ def _reference_rounds(model, prompt, max_tokens, draft_threshold):
     return rounds, nfe, trace
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_threshold", [None, 0.9])
 @pytest.mark.parametrize("adapter", [True, False])
 def test_self_spec_rounds_equal_linear_spec_generate(

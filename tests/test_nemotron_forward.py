@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from conftest import assert_close, load_fixture, parity
 from fixtures import build_once
 from fixtures import nemotron as fx
+from helpers import assert_close, load_fixture, parity
 from mlx_dllm_models.cache import Positions
 from mlx_dllm_models.masks import padding_mask
 from mlx_dllm_models.models.nemotron_labs_diffusion import Model, ModelArgs

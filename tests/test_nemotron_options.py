@@ -9,8 +9,8 @@ token-identical to a transcription of the remote code's ar_generate.
 
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.cli_common import add_setting_flags, chosen_settings
 from mlx_dllm_models.engine import BlockEvent
@@ -179,6 +179,7 @@ def _think(budget, marker, **kw):
     return dict(max_thinking_tokens=budget, end_think_token_id=marker, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal_context", [True, False])
 def test_cache_none_and_batch_equal_kv_one_by_one(loaded, free_runs, causal_context):
     model, tok = loaded
@@ -267,6 +268,7 @@ def test_server_batches_these_at_arrival(checkpoint, extra):
 # ------------------------------------------------------------------------------ self-speculation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(), dict(cache="none"), dict(draft_threshold=0.5)])
 def test_self_spec_budget_equals_ar_generate(loaded, vlm, free_runs, kw):
     model, tok = loaded

@@ -11,12 +11,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import assert_close, cut_at_eos, far, stream_tokens
 from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
+from helpers import Ranks, assert_close, cut_at_eos, far, random_picture, stream_tokens
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 
@@ -41,8 +40,7 @@ def text_ref(ckpt):
 
 
 def picture(seed, size=(60, 90)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def test_tower_and_projector_match_transformers(loaded, ckpt):
@@ -201,16 +199,9 @@ def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
     ids = mx.array([processor(text=["a<image>b"], images=[picture(6)])["input_ids"][0] + [258]])
     before = np.array(model(ids))
 
-    class Ranks:
-        def size(self):
-            return 3
-
-        def rank(self):
-            return 0
-
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
     with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks())
+        model.shard(Ranks(3))
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
     model.shard(mx.distributed.init())  # the single-process group
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import served_image_answer, stream_tokens
 from fixtures import build_once
 from fixtures import nemotron_vlm as fx
+from helpers import random_picture, served_image_answer, stream_tokens
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
@@ -29,8 +29,7 @@ def loaded(path):
 
 
 def picture(seed, size=(60, 90)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 def smooth_picture(width, height):

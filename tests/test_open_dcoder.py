@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, assert_close, cli_env, far, run_cli
 from fixtures import build_once
 from fixtures.open_dcoder import ENDOFTEXT, MASK, VOCAB, build, build_converted
+from helpers import ROOT, checkpoint_fixtures, cli_env, decoded, run_cli
+from helpers import random_prompt as prompt
 from mlx_dllm_models import CheckpointError, SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.conversion import retyped_config
@@ -25,12 +26,10 @@ from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding import p2 as p2_rules
 from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
-from mlx_dllm_models.engine import BlockEvent, make_decoder
-from mlx_dllm_models.masks import every_key
+from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import open_dcoder
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
-from mlx_dllm_models.spec import BIDIRECTIONAL
 from reference.open_dcoder_torch import mdm_sample, reference_logits
 
 DATA = Path(__file__).parent / "data" / "fredzzp__open-dcoder-0.5B"
@@ -41,40 +40,15 @@ def published(fixture_dir):
     return build_once(fixture_dir / "open_dcoder_published", build)
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "open_dcoder", build_converted)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("open_dcoder", build_converted)
 
 
 # ------------------------------------------------------------------------------------ forward
 
 
-@pytest.mark.parametrize("length", [1, 11])
-def test_logits_match_bidirectional_qwen2(loaded, ckpt, length):
-    model, _ = loaded
-    ids = np.random.default_rng(length).integers(0, 256, (2, length))
-    ids[:, length // 2 :] = MASK
-    # _mdm_sample's reading (is_causal=False), given explicitly: the plain call is the causal
-    # forward (tests/test_plain_forward.py).
-    ours = model(mx.array(ids), mask=every_key(length))
-    assert_close(ours, reference_logits(ckpt, ids))
-    if length > 1:
-        assert far(ours, reference_logits(ckpt, ids, causal=True))  # Qwen2's AR reading fails
-
-
 def test_spec_and_defaults_are_sample_py_recipe(loaded):
     model, _ = loaded
     spec = model.diffusion_spec
-    assert (spec.family, spec.attention, spec.logit_shift) == ("open_dcoder", BIDIRECTIONAL, 1)
     assert (spec.mask_token_id, spec.eos_token_ids, spec.confidence) == (
         MASK,
         (ENDOFTEXT,),
@@ -101,12 +75,7 @@ def ours(model, prompts, **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, checkpoint_settings(model, spec))
     decoder = make_decoder(model, settings, eos_token_ids=())
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, steps, **kw):
@@ -234,6 +203,7 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
 # ------------------------------------------------------------- convert, load, bad input
 
 
+@pytest.mark.slow
 def test_convert_with_model_type_then_plain_mlx_lm_load(loaded, published, tmp_path):
     model, tok = loaded
     out = tmp_path / "mlx"

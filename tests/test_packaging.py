@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "mlx-lm-model-plugins.patch"
 PINNED_MLX_LM = "0.32.2"
 HEAVY = ("mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "torch", "mlx_dllm_models")
+# Wheels built and installed into fresh environments: the full command's, not the quick loop's.
+pytestmark = pytest.mark.slow
 
 
 def _env():

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, far, load_fixture
 from fixtures import build_once
 from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_fixture
 from fixtures import open_dcoder as open_dcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
+from helpers import assert_close, far, load_fixture
 from reference import (
     dream_torch,
     fast_dllm_v2_torch,

@@ -183,6 +183,7 @@ def _decode(model, tok, call, prompt_or_batch, kw):
     return out.tokens, out.finish_reasons
 
 
+@pytest.mark.slow
 @settings(
     max_examples=300,
     deadline=None,

@@ -124,7 +124,7 @@ def test_help_and_settings_commands(converted):
 
 @pytest.mark.slow
 def test_serve_example(converted):
-    from conftest import free_port
+    from helpers import free_port
 
     (block,) = _blocks("bash", "mlx_dllm serve")
     port = str(free_port())

@@ -43,12 +43,12 @@ import pytest
 from mlx.utils import tree_flatten
 from test_real_configs import hf_shape
 
-from conftest import parity
 from fixtures.llada import llada_moe_names
+from helpers import parity
 from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
 from mlx_dllm_models.registry import MODEL_TYPES
 
-pytestmark = pytest.mark.xdist_group("real_width")
+pytestmark = [pytest.mark.xdist_group("real_width"), pytest.mark.slow]
 
 DATA = Path(__file__).parent / "data"
 GB = 1e9

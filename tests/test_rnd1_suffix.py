@@ -5,29 +5,17 @@ request.prepare) and equals the reference's generate(max_new_tokens=max_tokens +
 
 import dataclasses
 
-import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import checkpoint_fixtures
+from helpers import random_prompt as prompt
+from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import prepare
 from reference.rnd1_sampling import generate, reference_forward
 
-
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "rnd1", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 def reference(ckpt, p, max_tokens, steps):

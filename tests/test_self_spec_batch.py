@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_fixture, spy_forwards
 from fixtures import nemotron as fx
+from helpers import job_gone_after_looks, load_fixture, spy_forwards
 from mlx_dllm_models.cache import RowKVCache
 from mlx_dllm_models.engine import join_policy
 from mlx_dllm_models.generate import stream_events
@@ -77,6 +77,7 @@ def decode(model, tok, prompts, oracle=None, **kw):
     return out, decoder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_batch_rows_equal_their_single_runs(loaded, cache):
     model, tok = loaded
@@ -90,6 +91,7 @@ def test_batch_rows_equal_their_single_runs(loaded, cache):
     assert decoder.nfe == max(nfes) < sum(nfes), (decoder.nfe, nfes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "none"])
 def test_rows_keeping_different_drafts_equal_their_single_runs(loaded, cache):
     model, tok = loaded
@@ -144,6 +146,7 @@ def test_thinking_budget_and_logprobs_per_row(loaded):
     assert forced >= 1
 
 
+@pytest.mark.slow
 def test_sampled_batch_is_seeded_and_cache_exact(loaded):
     model, tok = loaded
     kw = dict(max_tokens=16, temperature=0.8, seed=5)
@@ -186,23 +189,6 @@ def test_concurrent_server_requests_share_forwards(loaded):
     assert len(calls) < sum(n for _, n in alone)
 
 
-class GoneAfterLooks(Job):
-    """A job whose client goes away once the scheduler has looked `looks` times."""
-
-    def __init__(self, *args, looks: int, **kwargs):
-        self.looks, self.limit = 0, looks
-        super().__init__(*args, **kwargs)
-
-    @property
-    def cancelled(self):
-        self.looks += 1
-        return self.looks > self.limit
-
-    @cancelled.setter
-    def cancelled(self, value):
-        pass
-
-
 def _serve(scheduler):
     steps = 0
     while scheduler.step():
@@ -225,7 +211,7 @@ def test_a_later_request_joins_a_running_batch_and_a_cancelled_one_leaves(loaded
     assert 0 < len(first.tokens) < len(alone[0])
     later = scheduler.submit(Job(PROMPTS[1], dict(mode="self_spec", max_tokens=20)))
     gone = scheduler.submit(
-        GoneAfterLooks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
+        job_gone_after_looks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
     )
     _serve(scheduler)
     assert scheduler.joins == 1 and scheduler.max_rows == 3
@@ -245,6 +231,7 @@ def with_adapter(tmp_path_factory):
     return load_fixture(fx.build_with_draft_adapter(tmp_path_factory.mktemp("lora") / "ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [dict(cache="auto"), dict(cache="none"), dict(draft_threshold=0.99)],

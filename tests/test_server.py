@@ -16,12 +16,12 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from conftest import data_url
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.nemotron import build as build_nemotron
 from fixtures.sdar import build_sdar
+from helpers import data_url
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown
@@ -259,6 +259,7 @@ def test_a_client_that_disconnects_frees_its_row(served):
     assert 1 <= scheduler.blocks - before < 8
 
 
+@pytest.mark.slow
 def test_cli_serve_answers_curl_and_stops(llada, llada_path):
     """`mlx_dllm serve` as users start it: a subprocess on a loopback port."""
     model, tokenizer = llada
@@ -353,6 +354,7 @@ def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(fixture_dir
         assert job.tokens == tokens, f"request {i}"
 
 
+@pytest.mark.slow
 def test_load_16_clients_mixed_settings_streaming_and_not(llada, served):
     """16 concurrent clients (chat and completions, streaming or not, two block lengths, two
     samplers, several budgets): all answered, each with the tokens of its single call."""

@@ -71,6 +71,7 @@ def chat_text(client, **kwargs):
 # ------------------------------------------------------------------------- 1. what clients send
 
 
+@pytest.mark.slow
 def test_no_seed_draws_fresh_noise_and_a_seed_reproduces(llada, client):
     settings = dict(max_tokens=16, temperature=1.0, extra_body={"block_length": 8})
     texts = [chat_text(client, **settings) for _ in range(5)]
@@ -186,6 +187,7 @@ def gemma(fixture_dir):
 DG = dict(max_tokens=dgfx.CANVAS_LENGTH, max_denoising_steps=4)
 
 
+@pytest.mark.slow
 def test_diffusion_gemma_temperature_scales_its_schedule(gemma):
     model, processor, client = gemma
     spec = model.diffusion_spec

@@ -30,6 +30,7 @@ from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
+from helpers import job_gone_after_looks
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, make_server, shutdown
@@ -601,23 +602,7 @@ def test_a_cancelled_row_leaves_mid_block_and_the_others_are_exact(fixture_dir, 
     assert stays.tokens == single(model, tokenizer, "hi there", **settings)
 
 
-class GoneAfterLooks(Job):
-    """A job whose client goes away once the scheduler has looked `looks` times."""
-
-    def __init__(self, *args, looks: int, **kwargs):
-        self.looks, self.limit = 0, looks
-        super().__init__(*args, **kwargs)
-
-    @property
-    def cancelled(self):
-        self.looks += 1
-        return self.looks > self.limit
-
-    @cancelled.setter
-    def cancelled(self, value):
-        pass
-
-
+@pytest.mark.slow
 def test_a_lone_cancelled_canvas_row_ends_its_run_at_the_next_step(gemma_path):
     """A decoder that takes no rows once started (DiffusionGemma's canvas) cannot restart the
     others, but a run whose only row is cancelled ends at the next denoising step."""
@@ -628,7 +613,7 @@ def test_a_lone_cancelled_canvas_row_ends_its_run_at_the_next_step(gemma_path):
     while alone.step():
         pass
     scheduler = Scheduler(model, processor)
-    gone = scheduler.submit(GoneAfterLooks("hi", dict(settings), looks=4))
+    gone = scheduler.submit(job_gone_after_looks("hi", dict(settings), looks=4))
     while scheduler.step():
         pass
     assert gone.done and gone.tokens == [] and scheduler.cut_short == 1
@@ -695,6 +680,7 @@ def serve_process(path, *flags):
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_sigterm_right_after_a_request_exits_0(llada_path):
     """The worker thread ran MLX's compiled functions: a process that exited while that thread's
     C++ thread-locals were being destroyed aborted ("terminate called without an active
@@ -714,6 +700,7 @@ def test_sigterm_right_after_a_request_exits_0(llada_path):
     assert code == 0 and "terminate called" not in err, (code, err[-2000:])
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_request_runs_exits_0_in_order(llada_path):
     """A real `mlx_dllm serve` process (on 0.0.0.0, which it warns about), a streamed and a plain
     request running, then SIGTERM: both get the shutting-down error, the process exits 0 at

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from distributed_worker import run
 
-from conftest import assert_sharded_is_one_process, launch_two_ranks
 from fixtures import bd3lm, coda, dllm, fast_dllm_v2, open_dcoder, rnd1, wedlm
+from helpers import assert_sharded_is_one_process, launch_two_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
 from fixtures import diffusion_gemma, dream, llada, llada2, nemotron, sdar
+from helpers import Ranks
 from mlx_dllm_models import SettingsError, load
 from mlx_dllm_models.models import sharding
 from mlx_dllm_models.tiny import build_tiny_llada
@@ -29,19 +30,6 @@ CONFIGS = {
         "text_config": dict(diffusion_gemma.TEXT_CONFIG),
     },
 }
-
-
-class Ranks:
-    """Stands for a group of `n` ranks: `shard` reads its size and rank before splitting."""
-
-    def __init__(self, n: int, rank: int = 0):
-        self.n, self.r = n, rank
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return self.r
 
 
 def _model(name):

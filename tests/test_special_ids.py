@@ -161,6 +161,7 @@ def fresh_processes(checkpoint, root):
             p.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,key,value", IN_SUBPROCESS, ids=lambda v: str(v))
 def test_out_of_range_mask_fails_cleanly_in_a_fresh_process(fresh_processes, name, key, value):
     proc = fresh_processes[name]

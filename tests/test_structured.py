@@ -26,7 +26,6 @@ import regex as partial_re
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import load_fixture, run_cli
 from fixtures import (
     build_once,
     coda,
@@ -42,6 +41,7 @@ from fixtures import (
 )
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada_v import build_llada_v
+from helpers import load_fixture, run_cli
 from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
 from mlx_dllm_models.cli import main
 from mlx_dllm_models.decoding.constrained import allowed_tokens, commit_prefix
@@ -236,6 +236,7 @@ def test_allowed_tokens_reads_llguidance_bit_order():
 # ------------------------------------------------------------------------ every family, random
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_random_regexes_match(models, name):
     model, tok = models(name)
@@ -268,6 +269,7 @@ def test_random_regexes_match(models, name):
     assert len(set(seen)) > 1, seen  # and were not all the same
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_random_json_schemas_validate(models, name):
     model, tok = models(name)
@@ -520,6 +522,7 @@ def test_masks_inside_the_prompt_are_refused_with_a_constraint(models):
 # ------------------------------------------------------------------------------------------ CLI
 
 
+@pytest.mark.slow
 def test_cli_flags(tmp_path, capsys):
     """One fresh process (what a user runs), the other flags through the same entry point in
     this one."""
@@ -537,7 +540,8 @@ def test_cli_flags(tmp_path, capsys):
     grammar = tmp_path / "g.lark"
     grammar.write_text('start: "yes" | "no"\n')
     assert generate("--lark", str(grammar)).strip() in ("yes", "no")
-    assert json.loads(generate("--json-schema", '{"type": "array", "maxItems": 2}')) is not None
+    out = json.loads(generate("--json-schema", '{"type": "array", "maxItems": 2}'))
+    jsonschema.validate(out, {"type": "array", "maxItems": 2})
     with pytest.raises(SystemExit, match="error: --json-schema .*missing.json"):
         main(["generate", "--json-schema", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit, match="regex of prompt 0 cannot be compiled"):
@@ -559,6 +563,7 @@ def test_self_speculation_is_constrained_autoregressive_decoding(models, tempera
         assert one[1] == tokens and one[3] >= nfe
 
 
+@pytest.mark.slow
 def test_embedded_default_always_gives_valid_json():
     """The issue's schema on the model trained on bare sums: valid JSON every time, at its
     default budget (16 tokens, where `{"answer": 132}` leaves one position for EOS: the budget
@@ -590,6 +595,7 @@ def test_tokenizer_forms(models):
         compile_rows(dict(regex="[ab]"), 1, object(), 320, [301])
 
 
+@pytest.mark.slow
 def test_canvas_readout_is_the_best_allowed_token_of_its_last_step(models, monkeypatch):
     """DiffusionGemma: the canvas a constrained row returns is, position by position, the best
     token the grammar allows under the last denoising step's logits (spied); unconstrained rows
@@ -620,6 +626,7 @@ def test_canvas_readout_is_the_best_allowed_token_of_its_last_step(models, monke
     assert batch.tokens[1] == alone.tokens[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["llada", "sdar", "nemotron self_spec", "diffusion_gemma", "wedlm", "wedlm recompute"]
 )

@@ -58,6 +58,7 @@ def ask(client, **kwargs):
     )
 
 
+@pytest.mark.slow
 def test_response_format_json_schema(default, client):
     model, tok = default
     fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": ANSWER}}

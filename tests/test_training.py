@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from mlx.utils import tree_flatten
 
-from conftest import load_fixture, spy_forwards
 from fixtures.dream import build as build_dream
 from fixtures.llada import build_llada, build_llada_moe
+from helpers import load_fixture, spy_forwards
 from mlx_dllm_models.training import (
     apply_lora,
     diffusion_loss,

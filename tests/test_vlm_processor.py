@@ -4,14 +4,13 @@ processor, not the bare tokenizer mlx-vlm finds; and the public API given such a
 encodes the images with the model's processor too (it raised a TypeError before)."""
 
 import mlx_vlm
-import numpy as np
 import pytest
-from PIL import Image
 
 from fixtures import build_once
 from fixtures import dimple as dimple_fx
 from fixtures import nemotron_vlm as nvlm_fx
 from fixtures.llada_v import build_llada_v
+from helpers import random_picture
 from mlx_dllm_models import generate_diffusion, load
 from mlx_dllm_models.vision import is_processor, text_tokenizer
 
@@ -20,8 +19,7 @@ SETTINGS = dict(max_tokens=8, block_length=8, steps=4)
 
 
 def picture(seed, size=(40, 70)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+    return random_picture(seed, size)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

@@ -7,7 +7,6 @@ one process and serve."""
 import importlib
 import json
 import re
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, convert_and_generate, far, load_fixture
 from fixtures import build_once
 from fixtures.wedlm import IM_END, MASK, build, build_qwen2
+from helpers import assert_close, decoded, far, load_fixture
+from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.wedlm import reordered_causal_mask, wedlm_commit
@@ -26,7 +26,6 @@ from mlx_dllm_models.models import wedlm
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
-from mlx_dllm_models.spec import CAUSAL_WINDOW
 from reference import wedlm_torch as ref
 
 DATA = Path(__file__).parent / "data" / "tencent__WeDLM-8B-Instruct"
@@ -41,10 +40,6 @@ def ckpt(request, fixture_dir):
 @pytest.fixture(scope="module")
 def loaded(ckpt):
     return load(ckpt)
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -104,9 +99,7 @@ def test_reordered_mask_by_hand():
 def test_spec_and_defaults_are_the_reference_engines_recipe(loaded):
     model, _ = loaded
     spec = model.diffusion_spec
-    assert (spec.family, spec.attention, spec.logit_shift) == ("wedlm", CAUSAL_WINDOW, 0)
     assert (spec.decoder, spec.samplers) == ("wedlm", ("wedlm",))
-    assert spec.mask_token_id == MASK and spec.eos_token_ids == (IM_END,)
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     got = {k: s[k] for k in wedlm.WEDLM_DEFAULTS}
     assert got == {
@@ -226,12 +219,7 @@ def ours(model, prompts, eos=(IM_END,), **kw):
     spec = model.diffusion_spec
     settings = resolve_settings(spec, kw, {})
     decoder = make_decoder(model, settings, eos_token_ids=eos)
-    out = [[] for _ in prompts]
-    for event in decoder.run(prompts):
-        if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
-                out[row].extend(toks)
-    return out, decoder.nfe
+    return decoded(decoder, prompts)
 
 
 def reference(ckpt, p, max_tokens, eos=(IM_END,), **kw):
@@ -379,65 +367,6 @@ def test_logprobs_are_those_of_the_step_that_filled_each_token(loaded):
 
 
 # ------------------------------------------------------------------- mlx-lm, sharding, serve
-
-
-def test_plain_mlx_lm_convert_and_load(loaded, ckpt, tmp_path):
-    model, tok = loaded
-    got = convert_and_generate(ckpt, tmp_path / "mlx", [[40, 41, 42]], max_tokens=12)
-    assert got["config"]["model_type"] == "wedlm" and "auto_map" not in got["config"]
-    assert got["module"] == "mlx_dllm_models.models.wedlm"
-    want = batch_generate_diffusion(model, tok, [[40, 41, 42]], max_tokens=12)
-    assert got["tokens"][0] == want.tokens[0] and len(want.tokens[0]) == 12
-
-
-class _Ranks:
-    def __init__(self, n):
-        self.n = n
-
-    def size(self):
-        return self.n
-
-    def rank(self):
-        return 0
-
-
-def test_shard_over_one_rank_keeps_logits_and_three_ranks_are_refused(ckpt):
-    model, _ = load_fixture(ckpt)
-    ids = mx.array([prompt(7, 3) + [MASK] * 5])
-    before = np.array(model(ids, mask="causal"))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids, mask="causal")), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        load_fixture(ckpt)[0].shard(_Ranks(3))
-
-
-def test_one_completion_request_through_serve(loaded, ckpt):
-    from openai import OpenAI
-
-    from mlx_dllm_models.server import make_server, shutdown
-
-    model, tok = loaded
-    server = make_server(lambda: load(ckpt), host="127.0.0.1", port=0, model_id="wedlm")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
-        text = "Question: hi\nAnswer:"
-        answer = client.completions.create(model="wedlm", prompt=text, max_tokens=10, temperature=0)
-        want = "".join(r.text for r in stream(model, tok, text, max_tokens=10, temperature=0))
-        assert answer.choices[0].text == want and want
-        # Structured output through the server's scheduler (constraints and consumed reach run).
-        pattern = "[a-c]{2,4}"
-        answer = client.completions.create(
-            model="wedlm", prompt=text, max_tokens=10, temperature=0, extra_body={"regex": pattern}
-        )
-        want = "".join(
-            r.text for r in stream(model, tok, text, max_tokens=10, temperature=0, regex=pattern)
-        )
-        assert re.fullmatch(pattern, want)
-        assert answer.choices[0].text == want
-        assert answer.choices[0].finish_reason == "stop"
-    finally:
-        shutdown(server)
 
 
 # ------------------------------------------------------------------- the reconstructed config

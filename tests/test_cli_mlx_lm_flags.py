@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import read_pty
+from helpers import read_pty
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.cli_common import display_width, terminal_rows
@@ -214,6 +214,7 @@ def test_terminal_model_catches_an_unclipped_redraw():
     assert "░" in term.text()
 
 
+@pytest.mark.slow
 def test_live_canvas_is_clipped_to_a_small_terminal(ckpt):
     """A canvas many times taller than the terminal: every redraw stays on the screen, so no
     masked cell survives in the scrollback once the text is final, and the text appears once."""

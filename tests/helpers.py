@@ -1,0 +1,383 @@
+"""What the tests share beyond fixtures (conftest.py keeps those and the hooks): parity checks,
+CLI and conversion subprocesses, the server's image answer, the two-rank launch."""
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_fixture(path):
+    """(model, tokenizer) through mlx-lm's own loader, in float32 (fixtures are written in float32).
+    The fixtures carry an `auto_map` as real checkpoints do: without trust_remote_code=False,
+    transformers would ask on stdin whether to run that (absent) code."""
+    from mlx_lm.utils import load
+
+    return load(str(path), tokenizer_config={"trust_remote_code": False})
+
+
+def parity(a, b):
+    """(whether `a` matches the reference `b` within the forward-parity tolerance, 1e-4 of b's
+    largest magnitude plus 1e-5; the largest absolute error). The shapes must agree. Computed in
+    float64: the float32 logits are compared exactly."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = np.abs(a - b).max()
+    return err <= 1e-4 * np.abs(b).max() + 1e-5, err
+
+
+def assert_close(a, b):
+    ok, err = parity(a, b)
+    assert ok, f"max abs error {err:.3g} (max |ref| {np.abs(np.asarray(b, np.float64)).max():.3g})"
+
+
+def far(a, b):
+    """`a` differs from `b` by more than 1% of b's largest magnitude: what a wrong reading (a
+    causal mask for a bidirectional one, ...) must do, so that a parity check can tell."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() > 1e-2 * np.abs(b).max()
+
+
+@contextlib.contextmanager
+def spy_forwards(model, record):
+    """`record(inputs, cache, mask, head_span)` sees every forward of `model` (other instances of
+    its class run as usual); the class's own `__call__` is restored afterwards."""
+    cls = type(model)
+    real = cls.__call__
+    own = "__call__" in cls.__dict__
+
+    def spy(self, inputs, cache=None, mask=None, head_span=None):
+        if self is model:
+            record(inputs, cache, mask, head_span)
+        return real(self, inputs, cache=cache, mask=mask, head_span=head_span)
+
+    cls.__call__ = spy
+    try:
+        yield
+    finally:
+        if own:
+            cls.__call__ = real
+        else:
+            del cls.__call__
+
+
+def cli_env():
+    """The environment of a CLI subprocess: this checkout first on the import path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def run_cli(*args, timeout=300):
+    """`python -m mlx_dllm_models ARGS` in a fresh interpreter, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dllm_models", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=ROOT,
+    )
+
+
+# `python -m mlx_lm convert` as a user runs it: the import hook is what the installed package's .pth
+# file would import.
+_CONVERT = (
+    "import mlx_dllm_models_hook, runpy, sys; "
+    "sys.argv = ['mlx_lm', 'convert', '--hf-path', sys.argv[1], '--mlx-path', sys.argv[2], "
+    "*sys.argv[3:]]; "
+    "runpy.run_module('mlx_lm', run_name='__main__')"
+)
+
+
+def mlx_lm_convert(src, dst, *flags):
+    """`python -m mlx_lm convert` of `src` into `dst` in a fresh interpreter, with the import hook
+    the installed package puts in a .pth; returns `dst`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(src), str(dst), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return dst
+
+
+_CONVERT_AND_GENERATE = """
+import json, runpy, sys
+import mlx_dllm_models_hook
+src, dst, prompts, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+sys.argv = ["mlx_lm", "convert", "--hf-path", src, "--mlx-path", dst]
+try:
+    runpy.run_module("mlx_lm", run_name="__main__")
+except SystemExit as e:
+    if e.code:
+        raise
+from mlx_lm import load
+from mlx_dllm_models import batch_generate_diffusion
+model, tokenizer = load(dst)
+tokens = batch_generate_diffusion(model, tokenizer, prompts, **settings).tokens
+print("RESULT " + json.dumps({"module": type(model).__module__, "tokens": tokens}))
+"""
+
+
+def convert_and_generate(src, dst, prompts, **settings):
+    """`python -m mlx_lm convert` of `src` into `dst`, then plain `mlx_lm.load` of the result and
+    batch_generate_diffusion(prompts, **settings), in one fresh interpreter (one start where a
+    convert and a load took two): {"config": the config.json written, "module": the model's
+    module, "tokens": each row's}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    args = [str(src), str(dst), json.dumps(prompts), json.dumps(settings)]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_AND_GENERATE, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT ") :])
+    out["config"] = json.loads((Path(dst) / "config.json").read_text())
+    return out
+
+
+def data_url(image) -> str:
+    """A PIL image as the PNG data URL an `image_url` content part carries."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@contextlib.contextmanager
+def serving(checkpoint, model_id):
+    """`mlx_dllm serve` over the checkpoint on loopback, in a thread: yields its base URL
+    (`http://127.0.0.1:PORT`) and shuts it down afterwards."""
+    import threading
+
+    from mlx_dllm_models import load
+    from mlx_dllm_models.server import make_server, shutdown
+
+    server = make_server(lambda: load(checkpoint), host="127.0.0.1", port=0, model_id=model_id)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        shutdown(server)
+
+
+def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
+    """The answer of `mlx_dllm serve` (on loopback, over the checkpoint) to one chat message of an
+    image_url part (`image`) then a text part (`text`), with `settings` as body fields."""
+    import urllib.request
+
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": text},
+    ]
+    body = dict(settings, messages=[{"role": "user", "content": content}])
+    with serving(checkpoint, model_id) as url:
+        req = urllib.request.Request(
+            f"{url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def job_gone_after_looks(*args, looks: int, **kwargs):
+    """A server Job (`Job(*args, **kwargs)`) whose client goes away once the scheduler has looked
+    `looks` times at whether it is cancelled."""
+    from mlx_dllm_models.server import Job
+
+    class GoneAfterLooks(Job):
+        def __init__(self):
+            self.looks, self.limit = 0, looks
+            super().__init__(*args, **kwargs)
+
+        @property
+        def cancelled(self):
+            self.looks += 1
+            return self.looks > self.limit
+
+        @cancelled.setter
+        def cancelled(self, value):
+            pass
+
+    return GoneAfterLooks()
+
+
+class Ranks:
+    """Stands for a group of `n` ranks: `shard` reads its size and rank before splitting, so a
+    refusal needs no second process."""
+
+    def __init__(self, n: int, rank: int = 0):
+        self.n, self.r = n, rank
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return self.r
+
+
+def checkpoint_fixtures(folder, build, loaded="loaded", name="ckpt", loader=None):
+    """A test module's two module-scoped fixtures, bound as `ckpt, loaded = checkpoint_fixtures(
+    "coda", build)`: the checkpoint `build` writes once a session as fixture_dir / folder (named
+    `name`), and (named `loaded`) its load by `loader` (the package's `load` unless given)."""
+    from fixtures import build_once
+
+    @pytest.fixture(scope="module", name=name)
+    def checkpoint(fixture_dir):
+        return build_once(fixture_dir / folder, build)
+
+    @pytest.fixture(scope="module", name=loaded)
+    def loaded_checkpoint(request):
+        from mlx_dllm_models import load
+
+        return (loader or load)(request.getfixturevalue(name))
+
+    return checkpoint, loaded_checkpoint
+
+
+def random_prompt(n, seed):
+    """`n` ids below 256 (the tiny fixtures' byte tokens) drawn with `seed`."""
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def random_picture(seed, size):
+    """An RGB PIL image of `size` (height, width) of uniform noise drawn with `seed`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((*size, 3)) * 255).astype(np.uint8))
+
+
+def decoded(decoder, prompts):
+    """(each row's tokens over `decoder.run(prompts)`, gathered from its block events by row, the
+    decoder's forward count)."""
+    from mlx_dllm_models.engine import BlockEvent
+
+    out = [[] for _ in prompts]
+    for event in decoder.run(prompts):
+        if isinstance(event, BlockEvent):
+            for row, toks in zip(event.rows, event.tokens):
+                out[row].extend(toks)
+    return out, decoder.nfe
+
+
+def stream_tokens(model, tok, prompt, **settings):
+    """Every token the public stream returns for one prompt."""
+    from mlx_dllm_models import stream_generate_diffusion
+
+    return [t for r in stream_generate_diffusion(model, tok, prompt, **settings) for t in r.tokens]
+
+
+def torch_logits_fn(model):
+    """The model as a torch reference transcription calls it: ids -> float32 torch logits."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+
+    def forward(ids):
+        logits = model(mx.array(np.asarray(ids), dtype=mx.int32))
+        return torch.from_numpy(np.array(logits.astype(mx.float32)))
+
+    return forward
+
+
+def cut_at_eos(tokens, eos):
+    """A reference's full canvas cut before its first EOS, as the package returns it."""
+    tokens = [int(t) for t in tokens]
+    at = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if at is None else tokens[:at]
+
+
+def pty_session(fd, pid, timeout=120, on_output=None):
+    """(everything a child on a pseudo-terminal writes until it closes the terminal, as bytes; its
+    exit status). `on_output(out)` sees the output so far after each read (to type an answer).
+    Reaps the child, killed first if it wrote nothing for `timeout` seconds: a hung child fails its
+    test instead of holding the suite."""
+    out = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            os.kill(pid, 9)
+            break
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+        if on_output is not None:
+            on_output(out)
+    _, status = os.waitpid(pid, 0)
+    return out, os.waitstatus_to_exitcode(status)
+
+
+def read_pty(fd, pid, timeout=120):
+    """Everything a child on a pseudo-terminal writes until it closes the terminal, decoded (see
+    pty_session)."""
+    return pty_session(fd, pid, timeout)[0].decode("utf-8", "replace")
+
+
+MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_ranks(script, *args, out, timeout=300):
+    """`python script *args` on two ranks of mlx.launch's ring backend on loopback; each rank
+    writes OUT/rank<r>.npz, which are returned. mlx.launch exits 0 even when a rank fails: the
+    ranks' files are what tells."""
+    if not MLX_LAUNCH.exists():
+        pytest.fail(
+            f"mlx.launch is not next to {sys.executable}; install mlx into this environment"
+        )
+    cmd = [str(MLX_LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_port())]
+    cmd += ["--python", sys.executable, str(script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for rank in (0, 1):
+        assert (out / f"rank{rank}.npz").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
+
+
+def assert_sharded_is_one_process(one, ranks, name="", tokens=None):
+    """Two ranks' results against one process's (keys `{name}/logits`, `/tokens`, `/weights`, or
+    bare with name ""): logits bitwise the same on both ranks and within 1e-4 of one process's
+    largest logit (only the summation order differs), the same tokens (`tokens` of them, or some),
+    and rank 0 holding less of the weights."""
+    key = (lambda k: f"{name}/{k}") if name else (lambda k: k)
+    logits = key("logits")
+    np.testing.assert_array_equal(ranks[0][logits], ranks[1][logits], err_msg=name)
+    scale = np.abs(one[logits]).max()
+    assert np.abs(ranks[0][logits] - one[logits]).max() <= 1e-4 * scale, name
+    want = one[key("tokens")].tolist()
+    assert len(want) == tokens if tokens is not None else len(want) > 0, name
+    for got in ranks:
+        assert got[key("tokens")].tolist() == want, name
+    assert ranks[0][key("weights")] < one[key("weights")], name
