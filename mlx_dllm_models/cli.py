@@ -213,7 +213,11 @@ def print_logprobs(tokenizer, entries):
 
 
 def serve_main(argv):
-    """`mlx_dllm serve`: server.py (imported on use, as generate_main imports the engine)."""
+    """`mlx_dllm serve`: its flags are checked first (server.flags, light), then the server loads
+    (imported on use, as generate_main imports the engine)."""
+    from .server.flags import check_args, parser
+
+    check_args(parser().parse_args(argv))
     from .server import main as serve
 
     # Under mlx.launch, rank 0 serves and hands each request to the others (server.Scheduler).

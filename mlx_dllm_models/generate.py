@@ -19,7 +19,21 @@ from .settings import SettingsError
 
 @dataclass
 class DiffusionResponse:
-    """One committed block of one prompt, with running statistics."""
+    """One committed block of one prompt, with running statistics.
+
+    Attributes:
+        text: the new text since the previous response.
+        tokens: the new token ids since the previous response.
+        finish_reason: None while generating, then "stop" (an EOS, not returned) or "length".
+        prompt_tokens: the prompt's length in tokens.
+        generation_tokens: tokens generated so far.
+        nfe: model forwards so far (number of function evaluations).
+        tokens_per_forward: generation_tokens / nfe.
+        prompt_tps: prompt tokens a second of the prefill.
+        generation_tps: generated tokens a second so far.
+        peak_memory: MLX's peak memory so far, in GB.
+        logprobs: with the `logprobs` setting, one TokenLogprob per token of `tokens`.
+    """
 
     text: str  # new text since the previous response
     tokens: List[int]  # new token ids since the previous response
@@ -38,6 +52,19 @@ class DiffusionResponse:
 
 @dataclass
 class BatchResponse:
+    """The results of batch_generate_diffusion, in the prompts' order.
+
+    Attributes:
+        texts: each prompt's text.
+        tokens: each prompt's token ids.
+        finish_reasons: each prompt's "stop" or "length".
+        nfe: model forwards of the whole batch.
+        tokens_per_forward: generated tokens over forwards, all rows together.
+        generation_tps: generated tokens a second, all rows together.
+        peak_memory: MLX's peak memory, in GB.
+        logprobs: with the `logprobs` setting, per prompt one TokenLogprob per token.
+    """
+
     texts: List[str]
     tokens: List[List[int]]
     finish_reasons: List[str]
@@ -68,15 +95,29 @@ def stream_generate_diffusion(
     model, tokenizer, prompt: Prompt, image=None, suffix=None, trace=None, **settings
 ) -> Iterator[DiffusionResponse]:
     """Yield a DiffusionResponse each time a block (a canvas) is committed, as it happens.
-    `image`: a path, PIL image or array, or a list of them, with the processor of a multimodal
-    checkpoint; a prompt without image placeholders gets the images first. `trace`: a path
-    ("out.html"): once generation ends, a page replaying the decoding step by step is written
-    there, and the final order of commitment as an SVG beside it ("out.svg"; trace.py).
 
-    Infilling (LLaDA, LLaDA-MoE, Dream): with `suffix` (text or ids), max_tokens masks go between
-    the prompt and the suffix and are filled; mask tokens inside the prompt are filled too. The
-    responses carry the filled span: from the prompt's first mask (when it holds masks, with the
-    prompt's tokens after it) to the end of the max_tokens positions; never the suffix."""
+    Args:
+        model: a model from `load`.
+        tokenizer: the tokenizer (or, for a vision checkpoint, the processor) from `load`.
+        prompt: text (tokenized as mlx-lm does: no chat template) or a list of token ids.
+        image: a path, PIL image or array, or a list of them, with the processor of a vision
+            checkpoint; a prompt without image placeholders gets the images first.
+        suffix: text or ids for infilling (families whose attention sees a suffix): `max_tokens`
+            masks go between the prompt and the suffix and are filled; mask tokens inside the
+            prompt are filled too. The responses carry the filled span, never the suffix.
+        trace: a path ("out.html"): once generation ends, a page replaying the decoding step by
+            step is written there, and the final order of commitment as an SVG beside it.
+        **settings: the decoding settings (`max_tokens`, `sampler`, `steps`, `block_length`,
+            `temperature`, `seed`, ..., and the family's own; the settings reference lists them).
+            Unset ones come from the checkpoint, then the family's reference defaults.
+
+    Yields:
+        DiffusionResponse: one per committed block, the last with its `finish_reason`.
+
+    Raises:
+        SettingsError: an unknown setting, one the family or sampler does not use, a value out of
+            range, or a malformed prompt; the message says what to do.
+    """
     images = None if image is None else [image]
     s, ids, decoder = stream_events(
         model, tokenizer, [prompt], images=images, suffix=suffix, **settings
@@ -151,8 +192,24 @@ def generate_diffusion(
     trace=None,
     **settings,
 ) -> str:
-    """Generate a completion of `prompt` and return its text (`image`, `trace`: see
-    stream_generate_diffusion)."""
+    """Generate a completion of `prompt` and return its text.
+
+    Args:
+        model: a model from `load`.
+        tokenizer: the tokenizer (or processor) from `load`.
+        prompt: text (no chat template applied) or a list of token ids.
+        max_tokens: new tokens at most (an EOS may end earlier; it is not returned).
+        verbose: print the text as blocks are committed, then a statistics line.
+        image: images for a vision checkpoint (see stream_generate_diffusion).
+        trace: a path for the replay page of the decoding (see stream_generate_diffusion).
+        **settings: the decoding settings, as stream_generate_diffusion takes them.
+
+    Returns:
+        The generated text.
+
+    Raises:
+        SettingsError: a bad setting or prompt, with what to do.
+    """
     text = ""
     last = None
     for last in stream_generate_diffusion(
@@ -204,19 +261,31 @@ def length_runs(lengths: Sequence[int]) -> List[List[int]]:
 def batch_generate_diffusion(
     model, tokenizer, prompts: Sequence[Prompt], images=None, **settings
 ) -> BatchResponse:
-    """Generate for several prompts at once; the results come in the prompts' order. Rows of
-    similar length (prompt + generation, within RUN_SLACK) decode together, left-padded, each
-    row dropped from its run at its own EOS; runs of different lengths decode one after another,
-    so that no row is padded far beyond its own length (one run padded to a 400-token prompt made
-    a batch of 1-400-token prompts 3x slower than the same prompts one by one). `images`: None,
-    or one entry per prompt (None, an image, or a list of images; see stream_events): each row
-    reads its own images.
+    """Generate for several prompts at once; the results come in the prompts' order.
 
-    At temperature 0 each row gets the tokens it would get alone. Above it, the masked decoder's
-    rows draw from streams of their own (each the `seed` setting's), so they still do; with the
-    decoders that draw batch-wide (WeDLM, self-speculation) a row's draws depend
-    on the rows it decodes with; the same call (prompts, settings, `seed`) returns the same
-    tokens."""
+    Rows of similar length (prompt + generation, within RUN_SLACK) decode together, left-padded,
+    each row dropped from its run at its own EOS; runs of different lengths decode one after
+    another, so that no row is padded far beyond its own length. At temperature 0 each row gets
+    the tokens it would get alone. Above it, the masked decoder's rows draw from streams of their
+    own (each the `seed` setting's), so they still do; with the decoders that draw batch-wide
+    (WeDLM, self-speculation) a row's draws depend on the rows it decodes with; the same call
+    (prompts, settings, `seed`) returns the same tokens.
+
+    Args:
+        model: a model from `load`.
+        tokenizer: the tokenizer (or processor) from `load`.
+        prompts: a list of prompts, each text or a list of token ids.
+        images: None, or one entry per prompt (None, an image, or a list of images): each row
+            reads its own images.
+        **settings: the decoding settings, as stream_generate_diffusion takes them (`suffix`
+            included), shared by every row.
+
+    Returns:
+        BatchResponse: texts, tokens and finish reasons per prompt, and the batch's statistics.
+
+    Raises:
+        SettingsError: `prompts` is not a non-empty list, or a bad setting or prompt.
+    """
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (list, tuple)):
         raise SettingsError(
             f"prompts must be a list of prompts (each text or a list of token ids), got "

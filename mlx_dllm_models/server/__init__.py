@@ -5,23 +5,29 @@ respond.py speak OpenAI's HTTP API, app.py is the Starlette application, transpo
 uvicorn, process.py is the command: flags, ranks, shutdown.
 """
 
-from .api import Service, StopWords
-from .app import build_app
-from .fields import RequestError
-from .images import read_image
-from .process import follow, main, make_server, shutdown
-from .scheduler import Job, Scheduler
+import importlib
 
-__all__ = [
-    "Job",
-    "RequestError",
-    "Scheduler",
-    "Service",
-    "StopWords",
-    "build_app",
-    "follow",
-    "main",
-    "make_server",
-    "read_image",
-    "shutdown",
-]
+# Resolved on first use: `mlx_dllm serve` reads its flags (server.flags) before these load mlx-lm.
+_EXPORTS = {
+    "Service": "api",
+    "StopWords": "api",
+    "build_app": "app",
+    "RequestError": "fields",
+    "read_image": "images",
+    "follow": "process",
+    "main": "process",
+    "make_server": "process",
+    "shutdown": "process",
+    "Job": "scheduler",
+    "Scheduler": "scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,12 +22,12 @@ from starlette.requests import ClientDisconnect
 
 from ..prompts import render_chat
 from .fields import RequestError
+from .limits import DEFAULT_MAX_BODY_BYTES, host_name  # noqa: F401  (used by api.py)
 
 logger = logging.getLogger(__name__)
 
 # A request body's default bound: a long prompt and a few images as data URLs fit; the 50 MB
 # prompt that once held the server for minutes does not.
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # How much of a refused body is read (and dropped) so that the client, still sending, reads the
 # 413 rather than a reset connection; a larger one is cut off.
 DRAIN_BYTES = 256 * 1024 * 1024
@@ -134,17 +134,6 @@ def _too_deep(value) -> bool:
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Binds that listen on every address: a client names whichever address reached the server.
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-
-
-def host_name(value: str) -> str:
-    """The host of a Host header or a host flag, without its port, brackets, case or final dot:
-    "LocalHost:8080" -> "localhost", "[::1]:8080" -> "::1"."""
-    value = value.strip().lower()
-    if value.startswith("["):  # an IPv6 literal, maybe followed by :port
-        value = value[1:].split("]", 1)[0]
-    elif value.count(":") == 1:  # name:port (an IPv6 address has more than one colon)
-        value = value.split(":", 1)[0]
-    return value.rstrip(".")
 
 
 def _is_address(name: str) -> bool:

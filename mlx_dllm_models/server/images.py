@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from .fields import RequestError
+from .limits import MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS
 
 # The pixel limits below are checked before decoding; PIL's decompression-bomb warning (raised by
 # Image.open past 89 M pixels, where ours refuse far sooner) would only add a stray log line.
@@ -53,9 +54,6 @@ FETCH_TIMEOUT = 10.0
 # The default limits: the largest image a served family reads at full size is well under 4096 x
 # 4096 (Qwen2-VL's processor caps an image at 12.8 M pixels, LLaVA-OneVision's anyres grid at
 # 2304 x 2304); a request's images together at most four such.
-MAX_IMAGE_PIXELS = 4096 * 4096
-MAX_IMAGES_PER_REQUEST = 16
-MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)

@@ -13,23 +13,10 @@ Bounded as mlx_lm.server's is: at most `max_entries` entries (--prompt-cache-siz
 `max_bytes` of K/V (--prompt-cache-bytes); the least recently used entry goes first.
 """
 
-import re
 from typing import List, Optional, Sequence
 
 from ..cache import PriorKV
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size as mlx_lm.server takes it: a number of bytes, or with a unit (KB, MB, GB,
-    TB, powers of 1000; KiB... powers of 1024)."""
-    match = _SIZE.match(str(text))
-    if match is None:
-        raise ValueError(f"expected a size such as 8GB or 500MB, got {text!r}")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    base = 1024 if "i" in str(text).lower() else 1000
-    return int(number * base ** " kmgt".index(unit or " "))
+from .limits import parse_size  # noqa: F401  (the flag's parser, imported from here too)
 
 
 def kv_bytes(prior: PriorKV) -> int:

@@ -16,27 +16,17 @@ import json
 import logging
 import socket
 import threading
-from dataclasses import dataclass
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .fields import error_body
+from .limits import Limits
 
 logger = logging.getLogger(__name__)
 
 BACKLOG = 2048
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one connection may take (the `mlx_dllm serve` flags of the same names)."""
-
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    idle_timeout: float = 5.0
-    max_connections: int = 1024
 
 
 def raw_error(status: int, reason: str, message: str) -> bytes:
