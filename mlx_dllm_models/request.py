@@ -43,6 +43,9 @@ class Request(DecoderInputs):
     decoder's inputs, engine.contracts.DecoderInputs, and the prompts' ids)."""
 
     ids: List[List[int]] = field(default_factory=list)  # one row per prompt
+    # Positions of the caller's max_tokens that the family's default suffix takes (RND1's pad):
+    # settings["max_tokens"] counts the canvas's masks, this many fewer.
+    reserved: int = 0
 
     def decoder(self, model) -> Decoder:
         """The decoding loop of this request (engine.build_decoder); `decoder.run(self.ids)`
@@ -64,7 +67,8 @@ def prepare(
     None, an image (a path, PIL image or array) or a list of them, for text prompts, with the
     processor that `load` returns for a multimodal checkpoint. `suffix` (text or ids,
     infilling): every prompt is followed by max_tokens masks and then the suffix; None: the
-    family's default suffix (spec.default_suffix: RND1's trailing pad), if it has one.
+    family's default suffix (spec.default_suffix: RND1's trailing pad), if it has one, which
+    takes its positions from max_tokens (the resolved max_tokens is the masks before it).
     `fit_context`: a max_tokens past the model's context is lowered to what fits after the
     longest prompt (the server's rule, as mlx_lm.server's), instead of refused; a prompt that
     fills the context alone is still refused.
@@ -79,11 +83,12 @@ def prepare(
     for k in CONSTRAINT_KEYS:
         settings.pop(k, None)
     spec, s, ids, pixel_values = _prepare_rows(
-        model, tokenizer, prompts, settings, images, fit_context
+        model, tokenizer, prompts, settings, images, fit_context, default_suffix=suffix is None
     )
     # What the run decodes under, once: a sampler may bring its layout (dllm's bd3lm).
     spec = for_settings(spec, s)
     # No suffix given: the one the family's reference always places (RND1's trailing pad).
+    reserved = len(spec.default_suffix) if suffix is None else 0
     suffix = list(spec.default_suffix) if suffix is None else suffix_ids(tokenizer, suffix)
     check_infill(model, spec, s, ids, suffix)
     eos = eos_ids(model, tokenizer, spec)
@@ -107,6 +112,7 @@ def prepare(
         eot_token_id=eot_id(tokenizer, spec, s),
         suffix=suffix,
         constraints=constraints,
+        reserved=reserved,
     )
 
 
@@ -204,7 +210,23 @@ def _encode(tokenizer, prompt: Prompt) -> List[int]:
     return ids
 
 
-def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=False):
+def _reserve_default_suffix(model, spec, settings, max_tokens: int) -> dict:
+    """The settings resolved again with max_tokens less the default suffix's positions (the
+    canvas's masks), so that what follows from max_tokens (one block over the generation, the
+    schedule's masks) follows them, as in RND1's generate(max_new_tokens=max_tokens)."""
+    reserved = len(spec.default_suffix)
+    if max_tokens <= reserved:
+        raise SettingsError(
+            f"max_tokens must be at least {reserved + 1} for the {spec.family} family: the last "
+            f"{reserved} of its positions hold the pad token its reference always places there"
+        )
+    lowered = dict(settings, max_tokens=max_tokens - reserved)
+    return resolve_settings(spec, lowered, checkpoint_settings(model, spec))
+
+
+def _prepare_rows(
+    model, tokenizer, prompts, settings, images=None, fit_context=False, default_suffix=False
+):
     try:
         spec = getattr(model, "diffusion_spec", None)
     except CheckpointError:
@@ -229,8 +251,7 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
         ids = [encode(tokenizer, p, spec.prompt_prefix) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
-    # The family's default suffix (RND1's pad) sits after the canvas: max_tokens leaves it room.
-    room = (limit or UNSTATED_CONTEXT) - longest - len(spec.default_suffix)
+    room = (limit or UNSTATED_CONTEXT) - longest
     if fit_context and s["max_tokens"] > room:
         if room < 1:
             raise SettingsError(
@@ -240,8 +261,8 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
             )
         # Resolved again, so that what follows from max_tokens (a block over the whole
         # generation, its steps) follows the lowered value.
-        capped = dict(settings, max_tokens=room)
-        s = resolve_settings(spec, capped, checkpoint_settings(model, spec))
+        settings = dict(settings, max_tokens=room)
+        s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
     if limit is not None and longest + s["max_tokens"] > limit:
         raise SettingsError(
             f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds the model's context "
@@ -253,6 +274,8 @@ def _prepare_rows(model, tokenizer, prompts, settings, images=None, fit_context=
             "positions, this package's bound for a checkpoint whose config.json states no context "
             "length (max_position_embeddings); lower max_tokens, or add the field to config.json"
         )
+    if default_suffix and spec.default_suffix:
+        s = _reserve_default_suffix(model, spec, settings, s["max_tokens"])
     # A block (a canvas) is decoded whole even past max_tokens (block-causal layouts round up to
     # it, a canvas has a least length): one larger than the context would only allocate.
     for name in ("block_length", "min_canvas_length"):

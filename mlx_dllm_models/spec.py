@@ -102,8 +102,10 @@ class DiffusionSpec:
     # after it are never returned), as Nemotron-Labs-Diffusion's generate breaks its step loop.
     eos_ends_block: bool = False
     # Token ids after every row's canvas when the caller gives no suffix (request.prepare): RND1's
-    # generate reserves the last position of its sequence for the pad token, which the model sees
-    # at every step. An explicit suffix replaces them.
+    # generate reserves the last of its max_new_tokens positions for the pad token, which the
+    # model sees at every step. They take their positions from max_tokens (the canvas is
+    # max_tokens minus their number of masks); an explicit suffix replaces them and leaves
+    # max_tokens masks (infilling).
     default_suffix: Tuple[int, ...] = ()
     # d3LLM's entropy-threshold commit (sampler "d3llm"): LLaDA's form (get_transfer_index_entropy)
     # commits the step's lowest-entropy candidate whatever its entropy and keeps the others at

@@ -55,8 +55,10 @@ class Constraint:
 
 
 # The budget guard's preference when it closes a grammar early (decoding.constrained.completion):
-# what ends a string, an object, an array, then the shortest values, then any other character.
-_CLOSING = '"}]0' + "1tfn,:{[-. " + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ23456789"
+# what ends a string, an object, an array, then the comma that ends any other value (ahead of the
+# digits, which would lengthen a number without end), then the shortest values, then any other
+# character.
+_CLOSING = '"}],0' + "1tfn:{[-. " + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ23456789"
 _CLOSING += "".join(chr(c) for c in range(32, 127) if chr(c) not in _CLOSING) + "\n"
 
 

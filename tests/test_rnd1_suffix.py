@@ -1,7 +1,8 @@
 """RND1's trailing pad by default: RND1GenerationMixin.generate always sets an EOS id, so its
 diffusion_sample keeps the sequence's last position as the pad token <|endoftext|>, which the model
 sees at every step. A call that names no suffix places it (spec.default_suffix, read by
-request.prepare) and equals the reference's generate(max_new_tokens=max_tokens + 1)."""
+request.prepare) in the last of its max_tokens positions and equals the reference's
+generate(max_new_tokens=max_tokens)."""
 
 import dataclasses
 
@@ -19,12 +20,12 @@ ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 def reference(ckpt, p, max_tokens, steps):
-    """generate(max_new_tokens=max_tokens + 1) at greedy=True, temperature 1 (what temperature 0
-    is here, tests/test_rnd1.py): max_tokens masks, then the pad it reserves."""
+    """generate(max_new_tokens=max_tokens) at greedy=True, temperature 1 (what temperature 0 is
+    here, tests/test_rnd1.py): max_tokens - 1 masks, then the pad it reserves."""
     seq, _ = generate(
         reference_forward(ckpt),
         p,
-        max_tokens + 1,
+        max_tokens,
         steps,
         mask_token_id=MASK,
         eos_token_id=IM_END,
@@ -69,14 +70,15 @@ def test_a_default_call_equals_the_reference(loaded, ckpt, case):
 
 
 def test_the_check_can_fail_without_the_pad(loaded, ckpt):
-    """Without the pad (an explicit empty suffix) the canvas the model sees differs, and so do
-    the tokens: the default is what makes the call above equal the reference."""
+    """Without the pad (an explicit empty suffix: as many masks, no pad) the canvas the model sees
+    differs, and so do the tokens: the default is what makes the call above equal the
+    reference."""
     model, tok = loaded
     differ = 0
     for n, seed, max_tokens, steps in CASES:
         p = prompt(n, seed)
         got = batch_generate_diffusion(
-            model, tok, [p], max_tokens=max_tokens, steps=steps, temperature=0.0, suffix=[]
+            model, tok, [p], max_tokens=max_tokens - 1, steps=steps, temperature=0.0, suffix=[]
         )
         differ += got.tokens[0] != reference(ckpt, p, max_tokens, steps)
     assert differ > 0

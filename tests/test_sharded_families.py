@@ -31,7 +31,7 @@ A2D = {"max_tokens": 8, "block_length": 4, "steps": 3}
 RUNS = {
     "wedlm": (wedlm.build, "wedlm", PROMPT, {"max_tokens": 16}, 16),
     "wedlm_qwen2": (wedlm.build_qwen2, "wedlm_qwen2", PROMPT, {"max_tokens": 16}, 16),
-    "rnd1": (rnd1.build, "rnd1", PROMPT, {"max_tokens": 8, "steps": 4}, 8),
+    "rnd1": (rnd1.build, "rnd1", PROMPT, {"max_tokens": 9, "steps": 4}, 8),  # 8 masks, the pad
     "coda": (coda.build, "coda", PROMPT, {"max_tokens": 8, "steps": 4}, 8),
     "a2d_mdlm": (dllm.build, "a2d", PROMPT, {**A2D, "sampler": "mdlm"}, 8),
     "a2d_bd3lm": (dllm.build, "a2d", PROMPT, {**A2D, "sampler": "bd3lm"}, 8),

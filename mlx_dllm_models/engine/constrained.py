@@ -245,6 +245,9 @@ class RowConstraints:
         if guarded and not self._fits(row, room - 1):
             matcher.rollback(1)
             close = completion(matcher, room - 1, self.candidates[row])
+            if close is None:  # no closing found after all: the model's token, unguarded
+                matcher.try_consume_tokens([token])
+                return [token]
             # The block's share of the closing: the rest follows in the next block's steps.
             tokens = close[: len(state.open)]
             matcher.try_consume_tokens(tokens)

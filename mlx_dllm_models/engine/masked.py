@@ -80,6 +80,17 @@ def _settled_by_eos(block, cand, gen, eos) -> mx.array:
     return is_eos.any(axis=-1) & ~(cand & ~seen).any(axis=-1)
 
 
+def _seeded_block_candidates(window, cand, gen, layout, lo: int, stop: int, decoder) -> mx.array:
+    """A seeded block's candidates (`spec.seeds_block_start`: Fast-dLLM v2), none for a row that
+    its seed finished: the seed is EOS (under `eos_ends_block`), or the last column the row
+    returns. The reference's generate stops there: its finished block's forward gave that token,
+    and it opens no block after it."""
+    wanted = cand & layout.generated[:, lo:stop]
+    if decoder.spec.eos_ends_block and decoder.eos:
+        wanted = wanted & ~_settled_by_eos(window, cand, gen, decoder.eos)[:, None]
+    return cand & wanted.any(axis=1, keepdims=True)
+
+
 def _prepend_infill(event: BlockEvent, layout: Layout, x: mx.array, lo: int, window) -> None:
     """The masks of a prompt are all filled with the first block (its quota counted them): a row's
     returned span starts at its prompt's first mask. `window`: each row's TokenLogprobs of the
@@ -289,7 +300,10 @@ class MaskedBlockDecoder(Decoder):
         # A constrained row commits one column a step at least, whatever its schedule: it may
         # need as many steps as the window has columns.
         extra = stop - blk.lo if batch.constraints is not None else 0
-        for step in range(self.s["steps"] + (editing.max_post if editing else 0) + extra):
+        # A block that opens with no candidate in any row (its seeds finished every row) takes
+        # no step, whatever its schedule.
+        steps = self.s["steps"] + (editing.max_post if editing else 0) + extra
+        for step in range(steps if editing is not None or any(blk.rows_left) else 0):
             if cancelled and not self._drop_cancelled(batch, blk, cancelled):
                 return None
             if editing is not None:
@@ -327,6 +341,8 @@ class MaskedBlockDecoder(Decoder):
             batch.x = x = batch.constraints.open_block(x, lo, stop, layout)
         gen = layout.decoded[:, lo:stop] | layout.infill[:, lo:stop]
         cand = (x[:, lo:stop] == mask_id) & gen
+        if self.spec.seeds_block_start:
+            cand = _seeded_block_candidates(x[:, lo:stop], cand, gen, layout, lo, stop, self)
         if self.spec.quota_base == "masks":
             base = cand.sum(axis=1)
         else:

@@ -54,8 +54,10 @@ from .diffusion_gemma_text import (
     DiffusionGemmaTextModel,
     EncoderPrefix,
     Experts,
+    PaddingMasks,
     SelfConditioning,
     TextConfig,
+    left_padding,
 )
 
 # The text stack lives in diffusion_gemma_text (as gemma4_text beside mlx-lm's gemma4); its layers
@@ -289,16 +291,18 @@ class Model(nn.Module):
     def padding_masks(self, valid: mx.array, canvas_length: int):
         """Decoder keep-masks by layer type for a left-padded batch: `valid` (B, encoded
         positions) False at padding; the canvas sees every encoded real position on full layers,
-        the last `sliding_window - 1` on sliding ones, and itself."""
+        the last `sliding_window - 1` on sliding ones, and itself; with each row's padding, which
+        decode leaves out of the row's positions."""
         B, T = valid.shape
         canvas = mx.ones((B, canvas_length), dtype=mx.bool_)
         window = self.args.text_config.sliding_window - 1
         full = mx.concatenate([valid, canvas], axis=1)
         sliding = mx.concatenate([valid[:, max(0, T - window) :], canvas], axis=1)
-        return {
+        masks = {
             "full_attention": full[:, None, None, :],
             "sliding_attention": sliding[:, None, None, :],
         }
+        return PaddingMasks(masks, left_padding(valid))
 
     def decode(
         self,

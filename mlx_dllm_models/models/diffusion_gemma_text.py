@@ -226,6 +226,44 @@ class SelfConditioning(gemma4_text.MLP):
         return self.post_norm(embeds)
 
 
+class PaddingMasks(dict):
+    """Decoder keep-masks by layer type for a left-padded batch, with `pads` (B,): each row's
+    left padding, which its RoPE positions leave out (RowPositions)."""
+
+    def __init__(self, masks, pads: mx.array):
+        super().__init__(masks)
+        self.pads = pads
+
+
+def left_padding(valid: mx.array) -> mx.array:
+    """(B,) int32: each left-padded row's padding, from `valid` (B, positions; False at pads)."""
+    return (~valid).sum(axis=1).astype(mx.int32)
+
+
+class RowPositions:
+    """A layer's cache (or None) as the attention reads it, with an `offset` of each row's own
+    (B,): the positions so far less the row's left padding, so that a padded row's RoPE
+    positions, and so its numbers, are those of its run alone (RoPE is relative in exact
+    arithmetic, not in floating point). The K/V go through the wrapped cache."""
+
+    def __init__(self, cache, pads: mx.array):
+        self.cache, self.pads = cache, pads
+
+    @property
+    def offset(self):
+        return (self.cache.offset if self.cache is not None else 0) - self.pads
+
+    def update_and_fetch(self, keys, values):
+        if self.cache is None:
+            return keys, values
+        return self.cache.update_and_fetch(keys, values)
+
+    def __getattr__(self, name):
+        if name in ("cache", "pads"):
+            raise AttributeError(name)
+        return getattr(self.cache, name)
+
+
 class EncoderPrefix:
     """The encoder K/V of one layer as a decoder layer reads it: `update_and_fetch` returns
     [prefix ; canvas] and stores nothing, so the cache stays as the encoder left it."""
@@ -354,7 +392,9 @@ class DiffusionGemmaTextModel(nn.Module):
                     masks[layer.layer_type] = _encoder_mask(
                         inputs.shape[1], c, window, valid, blocks
                     )
+        pads = None if valid is None else left_padding(valid)
         for layer, c in zip(self.layers, cache):
+            c = c if pads is None else RowPositions(c, pads)
             h = layer(h, masks[layer.layer_type], c, encoder=True)
         return self.norm(h)
 
@@ -364,8 +404,11 @@ class DiffusionGemmaTextModel(nn.Module):
         cache = cache or [None] * len(self.layers)
         # transformers' sliding cache layer keeps sliding_window - 1 tokens for the next query.
         window = self.sliding_window - 1
+        pads = getattr(mask, "pads", None)  # a padded batch's rows: their own positions
         for layer, c in zip(self.layers, cache):
             prefix = EncoderPrefix(c, window if layer.self_attn.is_sliding else None)
+            if pads is not None:
+                prefix.offset = prefix.offset - pads
             m = mask.get(layer.layer_type) if isinstance(mask, dict) else mask
             h = layer(h, m, prefix, encoder=False)
         return self.norm(h)

@@ -112,8 +112,16 @@ class SlotProcessor:
                 f"the prompt holds {len(chunks) - 1} {self.image_token} placeholders for "
                 f"{len(images)} images; give one per image"
             )
-        ids = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
-        for image, chunk in zip(images, chunks[1:]):
+        encoded = self.chunk_ids(chunks, add_special_tokens)
+        ids = encoded[0]
+        for image, chunk in zip(images, encoded[1:]):
             ids += self.image_ids(image)
-            ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+            ids += chunk
         return {"input_ids": [ids], "pixel_values": None}
+
+    def chunk_ids(self, chunks: List[str], add_special_tokens: bool) -> List[List[int]]:
+        """The ids of the text between the placeholders: the first chunk with the special tokens
+        asked for, the others as a continuation (none)."""
+        first = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
+        rest = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in chunks[1:]]
+        return [first] + rest

@@ -421,6 +421,18 @@ class Processor(SlotProcessor):
     def image_ids(self, image):
         return self.model.image_slots(*self.tiles(image))
 
+    def chunk_ids(self, chunks, add_special_tokens):
+        """As mm_utils.tokenizer_image_token (LLaDA-V's llava/mm_utils.py), whose ids the released
+        model was trained on: each chunk after an `<image>` encoded alone, with the tokenizer's
+        special tokens, and, when the first chunk starts with BOS, its first token dropped (meant
+        for a BOS of its own; LLaDA's tokenizer adds none, so the chunk's first text token goes,
+        e.g. the "\n" after `<image>` in the demo prompt)."""
+        first = list(self.tokenizer.encode(chunks[0], add_special_tokens=add_special_tokens))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        offset = 1 if bos is not None and first[:1] == [bos] else 0
+        rest = [list(self.tokenizer.encode(c))[offset:] for c in chunks[1:]]
+        return [first] + rest
+
 
 def best_resolution(size, pinpoints):
     """mm_utils.select_best_resolution: the (width, height) of `pinpoints` that keeps most of the

@@ -119,7 +119,10 @@ class Model(MaskedBody, qwen3_moe.Model):
             sampler_defaults={"rnd1": {"block_length": None, "steps": REFERENCE_STEPS}},
             vocab_size=self.args.vocab_size,
             # RND1GenerationMixin.generate always sets an EOS id, so diffusion_sample keeps the
-            # sequence's last position as the pad token (never a mask): the model sees it after
-            # the canvas at every step. The engine's canvas is max_tokens masks, then this pad.
-            default_suffix=(self.args.pad_token_id or RND1_PAD_TOKEN_ID,),
+            # last of its max_new_tokens positions as the pad token (never a mask): the model
+            # sees it after the canvas at every step. The engine's canvas is max_tokens - 1
+            # masks, then this pad. A pad id of 0 is an id (the fallback is for none).
+            default_suffix=(
+                RND1_PAD_TOKEN_ID if self.args.pad_token_id is None else self.args.pad_token_id,
+            ),
         )

@@ -248,7 +248,8 @@ class Service:
                 fit_context=True,
             )
         s = request.settings
-        overrides["max_tokens"] = s["max_tokens"]  # lowered to what fits, where it did not
+        # Lowered to what fits, where it did not (with the positions the default suffix takes).
+        overrides["max_tokens"] = s["max_tokens"] + request.reserved
         if overrides.get("seed") is None and draws_noise(request):
             overrides["seed"] = s["seed"] = secrets.randbelow(2**63)
         return request
