@@ -247,7 +247,12 @@ def main():
     ap.add_argument("--turns", type=int, default=1, help="requests per conversation")
     ap.add_argument("--prompt-cache-size", type=int, default=10)
     ap.add_argument("--checkout", type=Path, default=None, help="another checkout to serve too")
-    ap.add_argument("--mlx-lm-model", default=None, help="an AR model for mlx_lm.server too")
+    ap.add_argument(
+        "--mlx-lm-model",
+        default=None,
+        help="an AR model for mlx_lm.server too; 'same' serves the benchmark's own Nemotron "
+        "checkpoint, an AR model as well, so the two servers run the same weights",
+    )
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
@@ -263,11 +268,9 @@ def main():
                 )
             )
         if args.mlx_lm_model is not None:
+            ar_model = str(path) if args.mlx_lm_model == "same" else args.mlx_lm_model
             servers.append(
-                (
-                    f"mlx_lm.server {args.mlx_lm_model}",
-                    lambda: start_mlx_lm(args.mlx_lm_model, args.port),
-                )
+                (f"mlx_lm.server {args.mlx_lm_model}", lambda: start_mlx_lm(ar_model, args.port))
             )
         rows = []
         for label, start in servers:
