@@ -8,6 +8,10 @@ that can generate images exposes one as `model.image_spec`; images.py reads noth
 from dataclasses import dataclass
 from typing import Mapping, Tuple
 
+# The image tokenizer's folder inside a checkpoint (its own config.json and weights): conversion
+# copies it, images.py loads it.
+VQ_SUBFOLDER = "vq_model"
+
 
 @dataclass(frozen=True)
 class ImageSpec:
@@ -27,6 +31,5 @@ class ImageSpec:
     guidance_scale: float
     steps: int
     temperature: float
-    # The VQ model's folder inside a converted checkpoint.
-    vq_subfolder: str = "vq_model"
+    vq_subfolder: str = VQ_SUBFOLDER
     prompt_tokens: Tuple[str, ...] = ("<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]")

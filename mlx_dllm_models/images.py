@@ -13,7 +13,7 @@ steps, temperature 1.0 for MMaDA). The server and CLI call these functions as th
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -207,11 +207,22 @@ def stream_batch(
     temperature: Optional[float] = None,
     seed: Union[int, Sequence[int]] = 0,
     every: int = 1,
+    max_text_len: Optional[int] = None,
     vq_model=None,
     draws: Optional[Draws] = None,
 ) -> Iterator[List[ImageResponse]]:
-    """Every `every` steps (and at the last), each prompt's ImageResponse."""
+    """Every `every` steps (and at the last), each prompt's ImageResponse.
+
+    `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
+    less one (the reference's max_seq_length, 512); `vq_model`: a MAGVITv2 or its folder (default:
+    the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests)."""
     spec = image_spec_of(model)
+    if max_text_len is not None:
+        if not isinstance(max_text_len, int) or max_text_len < 1:
+            raise SettingsError(f"max_text_len must be a positive integer, got {max_text_len!r}")
+        spec = replace(spec, max_text_len=max_text_len)
+    if not isinstance(every, int) or every < 1:
+        raise SettingsError(f"every must be a positive integer, got {every!r}")
     if isinstance(prompts, str):
         raise SettingsError("prompts must be a list of strings (generate_image takes one)")
     vq = resolve_vq_model(processor, spec, vq_model)

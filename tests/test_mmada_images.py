@@ -5,6 +5,7 @@ pixels and the encoder's codes; then the API (batch rows equal their single runs
 errors)."""
 
 import math
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +24,7 @@ from mlx_dllm_models.images import (
     generate_image,
     image_spec_of,
     resolve_vq_model,
+    stream_batch,
     stream_generate_image,
     t2i_rows,
 )
@@ -79,8 +81,7 @@ def reference_run(ckpt, tok, prompts, *, guidance, steps, temperature, max_text_
 
 
 def mlx_run(model, tok, prompts, *, guidance, steps, temperature, max_text_len, width=None):
-    spec = image_spec_of(model)
-    spec = type(spec)(**{**spec.__dict__, "max_text_len": max_text_len})
+    spec = replace(image_spec_of(model), max_text_len=max_text_len)
     vq = resolve_vq_model(tok, spec)
     decoder, _, steps, guidance = decoder_for(
         model, tok, prompts, spec, vq, width, width, steps, guidance
@@ -109,9 +110,7 @@ def mlx_run(model, tok, prompts, *, guidance, steps, temperature, max_text_len, 
 @pytest.mark.parametrize("max_text_len", [512, 6])
 def test_prompt_layout_is_t2i_gen_prompt(loaded, max_text_len):
     model, tok = loaded
-    spec = type(image_spec_of(model))(
-        **{**image_spec_of(model).__dict__, "max_text_len": max_text_len}
-    )
+    spec = replace(image_spec_of(model), max_text_len=max_text_len)
     ids, pads = t2i_rows(tok, spec, PROMPTS + [""], NUM_VQ_TOKENS)
     want, mask = ref.t2i_gen_prompt(
         tok._tokenizer,
@@ -249,3 +248,24 @@ def test_whole_path_writes_a_png(loaded, tmp_path):
     assert back.format == "PNG" and back.size == (32, 32) and back.mode == "RGB"
     assert len(np.unique(np.asarray(back).reshape(-1, 3), axis=0)) > 1
     assert math.isfinite(float(np.asarray(back).mean()))
+
+
+def test_the_api_runs_the_reference_with_its_settings(ckpt, loaded):
+    """stream_batch's settings reach the loop: the final tokens of the reference at guidance 2,
+    8 steps, temperature 0.5 and 16 text columns, with the same draws."""
+    model, tok = loaded
+    settings = dict(guidance=2.0, steps=8, temperature=0.5, max_text_len=15)
+    final, _ = reference_run(ckpt, tok._tokenizer, PROMPTS, n_tokens=NUM_VQ_TOKENS, **settings)
+    np_draws = numpy_draws(len(PROMPTS), NUM_VQ_TOKENS)
+    *_, last = stream_batch(
+        model,
+        tok,
+        PROMPTS,
+        guidance_scale=2.0,
+        steps=8,
+        temperature=0.5,
+        max_text_len=15,
+        every=8,
+        draws=lambda s: tuple(mx.array(a) for a in np_draws(s)),
+    )
+    assert [r.tokens for r in last] == final.tolist()

@@ -1,0 +1,40 @@
+"""MMaDA as a checkpoint: its text forward is LLaDA 8B's (the torch reference's logits over the
+whole resized vocabulary), plain `python -m mlx_lm convert` keeps its `vq_model/` folder, and the
+converted folder generates the same image as the source."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import mlx_lm_convert
+from fixtures import build_once
+from fixtures.mmada import NEW_VOCAB, build_mmada
+from mlx_dllm_models import load
+from mlx_dllm_models.images import generate_image
+from reference.llada_torch import reference_logits
+
+
+@pytest.fixture(scope="module")
+def ckpt(fixture_dir):
+    return build_once(fixture_dir / "mmada", build_mmada)
+
+
+def test_text_logits_are_llada_8bs_over_the_resized_vocabulary(ckpt):
+    model, tok = load(str(ckpt))
+    assert type(model).__module__ == "mlx_dllm_models.models.mmada"
+    ids = np.array([tok.encode("hello <|mdm_mask|><|mdm_mask|> world")], dtype=np.int64)
+    got = np.array(model(mx.array(ids)))
+    assert got.shape[-1] == NEW_VOCAB
+    np.testing.assert_allclose(got, reference_logits(ckpt, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_mlx_lm_convert_keeps_the_vq_model_and_the_image(ckpt, tmp_path):
+    out = mlx_lm_convert(ckpt, tmp_path / "converted")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mmada" and "auto_map" not in config
+    assert (out / "vq_model" / "config.json").is_file()
+    source = generate_image(*load(str(ckpt)), "a red cat", steps=4, seed=2)
+    converted = generate_image(*load(str(out)), "a red cat", steps=4, seed=2)
+    np.testing.assert_array_equal(np.asarray(converted), np.asarray(source))
