@@ -38,3 +38,40 @@ def test_mlx_lm_convert_keeps_the_vq_model_and_the_image(ckpt, tmp_path):
     source = generate_image(*load(str(ckpt)), "a red cat", steps=4, seed=2)
     converted = generate_image(*load(str(out)), "a red cat", steps=4, seed=2)
     np.testing.assert_array_equal(np.asarray(converted), np.asarray(source))
+
+
+def test_image_defaults_are_the_references(ckpt):
+    """inference_t2i.py as the README runs it (guidance_scale=3.5 generation_timesteps=15, the
+    demo yaml's max_seq_length 512, no generation_temperature: 1.0) and prompting_utils.py's
+    reserved_token_mapping."""
+    model, _ = load(str(ckpt))
+    spec = model.image_spec
+    assert (spec.guidance_scale, spec.steps, spec.temperature, spec.max_text_len) == (
+        3.5,
+        15,
+        1.0,
+        512,
+    )
+    assert (spec.codebook_size, spec.num_vq_tokens, spec.num_new_special_tokens) == (64, 16, 0)
+    want = {"<|soi|>": 126084, "<|eoi|>": 126085, "<|t2i|>": 126088, "[iPAD]": 126093}
+    assert {k: spec.special_tokens[k] for k in want} == want
+
+
+def test_a_tokenizer_without_the_names_takes_the_reserved_ids(ckpt):
+    """LLaDA's tokenizer names 126084.. <|reserved_token_N|>: the reference's ids are used."""
+    from transformers import AutoTokenizer
+
+    from mlx_dllm_models.images import special_ids
+
+    model, _ = load(str(ckpt))
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    assert special_ids(tok, model.image_spec)["<|soi|>"] == 284  # named: the tokenizer's id
+
+    class Unnamed:
+        unk_token, unk_token_id = None, None
+
+        def convert_tokens_to_ids(self, name):
+            return None
+
+    ids = special_ids(Unnamed(), model.image_spec)
+    assert ids == {"<|t2i|>": 126088, "<|soi|>": 126084, "<|eoi|>": 126085, "[iPAD]": 126093}
