@@ -166,8 +166,12 @@ def decoder_for(model, processor, prompts, spec, vq, width, height, steps, guida
     n_tokens = rows * cols
     steps = spec.steps if steps is None else steps
     guidance_scale = spec.guidance_scale if guidance_scale is None else guidance_scale
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise SettingsError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
+        raise SettingsError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
+    if not prompts:
+        raise SettingsError("no prompts: give at least one")
     ids, pads = t2i_rows(processor, spec, prompts, n_tokens)
     uncond, uncond_pads = None, ()
     if guidance_scale > 0:
@@ -232,6 +236,8 @@ def stream_batch(
     if draws is None:
         draws = seeded_draws(seeds_of(seed, len(prompts)), decoder.n_tokens)
     temperature = spec.temperature if temperature is None else temperature
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise SettingsError(f"temperature must be a number >= 0, got {temperature!r}")
     for event in decoder.run(
         steps=steps, guidance_scale=guidance_scale, temperature=temperature, draws=draws
     ):

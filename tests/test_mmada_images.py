@@ -226,6 +226,23 @@ def test_size_is_the_token_grid(loaded):
         generate_image(model, tok, "x", width=18)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"steps": 0}, "steps must be a positive integer"),
+        ({"guidance_scale": -1.0}, "guidance_scale must be a number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0"),
+        ({"max_text_len": 0}, "max_text_len must be a positive integer"),
+        ({"every": 0}, "every must be a positive integer"),
+        ({"seed": [1, 2]}, "2 seeds for 1 prompts"),
+    ],
+)
+def test_bad_settings_say_what_is_wrong(loaded, kwargs, message):
+    model, tok = loaded
+    with pytest.raises(SettingsError, match=message):
+        list(stream_batch(model, tok, ["x"], **kwargs))
+
+
 def test_a_text_model_cannot_generate_images(fixture_dir):
     model, tok = load(str(build_once(fixture_dir / "llada", build_llada)))
     with pytest.raises(SettingsError, match="cannot generate images"):
