@@ -21,6 +21,8 @@ class ImageSpec:
     # offsets by the text tokenizer's length, not by the config's llm_vocab_size).
     codebook_size: int
     num_new_special_tokens: int
+    # Rows of the model's embedding and head (the image tokens must fall below).
+    vocab_rows: int
     # The number of image tokens the model was trained on (a square grid).
     num_vq_tokens: int
     # Special tokens by name, with the ids the reference hard-codes when the tokenizer does not

@@ -141,9 +141,9 @@ def t2i_rows(processor, spec: ImageSpec, texts: Sequence[str], n_tokens: int):
     return mx.array(rows, dtype=mx.int32), pads
 
 
-def codebook_offset(model, processor, spec: ImageSpec) -> int:
+def codebook_offset(processor, spec: ImageSpec) -> int:
     offset = len(hf_tokenizer(processor)) + spec.num_new_special_tokens
-    rows = model.args.rows_of_vocab
+    rows = spec.vocab_rows
     if offset + spec.codebook_size > rows:
         raise SettingsError(
             f"{spec.family}: image tokens {offset}..{offset + spec.codebook_size - 1} (after the "
@@ -182,7 +182,7 @@ def decoder_for(model, processor, prompts, spec, vq, width, height, steps, guida
         ids,
         pads,
         n_tokens=n_tokens,
-        offset=codebook_offset(model, processor, spec),
+        offset=codebook_offset(processor, spec),
         codebook_size=spec.codebook_size,
         mask_token_id=spec.mask_token_id,
         text_len=spec.max_text_len + 1,

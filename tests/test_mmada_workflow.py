@@ -75,3 +75,18 @@ def test_a_tokenizer_without_the_names_takes_the_reserved_ids(ckpt):
 
     ids = special_ids(Unnamed(), model.image_spec)
     assert ids == {"<|t2i|>": 126088, "<|soi|>": 126084, "<|eoi|>": 126085, "[iPAD]": 126093}
+
+
+def test_image_tokens_past_the_vocabulary_are_refused(ckpt):
+    """A tokenizer longer than the model's tables leave room for (offset + codebook > rows)."""
+    from dataclasses import replace
+
+    from mlx_dllm_models.errors import SettingsError
+    from mlx_dllm_models.images import codebook_offset
+
+    model, tok = load(str(ckpt))
+    assert model.image_spec.vocab_rows == NEW_VOCAB
+    assert codebook_offset(tok, model.image_spec) == 300
+    small = replace(model.image_spec, vocab_rows=300 + 63)
+    with pytest.raises(SettingsError, match="exceed the model's 363 vocabulary rows"):
+        codebook_offset(tok, small)

@@ -88,6 +88,7 @@ class Model(llada.Model):
             mask_token_id=a.mask_token_id,
             codebook_size=a.codebook_size,
             num_new_special_tokens=a.num_new_special_tokens,
+            vocab_rows=a.embedding_size or a.vocab_size,
             num_vq_tokens=a.num_vq_tokens,
             special_tokens=dict(RESERVED_TOKENS),
             **IMAGE_DEFAULTS,
