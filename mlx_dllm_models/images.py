@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .engine.maskgit import Draws, ImageDecoder, seeded_draws
 from .errors import SettingsError
+from .image_codes import aligned, grid_tokens, start_codes
 from .image_spec import ImageSpec
 from .models import magvitv2
 from .vision import text_tokenizer
@@ -128,14 +129,15 @@ def text_part(tok, spec: ImageSpec, ids: Dict[str, int], text: str) -> Tuple[Lis
     return [ids["[iPAD]"]] * (width - len(row)) + row, width - len(row)
 
 
-def t2i_rows(processor, spec: ImageSpec, texts: Sequence[str], n_tokens: int):
-    """(ids (B, L), left paddings) of the prompts with their image columns masked."""
+def t2i_rows(processor, spec: ImageSpec, texts: Sequence[str], n_tokens: int, codes=None, offset=0):
+    """(ids (B, L), left paddings) of the prompts with their image columns masked (or, with
+    `codes`, holding the given codes where they are not -1)."""
     tok = hf_tokenizer(processor)
     ids = special_ids(tok, spec)
     rows, pads = [], []
-    for text in texts:
+    for i, text in enumerate(texts):
         part, pad = text_part(tok, spec, ids, text)
-        image = [spec.mask_token_id] * n_tokens
+        image = grid_tokens(codes, i, n_tokens, offset, spec.mask_token_id)
         rows.append(part + [ids["<|soi|>"]] + image + [ids["<|eoi|>"]])
         pads.append(pad)
     return mx.array(rows, dtype=mx.int32), pads
@@ -161,9 +163,23 @@ def seeds_of(seed, n: int) -> List[int]:
     return seeds
 
 
-def decoder_for(model, processor, prompts, spec, vq, width, height, steps, guidance_scale):
+def decoder_for(
+    model,
+    processor,
+    prompts,
+    spec,
+    vq,
+    width,
+    height,
+    steps,
+    guidance_scale,
+    images=None,
+    masks=None,
+):
     rows, cols = grid(spec, vq, width, height)
     n_tokens = rows * cols
+    images = aligned(images, len(prompts), "images")
+    codes = start_codes(vq, images, aligned(masks, len(prompts), "masks"), rows, cols)
     steps = spec.steps if steps is None else steps
     guidance_scale = spec.guidance_scale if guidance_scale is None else guidance_scale
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -172,7 +188,8 @@ def decoder_for(model, processor, prompts, spec, vq, width, height, steps, guida
         raise SettingsError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
     if not prompts:
         raise SettingsError("no prompts: give at least one")
-    ids, pads = t2i_rows(processor, spec, prompts, n_tokens)
+    offset = codebook_offset(processor, spec)
+    ids, pads = t2i_rows(processor, spec, prompts, n_tokens, codes, offset)
     uncond, uncond_pads = None, ()
     if guidance_scale > 0:
         blank, uncond_pads = t2i_rows(processor, spec, [""] * len(prompts), n_tokens)
@@ -182,7 +199,7 @@ def decoder_for(model, processor, prompts, spec, vq, width, height, steps, guida
         ids,
         pads,
         n_tokens=n_tokens,
-        offset=codebook_offset(processor, spec),
+        offset=offset,
         codebook_size=spec.codebook_size,
         mask_token_id=spec.mask_token_id,
         text_len=spec.max_text_len + 1,
@@ -212,14 +229,17 @@ def stream_batch(
     seed: Union[int, Sequence[int]] = 0,
     every: int = 1,
     max_text_len: Optional[int] = None,
+    images: Optional[Sequence[Any]] = None,
+    masks: Optional[Sequence[Any]] = None,
     vq_model=None,
     draws: Optional[Draws] = None,
 ) -> Iterator[List[ImageResponse]]:
     """Every `every` steps (and at the last), each prompt's ImageResponse.
 
-    `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
-    less one (the reference's max_seq_length, 512); `vq_model`: a MAGVITv2 or its folder (default:
-    the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests)."""
+        `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
+        less one (the reference's max_seq_length, 512); `images` / `masks` (one a prompt, None for
+    none): inpainting, the image encoded, the tokens under the mask's white cells decoded; `vq_model`: a MAGVITv2 or its folder (default:
+        the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests)."""
     spec = image_spec_of(model)
     if max_text_len is not None:
         if not isinstance(max_text_len, int) or max_text_len < 1:
@@ -231,7 +251,17 @@ def stream_batch(
         raise SettingsError("prompts must be a list of strings (generate_image takes one)")
     vq = resolve_vq_model(processor, spec, vq_model)
     decoder, shape, steps, guidance_scale = decoder_for(
-        model, processor, list(prompts), spec, vq, width, height, steps, guidance_scale
+        model,
+        processor,
+        list(prompts),
+        spec,
+        vq,
+        width,
+        height,
+        steps,
+        guidance_scale,
+        images,
+        masks,
     )
     if draws is None:
         draws = seeded_draws(seeds_of(seed, len(prompts)), decoder.n_tokens)
@@ -252,9 +282,13 @@ def stream_batch(
         ]
 
 
-def stream_generate_image(model, processor, prompt: str, *, every: int = 1, **kwargs):
+def stream_generate_image(
+    model, processor, prompt: str, *, every: int = 1, image=None, mask=None, **kwargs
+):
     """generate_image's steps: an ImageResponse every `every` steps, the final image last."""
-    for responses in stream_batch(model, processor, [prompt], every=every, **kwargs):
+    for responses in stream_batch(
+        model, processor, [prompt], every=every, images=[image], masks=[mask], **kwargs
+    ):
         yield responses[0]
 
 
@@ -267,7 +301,9 @@ def batch_generate_image(model, processor, prompts: Sequence[str], **kwargs) -> 
     return [r.image for r in last]
 
 
-def generate_image(model, processor, prompt: str, **kwargs):
+def generate_image(model, processor, prompt: str, *, image=None, mask=None, **kwargs):
     """A PIL image of `prompt` (width, height, steps, guidance_scale, temperature, seed,
-    vq_model: see stream_batch)."""
+    vq_model: see stream_batch); with `image` and `mask`, the image with the mask's white region
+    repainted."""
+    kwargs.update(images=[image], masks=[mask])
     return batch_generate_image(model, processor, [prompt], **kwargs)[0]

@@ -98,10 +98,12 @@ class ImageDecoder:
     def run(
         self, *, steps: int, guidance_scale: float, temperature: float, draws: Draws
     ) -> Iterator[ImageStep]:
-        B = self.ids.shape[0]
         start, stop = self.span
-        tokens = mx.zeros((B, self.n_tokens), dtype=mx.int32)
-        known = mx.zeros((B, self.n_tokens), dtype=mx.bool_)
+        # Columns that hold an image token are given (inpainting) and kept, as the reference's
+        # unknown_map reads them from input_ids.
+        columns = self.ids[:, start:stop]
+        known = columns != self.mask_token_id
+        tokens = mx.where(known, columns - self.offset, 0).astype(mx.int32)
         for step in range(steps):
             u_sample, u_gumbel = draws(step)
             sampled, masking, temperature = maskgit_step(

@@ -335,3 +335,22 @@ def get_indices(z, codebook_dim):
     """LFQuantizer's forward z_q then get_indices: the bits of z > 0, most significant first."""
     power_vals = 2 ** torch.arange(codebook_dim - 1, -1, -1)
     return (power_vals.reshape(1, -1, 1, 1) * (z > 0).float()).sum(1, keepdim=True).long()
+
+
+def image_transform(image, resolution):
+    """app.py's image_transform on a PIL image: torchvision's Resize(resolution) (the shorter side
+    to `resolution`, the longer `int(resolution * long / short)`, PIL bicubic), CenterCrop,
+    ToTensor, Normalize(0.5, 0.5); (3, resolution, resolution)."""
+    from PIL import Image
+
+    w, h = image.size
+    if w <= h:
+        size = (resolution, int(resolution * h / w))
+    else:
+        size = (int(resolution * w / h), resolution)
+    image = image.resize(size, Image.BICUBIC)
+    top = int(round((size[1] - resolution) / 2.0))
+    left = int(round((size[0] - resolution) / 2.0))
+    image = image.crop((left, top, left + resolution, top + resolution))
+    x = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    return (x - 0.5) / 0.5
