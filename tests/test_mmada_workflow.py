@@ -2,13 +2,11 @@
 whole resized vocabulary), plain `python -m mlx_lm convert` keeps its `vq_model/` folder, and the
 converted folder generates the same image as the source."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import mlx_lm_convert
+from conftest import convert_and_generate
 from fixtures import build_once
 from fixtures.mmada import NEW_VOCAB, build_mmada
 from mlx_dllm_models import load
@@ -31,9 +29,14 @@ def test_text_logits_are_llada_8bs_over_the_resized_vocabulary(ckpt):
 
 
 def test_mlx_lm_convert_keeps_the_vq_model_and_the_image(ckpt, tmp_path):
-    out = mlx_lm_convert(ckpt, tmp_path / "converted")
-    config = json.loads((out / "config.json").read_text())
+    """Plain `python -m mlx_lm convert`, then plain `mlx_lm.load` and text generation in the same
+    fresh interpreter; the converted folder draws the source's image."""
+    out = tmp_path / "converted"
+    run = convert_and_generate(ckpt, out, ["hello"], max_tokens=8, seed=0)
+    assert run["module"] == "mlx_dllm_models.models.mmada" and len(run["tokens"][0]) > 0
+    config = run["config"]
     assert config["model_type"] == "mmada" and "auto_map" not in config
+    assert config["new_vocab_size"] == NEW_VOCAB and config["codebook_size"] == 64
     assert (out / "vq_model" / "config.json").is_file()
     source = generate_image(*load(str(ckpt)), "a red cat", steps=4, seed=2)
     converted = generate_image(*load(str(out)), "a red cat", steps=4, seed=2)
