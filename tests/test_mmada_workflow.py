@@ -93,3 +93,19 @@ def test_image_tokens_past_the_vocabulary_are_refused(ckpt):
     small = replace(model.image_spec, vocab_rows=300 + 63)
     with pytest.raises(SettingsError, match="exceed the model's 363 vocabulary rows"):
         codebook_offset(tok, small)
+
+
+def test_text_defaults_are_generate_pys_main(ckpt):
+    """MMaDA's generate.py main(): generate(steps=128, gen_length=128, block_length=128,
+    temperature=1, remasking='low_confidence'); README's row quotes them."""
+    from pathlib import Path
+
+    from mlx_dllm_models.settings import resolve_settings
+
+    model, _ = load(str(ckpt))
+    got = resolve_settings(model.diffusion_spec, {}, {})
+    want = dict(max_tokens=128, block_length=128, steps=128, temperature=1.0, sampler="quota")
+    assert {k: got[k] for k in want} == want
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    (row,) = [line for line in readme if line.startswith("| MMaDA-8B")]
+    assert "128 tokens in one block of 128, 128 steps, temperature 1" in row

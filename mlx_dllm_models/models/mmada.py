@@ -2,7 +2,8 @@
 
 The body is LLaDA 8B's (`MMadaModelLM` subclasses `LLaDAModelLM`: the same OLMo weight names
 `model.transformer.blocks.N.*`), with its embedding and head resized to `new_vocab_size` so that
-the MAGVIT-v2 codebook follows the text vocabulary. Text generation is LLaDA's (the same spec).
+the MAGVIT-v2 codebook follows the text vocabulary. Text generation is LLaDA's (its spec and
+samplers) with the defaults of MMaDA's generate.py.
 
 Text-to-image (images.py) reads `image_spec`: the config's codebook_size, num_vq_tokens and
 num_new_special_tokens (MMadaConfig's keys), the reserved ids of training/prompting_utils.py's
@@ -15,11 +16,12 @@ here are MMadaConfig's `allowed_keys` and LLaDA's. When `new_vocab_size` exceeds
 size, the resized tables (train_mmada.py's resize_token_embeddings) have new_vocab_size rows.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..image_spec import ImageSpec
 from . import llada
+from .common import cached_spec
 
 NAME = "mmada"
 
@@ -38,6 +40,10 @@ RESERVED_TOKENS = {
     "[iPAD]": 126093,
     "<|r2i|>": 126094,
 }
+
+# Text: MMaDA's generate.py, LLaDA's decoding as its main() calls it: 128 tokens in one block of 128,
+# 128 steps (one token a step), temperature 1 (Gumbel-max sampling), low-confidence remasking.
+TEXT_DEFAULTS = {"max_tokens": 128, "block_length": 128, "temperature": 1.0}
 
 # inference_t2i.py run as the README says (guidance_scale=3.5 generation_timesteps=15), with
 # configs/mmada_demo.yaml (max_seq_length 512; generation_temperature absent: 1.0).
@@ -79,6 +85,11 @@ class ModelArgs(llada.ModelArgs):
 
 class Model(llada.Model):
     """LLaDA 8B's model under model_type "mmada", with the facts of its image tokens."""
+
+    @cached_spec
+    def diffusion_spec(self):
+        spec = llada.Model.diffusion_spec.build(self)
+        return replace(spec, defaults={**spec.defaults, **TEXT_DEFAULTS})
 
     @property
     def image_spec(self) -> ImageSpec:
