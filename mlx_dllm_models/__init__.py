@@ -12,6 +12,10 @@ _EXPORTS = {
     "batch_generate_diffusion": "mlx_dllm_models.generate",
     "DiffusionResponse": "mlx_dllm_models.generate",
     "BatchResponse": "mlx_dllm_models.generate",
+    "generate_image": "mlx_dllm_models.images",
+    "stream_generate_image": "mlx_dllm_models.images",
+    "batch_generate_image": "mlx_dllm_models.images",
+    "ImageResponse": "mlx_dllm_models.images",
     "CheckpointError": "mlx_dllm_models.loader",
     "SettingsError": "mlx_dllm_models.settings",
 }

@@ -6,7 +6,8 @@ mlx-lm's `save` (which `python -m mlx_lm convert` writes with) copies config.jso
 AutoConfig) stops for 15 s at "Do you wish to run the custom code? [y/N]" on a terminal, and
 answering y runs that Python. The MLX models of this package never use it, so the converted
 checkpoint drops both. mlx-lm also writes a model card (README.md) with an empty body; it gets the
-commands that run the checkpoint.
+commands that run the checkpoint. A unified family's image tokenizer (`vq_model/`, a folder of its
+own) is copied beside the weights.
 
 mlx-lm copies config.json's `torch_dtype` (and transformers 5's `dtype`) as the source states it,
 whatever `--dtype` the weights were written in; mlx-lm's next conversion reads it as the default
@@ -38,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 from .errors import CheckpointError
+from .image_spec import VQ_SUBFOLDER
 from .registry import MODEL_TYPES, RETYPES
 
 # The JSON files of a converted checkpoint that may carry an `auto_map` to remote code.
@@ -221,10 +223,23 @@ def state_weights_dtype(mlx_path) -> None:
         file.write_text(json.dumps(config, indent=4, ensure_ascii=False) + "\n")
 
 
+def copy_vq_model(mlx_path, hf_path=None) -> bool:
+    """The image tokenizer's folder (a unified family's `vq_model/`: its own config.json and
+    weights, which mlx-lm's save does not know of) copied from a local source as it is."""
+    if hf_path is None:
+        return False
+    src = Path(hf_path) / VQ_SUBFOLDER
+    if not (src / "config.json").is_file():
+        return False
+    shutil.copytree(src, Path(mlx_path) / VQ_SUBFOLDER, dirs_exist_ok=True)
+    return True
+
+
 def finish_conversion(mlx_path, hf_path=None) -> Path:
-    """The three steps on a converted checkpoint folder; returns the card's path."""
+    """The steps on a converted checkpoint folder; returns the card's path."""
     drop_remote_code(mlx_path)
     state_weights_dtype(mlx_path)
+    copy_vq_model(mlx_path, hf_path)
     return write_model_card(mlx_path, hf_path)
 
 

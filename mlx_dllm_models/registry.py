@@ -44,6 +44,8 @@ MODEL_TYPES = {
     "llava_dream": "llava_dream",
     # kuleshov-group's BD3-LM (bd3lm-owt-block_size4 / 8 / 16: a 110M DiT over GPT-2's tokenizer).
     "bd3lm": "bd3lm",
+    # Gen-Verse's MMaDA-8B (LLaDA 8B's body; text-to-image through MAGVIT-v2 tokens, images.py).
+    "mmada": "mmada",
 }
 
 # Families whose checkpoints are saved under their autoregressive body's model_type, which this

@@ -16,4 +16,7 @@ The protocol every module follows (the engine relies on nothing else):
     over the positions whose logits are needed.
 * `Model.diffusion_spec` -> `mlx_dllm_models.spec.DiffusionSpec`, built from the config.
 * `Model.layers` (list of layers, for cache creation) and `Model.args`.
+* Optionally `Model.image_spec` -> `mlx_dllm_models.image_spec.ImageSpec`: a family that writes
+  images as tokens (MMaDA, whose image tokenizer is magvitv2.py's MAGVIT-v2, a module of no
+  model_type, as common.py or image_slots.py).
 """

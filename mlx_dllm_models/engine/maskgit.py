@@ -1,0 +1,125 @@
+"""The text-to-image loop of the unified families (MMaDA's t2i_generate): every step one forward
+over the whole prompt (with the unconditional rows beside the conditional ones under guidance),
+the image columns' codebook logits, then decoding.maskgit's step.
+
+The token layout is the caller's (images.py builds UniversalPrompting's): each row is its text
+part (`text_len` columns, left-padded), then `<|soi|>`, the N image columns and `<|eoi|>`. The
+unconditional rows keep their own text part and take the conditional rows' current image columns
+at every step, as the reference rebuilds them.
+
+Draws: each row draws its uniforms from its own key (split once per step), so a row of a batch
+samples as it would alone; tests inject the reference's draws instead (`draws`).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..decoding.maskgit import guided, maskgit_step
+from ..decoding.stats import uniform
+from ..masks import padding_mask
+from .base import split_rows
+
+# step -> (multinomial uniforms (B, N), gumbel uniforms (B, N))
+Draws = Callable[[int], Tuple[mx.array, mx.array]]
+
+
+@dataclass
+class ImageStep:
+    """What a step leaves: every position's sampled codebook index and the positions masked again
+    (the last step's `sampled` is the image)."""
+
+    step: int
+    steps: int
+    sampled: mx.array
+    masking: mx.array
+
+
+def seeded_draws(seeds: Sequence[int], n_tokens: int) -> Draws:
+    """Per-row draws from `seeds` (row b from its own key)."""
+    state = {"keys": mx.stack([mx.random.key(int(s)) for s in seeds])}
+    shape = (len(seeds), n_tokens)
+
+    def draws(step: int):
+        state["keys"], sample_keys, gumbel_keys = split_rows(state["keys"], 3)
+        return uniform(sample_keys, shape), uniform(gumbel_keys, shape)
+
+    return draws
+
+
+class ImageDecoder:
+    """One run of text-to-image decoding over a batch of prompts laid out as described above."""
+
+    def __init__(
+        self,
+        model,
+        ids: mx.array,
+        pads: Sequence[int],
+        *,
+        n_tokens: int,
+        offset: int,
+        codebook_size: int,
+        mask_token_id: int,
+        text_len: int,
+        uncond_prefix: Optional[mx.array] = None,
+        uncond_pads: Sequence[int] = (),
+    ):
+        self.model = model
+        self.ids = ids
+        self.pads = list(pads)
+        self.n_tokens = n_tokens
+        self.offset = offset
+        self.codebook_size = codebook_size
+        self.mask_token_id = mask_token_id
+        self.text_len = text_len
+        self.uncond_prefix = uncond_prefix
+        self.uncond_pads = list(uncond_pads)
+        L = ids.shape[1]
+        self.span = (L - n_tokens - 1, L - 1)
+        self.nfe = 0
+
+    def logits(self, guidance_scale: float) -> mx.array:
+        """(B, N, C) guided codebook logits of the image columns."""
+        B, L = self.ids.shape
+        guide = self.uncond_prefix is not None and guidance_scale > 0
+        batch, pads = self.ids, self.pads
+        if guide:
+            uncond = mx.concatenate([self.uncond_prefix, self.ids[:, self.text_len :]], axis=1)
+            batch = mx.concatenate([self.ids, uncond], axis=0)
+            pads = self.pads + self.uncond_pads
+        logits = self.model(batch, mask=padding_mask(pads, L), head_span=self.span)
+        self.nfe += 1
+        logits = logits[..., self.offset : self.offset + self.codebook_size].astype(mx.float32)
+        if guide:
+            return guided(logits[:B], logits[B:], guidance_scale)
+        return logits
+
+    def run(
+        self, *, steps: int, guidance_scale: float, temperature: float, draws: Draws
+    ) -> Iterator[ImageStep]:
+        start, stop = self.span
+        # Columns that hold an image token are given (inpainting) and kept, as the reference's
+        # unknown_map reads them from input_ids.
+        columns = self.ids[:, start:stop]
+        known = columns != self.mask_token_id
+        tokens = mx.where(known, columns - self.offset, 0).astype(mx.int32)
+        for step in range(steps):
+            u_sample, u_gumbel = draws(step)
+            sampled, masking, temperature = maskgit_step(
+                self.logits(guidance_scale),
+                tokens,
+                known,
+                step,
+                steps,
+                temperature,
+                u_sample,
+                u_gumbel,
+            )
+            image = mx.where(masking, self.mask_token_id, sampled + self.offset)
+            self.ids = mx.concatenate(
+                [self.ids[:, :start], image.astype(self.ids.dtype), self.ids[:, stop:]], axis=1
+            )
+            tokens, known = sampled, ~masking
+            mx.eval(self.ids, tokens, known)
+            yield ImageStep(step, steps, sampled, masking)

@@ -1,0 +1,309 @@
+"""Text-to-image generation of the unified families (MMaDA): `generate_image`,
+`stream_generate_image` and `batch_generate_image`.
+
+A prompt is laid out as MMaDA's UniversalPrompting.t2i_gen_prompt does it:
+`[iPAD]... <|t2i|> <bos> text <eos> <|soi|> image tokens <|eoi|>`, the text part left-padded with
+[iPAD] to `max_text_len + 1` columns (longer text is cut to leave its <eos>), attention masked off
+the padding; under guidance each row has an unconditional twin whose text is '' . The image
+columns start masked and engine.maskgit decodes them; the VQ model (models/magvitv2.py, the
+checkpoint's `vq_model/` folder unless given) turns the codebook indices into pixels.
+
+Settings left as None take the model's `image_spec` defaults (the reference's: guidance 3.5, 15
+steps, temperature 1.0 for MMaDA). The server and CLI call these functions as they are.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from .engine.maskgit import Draws, ImageDecoder, seeded_draws
+from .errors import SettingsError
+from .image_codes import aligned, grid_tokens, start_codes
+from .image_spec import ImageSpec
+from .models import magvitv2
+from .vision import text_tokenizer
+
+_VQ_MODELS: Dict[str, magvitv2.MAGVITv2] = {}
+
+
+@dataclass
+class ImageResponse:
+    """A streamed step: the image decoded from every position's current sample (the last step's
+    is the final image), with the step count and the codebook indices."""
+
+    step: int
+    steps: int
+    image: Any  # PIL.Image.Image
+    tokens: List[int]
+    nfe: int
+
+
+def image_spec_of(model) -> ImageSpec:
+    spec = getattr(model, "image_spec", None)
+    if spec is None:
+        name = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
+        raise SettingsError(
+            f"{name} cannot generate images: image generation needs a unified multimodal model "
+            "that writes images as tokens (MMaDA)"
+        )
+    return spec
+
+
+def load_vq_model(path) -> magvitv2.MAGVITv2:
+    """The MAGVIT-v2 model of folder `path`, loaded once per process."""
+    key = str(Path(path).resolve())
+    if key not in _VQ_MODELS:
+        _VQ_MODELS[key] = magvitv2.load(path)
+    return _VQ_MODELS[key]
+
+
+def resolve_vq_model(processor, spec: ImageSpec, vq_model=None) -> magvitv2.MAGVITv2:
+    """`vq_model` (a MAGVITv2, or a folder), else the checkpoint folder's `vq_model/`."""
+    if isinstance(vq_model, magvitv2.MAGVITv2):
+        vq = vq_model
+    else:
+        if vq_model is None:
+            tok = hf_tokenizer(processor)
+            root = Path(getattr(tok, "name_or_path", "") or ".")
+            vq_model = root / spec.vq_subfolder
+        if not (Path(vq_model) / "config.json").exists():
+            raise SettingsError(
+                f"{spec.family}: no VQ model at {vq_model}: put the image tokenizer's folder "
+                f"(showlab/magvitv2: config.json and weights) there, or pass vq_model=PATH"
+            )
+        vq = load_vq_model(vq_model)
+    if vq.codebook_size != spec.codebook_size:
+        raise SettingsError(
+            f"{spec.family}: the VQ model's codebook has {vq.codebook_size} entries, the model's "
+            f"config.json says codebook_size {spec.codebook_size}"
+        )
+    return vq
+
+
+def hf_tokenizer(processor):
+    tok = text_tokenizer(processor)
+    return getattr(tok, "_tokenizer", tok)
+
+
+def special_ids(tok, spec: ImageSpec) -> Dict[str, int]:
+    """The prompt's special ids by name in the tokenizer, else the reference's fixed ids."""
+    out = {}
+    for name in spec.prompt_tokens:
+        idx = tok.convert_tokens_to_ids(name)
+        if idx is None or (idx == tok.unk_token_id and name != tok.unk_token):
+            idx = spec.special_tokens[name]
+        out[name] = int(idx)
+    return out
+
+
+def grid(spec: ImageSpec, vq: magvitv2.MAGVITv2, width, height) -> Tuple[int, int]:
+    """(rows, columns) of image tokens for a width x height image."""
+    side = math.isqrt(spec.num_vq_tokens) * vq.downsample
+    width = side if width is None else width
+    height = side if height is None else height
+    ds = vq.downsample
+    for name, value in (("width", width), ("height", height)):
+        if not isinstance(value, int) or value < ds or value % ds:
+            raise SettingsError(
+                f"{spec.family}: {name} {value!r} is not a multiple of {ds} pixels (one image "
+                f"token covers {ds}x{ds}); the model was trained on {side}x{side}"
+            )
+    return height // ds, width // ds
+
+
+def text_part(tok, spec: ImageSpec, ids: Dict[str, int], text: str) -> Tuple[List[int], int]:
+    """(the text columns of one row, its left padding) as t2i_gen_prompt builds them."""
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    text_ids = list(tok(text)["input_ids"])
+    if not text_ids:
+        text_ids = [bos]
+    elif text_ids[0] != bos:
+        text_ids = [bos] + text_ids
+    row = [ids["<|t2i|>"]] + text_ids + [eos]
+    width = spec.max_text_len + 1
+    if len(row) > width:
+        return row[: width - 1] + [eos], 0
+    return [ids["[iPAD]"]] * (width - len(row)) + row, width - len(row)
+
+
+def t2i_rows(processor, spec: ImageSpec, texts: Sequence[str], n_tokens: int, codes=None, offset=0):
+    """(ids (B, L), left paddings) of the prompts with their image columns masked (or, with
+    `codes`, holding the given codes where they are not -1)."""
+    tok = hf_tokenizer(processor)
+    ids = special_ids(tok, spec)
+    rows, pads = [], []
+    for i, text in enumerate(texts):
+        part, pad = text_part(tok, spec, ids, text)
+        image = grid_tokens(codes, i, n_tokens, offset, spec.mask_token_id)
+        rows.append(part + [ids["<|soi|>"]] + image + [ids["<|eoi|>"]])
+        pads.append(pad)
+    return mx.array(rows, dtype=mx.int32), pads
+
+
+def codebook_offset(processor, spec: ImageSpec) -> int:
+    offset = len(hf_tokenizer(processor)) + spec.num_new_special_tokens
+    rows = spec.vocab_rows
+    if offset + spec.codebook_size > rows:
+        raise SettingsError(
+            f"{spec.family}: image tokens {offset}..{offset + spec.codebook_size - 1} (after the "
+            f"tokenizer's {offset} ids) exceed the model's {rows} vocabulary rows"
+        )
+    return offset
+
+
+def seeds_of(seed, n: int) -> List[int]:
+    if isinstance(seed, int):
+        return [seed + i for i in range(n)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != n:
+        raise SettingsError(f"{len(seeds)} seeds for {n} prompts")
+    return seeds
+
+
+def decoder_for(
+    model,
+    processor,
+    prompts,
+    spec,
+    vq,
+    width,
+    height,
+    steps,
+    guidance_scale,
+    images=None,
+    masks=None,
+):
+    rows, cols = grid(spec, vq, width, height)
+    n_tokens = rows * cols
+    images = aligned(images, len(prompts), "images")
+    codes = start_codes(vq, images, aligned(masks, len(prompts), "masks"), rows, cols)
+    steps = spec.steps if steps is None else steps
+    guidance_scale = spec.guidance_scale if guidance_scale is None else guidance_scale
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise SettingsError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
+        raise SettingsError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
+    if not prompts:
+        raise SettingsError("no prompts: give at least one")
+    offset = codebook_offset(processor, spec)
+    ids, pads = t2i_rows(processor, spec, prompts, n_tokens, codes, offset)
+    uncond, uncond_pads = None, ()
+    if guidance_scale > 0:
+        blank, uncond_pads = t2i_rows(processor, spec, [""] * len(prompts), n_tokens)
+        uncond = blank[:, : spec.max_text_len + 1]
+    decoder = ImageDecoder(
+        model,
+        ids,
+        pads,
+        n_tokens=n_tokens,
+        offset=offset,
+        codebook_size=spec.codebook_size,
+        mask_token_id=spec.mask_token_id,
+        text_len=spec.max_text_len + 1,
+        uncond_prefix=uncond,
+        uncond_pads=uncond_pads,
+    )
+    return decoder, (rows, cols), steps, guidance_scale
+
+
+def to_pil(vq: magvitv2.MAGVITv2, codes: mx.array, shape: Tuple[int, int]) -> list:
+    from PIL import Image
+
+    pixels = magvitv2.to_uint8(vq.decode_code(codes, shape))
+    return [Image.fromarray(p) for p in pixels]
+
+
+def stream_batch(
+    model,
+    processor,
+    prompts: Sequence[str],
+    *,
+    width: Optional[int] = None,
+    height: Optional[int] = None,
+    steps: Optional[int] = None,
+    guidance_scale: Optional[float] = None,
+    temperature: Optional[float] = None,
+    seed: Union[int, Sequence[int]] = 0,
+    every: int = 1,
+    max_text_len: Optional[int] = None,
+    images: Optional[Sequence[Any]] = None,
+    masks: Optional[Sequence[Any]] = None,
+    vq_model=None,
+    draws: Optional[Draws] = None,
+) -> Iterator[List[ImageResponse]]:
+    """Every `every` steps (and at the last), each prompt's ImageResponse.
+
+        `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
+        less one (the reference's max_seq_length, 512); `images` / `masks` (one a prompt, None for
+    none): inpainting, the image encoded, the tokens under the mask's white cells decoded; `vq_model`: a MAGVITv2 or its folder (default:
+        the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests)."""
+    spec = image_spec_of(model)
+    if max_text_len is not None:
+        if not isinstance(max_text_len, int) or max_text_len < 1:
+            raise SettingsError(f"max_text_len must be a positive integer, got {max_text_len!r}")
+        spec = replace(spec, max_text_len=max_text_len)
+    if not isinstance(every, int) or every < 1:
+        raise SettingsError(f"every must be a positive integer, got {every!r}")
+    if isinstance(prompts, str):
+        raise SettingsError("prompts must be a list of strings (generate_image takes one)")
+    vq = resolve_vq_model(processor, spec, vq_model)
+    decoder, shape, steps, guidance_scale = decoder_for(
+        model,
+        processor,
+        list(prompts),
+        spec,
+        vq,
+        width,
+        height,
+        steps,
+        guidance_scale,
+        images,
+        masks,
+    )
+    if draws is None:
+        draws = seeded_draws(seeds_of(seed, len(prompts)), decoder.n_tokens)
+    temperature = spec.temperature if temperature is None else temperature
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise SettingsError(f"temperature must be a number >= 0, got {temperature!r}")
+    for event in decoder.run(
+        steps=steps, guidance_scale=guidance_scale, temperature=temperature, draws=draws
+    ):
+        last = event.step == steps - 1
+        if not last and (event.step + 1) % every:
+            continue
+        images = to_pil(vq, event.sampled, shape)
+        tokens = event.sampled.tolist()
+        yield [
+            ImageResponse(event.step + 1, steps, image, row, decoder.nfe)
+            for image, row in zip(images, tokens)
+        ]
+
+
+def stream_generate_image(
+    model, processor, prompt: str, *, every: int = 1, image=None, mask=None, **kwargs
+):
+    """generate_image's steps: an ImageResponse every `every` steps, the final image last."""
+    for responses in stream_batch(
+        model, processor, [prompt], every=every, images=[image], masks=[mask], **kwargs
+    ):
+        yield responses[0]
+
+
+def batch_generate_image(model, processor, prompts: Sequence[str], **kwargs) -> list:
+    """One image per prompt, the prompts sharing every forward; row i draws from `seed + i` (or
+    `seed[i]` when a list), so it equals generate_image(prompts[i], seed=seed + i)."""
+    last = None
+    for last in stream_batch(model, processor, prompts, every=1 << 30, **kwargs):
+        pass
+    return [r.image for r in last]
+
+
+def generate_image(model, processor, prompt: str, *, image=None, mask=None, **kwargs):
+    """A PIL image of `prompt` (width, height, steps, guidance_scale, temperature, seed,
+    vq_model: see stream_batch); with `image` and `mask`, the image with the mask's white region
+    repainted."""
+    kwargs.update(images=[image], masks=[mask])
+    return batch_generate_image(model, processor, [prompt], **kwargs)[0]
