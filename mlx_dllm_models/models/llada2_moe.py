@@ -11,6 +11,9 @@ experts, first_k_dense_replace dense layers), with the deltas of the Hugging Fac
 * the config's `head_dim` is honoured (bailing_moe derives it from hidden_size / heads), and the
   rotary size is `int(head_dim * partial_rotary_factor)` as HF's RoPE init computes it.
 
+LLaDA2.2's block routing (`expert_capacity` in its config; `block_limited_topk`) is implemented, but
+a 2.2 config is refused at load: its insert/delete editing (DELETE / SPLIT tokens) is not.
+
 Attention is block-causal (blocks of 32 aligned on absolute positions); the caller passes the mask.
 """
 
@@ -105,17 +108,19 @@ class ModelArgs(bailing_moe.ModelArgs):
     # LLaDA2.2 (Levenshtein editing) edit-control tokens; absent from 2.0 / 2.1 configs.
     delete_token_id: Optional[int] = None
     split_token_id: Optional[int] = None
-    # LLaDA2.2's block routing (its tech report, section 2.2): a block's tokens share the
-    # `expert_capacity` experts that score highest over the block. Not implemented: refused.
+    # LLaDA2.2's block routing: the tokens of each `block_size` block of positions choose among
+    # the `expert_capacity` experts that score highest over the block (block_limited_topk).
     expert_capacity: Optional[int] = None
+    block_size: Optional[int] = None
 
     def __post_init__(self):
         if self.expert_capacity is not None:
             raise ValueError(
                 f"llada2_moe: this checkpoint routes experts by block (expert_capacity="
-                f"{self.expert_capacity}, LLaDA2.2), which this package does not implement: it would "
-                "run LLaDA2.0 / 2.1's per-token router and give another model's output. LLaDA2.0 and "
-                "2.1 checkpoints are supported"
+                f"{self.expert_capacity}, LLaDA2.2) and decodes with insert/delete edits (its "
+                "DELETE / SPLIT tokens shrink and grow a block), which this package does not implement "
+                "(the block routing it does): decoding without those edits would give "
+                "another model's output. LLaDA2.0 and 2.1 checkpoints are supported"
             )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
@@ -150,6 +155,12 @@ def group_limited_topk(logits, expert_bias, top_k, n_group, topk_group, routed_s
             grouped, mx.stop_gradient(dropped), mx.array(-mx.inf, grouped.dtype), axis=-2
         )
         routing = mx.flatten(grouped, -2, -1)
+    return top_k_weighted(scores, routing, top_k, routed_scaling_factor)
+
+
+def top_k_weighted(scores, routing, top_k, routed_scaling_factor):
+    """The top_k experts by `routing`, weighted by their unbiased `scores` renormalised (+1e-20,
+    when top_k > 1) and scaled: LLaDA2MoeGate's weights, whichever router selected."""
     inds = mx.stop_gradient(mx.argpartition(-routing, kth=top_k - 1, axis=-1)[..., :top_k])
     weights = mx.take_along_axis(scores, inds, axis=-1)
     if top_k > 1:
@@ -157,20 +168,75 @@ def group_limited_topk(logits, expert_bias, top_k, n_group, topk_group, routed_s
     return inds, weights * routed_scaling_factor
 
 
+def block_limited_topk(
+    logits, expert_bias, first_position, top_k, capacity, block_size, routed_scaling_factor
+):
+    """LLaDA2.2's block routing (fp32). Positions are grouped in blocks of `block_size` aligned on
+    position 0; each expert's score over a block is its largest bias-corrected score there, the
+    `capacity` best experts of the block are the only ones its tokens may choose, and each token
+    takes its top_k among them (no expert groups). Weights as the per-token router's.
+
+    logits (B, L, E); first_position (B,) the position of each row's first input (negative on
+    left padding, whose blocks are then apart from the real tokens'). The rule of sgl-project/
+    sglang's block router (pull requests #31743 / #31768) and Akicou/diffuse-cpp's MoE graph; a
+    block cut by the input's ends takes the maximum over the tokens present."""
+    scores = mx.sigmoid(logits)
+    routing = scores + expert_bias
+    rows, length, experts = routing.shape
+    lead = first_position % block_size  # (B,) slots of each row's first block before its input
+    blocks = (length + block_size - 1) // block_size + 1
+    slot = mx.arange(blocks * block_size)[None] - lead[:, None]  # (B, N) input index of each slot
+    inside = (slot >= 0) & (slot < length)
+    gather = mx.broadcast_to(mx.clip(slot, 0, length - 1)[..., None], (*slot.shape, experts))
+    laid = mx.where(inside[..., None], mx.take_along_axis(routing, gather, axis=1), -mx.inf)
+    best = laid.reshape(rows, blocks, block_size, experts).max(axis=2)  # (B, blocks, E)
+    chosen = mx.argpartition(-best, kth=capacity - 1, axis=-1)[..., :capacity]
+    allowed = mx.put_along_axis(
+        mx.zeros(best.shape, mx.bool_), chosen, mx.array(True), axis=-1
+    )  # (B, blocks, E)
+    block = (mx.arange(length)[None] + lead[:, None]) // block_size  # (B, L)
+    token_allowed = mx.take_along_axis(
+        allowed, mx.broadcast_to(block[..., None], (rows, length, experts)), axis=1
+    )
+    routing = mx.where(token_allowed, routing, -mx.inf)
+    return top_k_weighted(scores, routing, top_k, routed_scaling_factor)
+
+
+def first_positions(cache, rows: int) -> mx.array:
+    """(rows,) the position of each row's first input: the caches' `offset` (an int or a (B,)
+    array, negative on left padding), 0 without a cache."""
+    offset = 0 if cache is None else cache[0].offset
+    return mx.broadcast_to(mx.array(offset, dtype=mx.int32), (rows,))
+
+
 class Gate(bailing_moe.BailingMoeGate):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.expert_bias = mx.zeros((args.num_experts,), dtype=mx.float32)
+        self.expert_capacity = args.expert_capacity
+        self.block_size = args.block_size or args.block_length or LLADA2_BLOCK_LENGTH
+        self.route_from(mx.array([0]))
+
+    def route_from(self, first_position: mx.array):
+        """Block routing's (B,) position of each row's first input (Model.__call__ sets it). Kept
+        outside nn.Module's parameter tree, where an array attribute would otherwise go."""
+        object.__setattr__(self, "first_position", first_position)
 
     def __call__(self, x):
         logits = self.gate_proj(x.astype(mx.float32)).astype(mx.float32)
+        bias = self.expert_bias.astype(mx.float32)
+        if self.expert_capacity is not None:
+            return block_limited_topk(
+                logits,
+                bias,
+                self.first_position,
+                self.top_k,
+                self.expert_capacity,
+                self.block_size,
+                self.routed_scaling_factor,
+            )
         return group_limited_topk(
-            logits,
-            self.expert_bias.astype(mx.float32),
-            self.top_k,
-            self.n_group,
-            self.topk_group,
-            self.routed_scaling_factor,
+            logits, bias, self.top_k, self.n_group, self.topk_group, self.routed_scaling_factor
         )
 
 
@@ -254,6 +320,11 @@ class Model(bailing_moe.Model):
     make_cache = refuse_autoregressive_tools
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+        if self.args.expert_capacity is not None:
+            first = first_positions(cache, inputs.shape[0])
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    layer.mlp.gate.route_from(first)
         return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, head_span)
 
     def sanitize(self, weights):
