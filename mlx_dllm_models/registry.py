@@ -44,12 +44,16 @@ MODEL_TYPES = {
     "llava_dream": "llava_dream",
     # kuleshov-group's BD3-LM (bd3lm-owt-block_size4 / 8 / 16: a 110M DiT over GPT-2's tokenizer).
     "bd3lm": "bd3lm",
+    # ByteDance Seed's Stable-DiffCoder (Seed-Coder's Llama body, block diffusion): the checkpoint
+    # writes "llama", which stays mlx-lm's; `mlx_dllm convert --model-type stable_diffcoder`
+    # writes this.
+    "stable_diffcoder": "stable_diffcoder",
 }
 
 # Families whose checkpoints are saved under their autoregressive body's model_type, which this
 # package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
 # `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
-RETYPES = {"open_dcoder": ("qwen2",)}
+RETYPES = {"open_dcoder": ("qwen2",), "stable_diffcoder": ("llama",)}
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).
