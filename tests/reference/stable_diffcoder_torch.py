@@ -17,77 +17,31 @@ read in the code index, not copied).
 """
 
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# _make_block_causal_mask's pattern (tril over blocks, a block of ones each): SDAR's.
+from .hf_forward import build_body, keys_in_view, logits_under
+from .sdar_torch import block_causal_keep
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=2)
 def load_reference(ckpt):
-    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = json.loads((Path(ckpt) / "config.json").read_text())
-    lcfg = LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-        tie_word_embeddings=cfg["tie_word_embeddings"],
-    )
-    lcfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(lcfg).float().eval()
-    state = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-def block_causal_keep(length, block_length):
-    """_make_block_causal_mask's pattern: tril over blocks, kron'd with a block of ones."""
-    nb = -(-length // block_length)
-    tril = torch.tril(torch.ones(nb, nb, dtype=torch.bool))
-    return torch.kron(tril.int(), torch.ones(block_length, block_length, dtype=torch.int))[
-        :length, :length
-    ].bool()
-
-
-def _logits(model, x, keep):
-    B, L = x.shape
-    additive = torch.zeros(B, 1, L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        out = model(
-            input_ids=x,
-            attention_mask=additive,
-            position_ids=torch.arange(L).expand(B, L),
-            use_cache=False,
-        )
-    return out.logits.float()
+    return build_body(LlamaConfig, LlamaForCausalLM, ckpt, keys=("head_dim",))
 
 
 def reference_logits(ckpt, input_ids, causal=False, block_length=None):
     """float32 logits (B, L, V) of token ids (module docstring)."""
     x = torch.as_tensor(np.asarray(input_ids)).long()
     L = x.shape[1]
-    if block_length is not None:
-        keep = block_causal_keep(L, block_length)
-    elif causal:
-        keep = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    else:
-        keep = torch.ones(L, L, dtype=torch.bool)
-    return _logits(load_reference(str(ckpt)), x, keep).numpy()
+    keep = keys_in_view(L, causal) if block_length is None else block_causal_keep(L, block_length)
+    return logits_under(load_reference(str(ckpt)), x, keep).numpy()
 
 
 def num_transfer_tokens(masks, steps):
@@ -145,7 +99,7 @@ def generate_block(
                 nfe += 1
                 window = x[:, start:stop]
                 mask_map = window == mask_id
-                logits = _logits(model, x[:, :stop], keep[:stop, :stop])[:, start:stop]
+                logits = logits_under(model, x[:, :stop], keep[:stop, :stop])[:, start:stop]
                 x0, transfer = transfer_index(
                     logits, mask_map, window, count if threshold is None else None, threshold
                 )
