@@ -16,6 +16,7 @@ from mlx_dllm_models.conversion import retyped_config
 from mlx_dllm_models.engine.base import BlockEvent
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.masks import block_causal_mask
+from mlx_dllm_models.settings import resolve_settings
 from reference import stable_diffcoder_torch as reference
 
 BLOCK = fixture.BLOCK_LENGTH
@@ -61,6 +62,10 @@ def test_defaults_are_the_model_cards_call(loaded):
         "threshold": 0.95,
         "max_tokens": 512,
     }
+    resolved = resolve_settings(spec, {}, {})
+    # One token a step: 512 steps over 512 / 4 blocks is 4 a block.
+    assert (resolved["steps"], resolved["block_length"], resolved["max_tokens"]) == (4, 4, 512)
+    assert (resolved["sampler"], resolved["temperature"]) == ("quota", 0.0)
     assert (spec.mask_token_id, spec.eos_token_ids) == (fixture.MASK, (fixture.EOS,))
     assert spec.confidence == "raw" and spec.quota_base == "masks" and spec.logit_shift == 0
 
