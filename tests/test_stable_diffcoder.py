@@ -11,7 +11,7 @@ import pytest
 from fixtures import build_once
 from fixtures import stable_diffcoder as fixture
 from helpers import assert_close, cut_at_eos, far
-from mlx_dllm_models import CheckpointError, load
+from mlx_dllm_models import CheckpointError, batch_generate_diffusion, load
 from mlx_dllm_models.conversion import retyped_config
 from mlx_dllm_models.engine.base import BlockEvent
 from mlx_dllm_models.generate import stream_events
@@ -133,3 +133,16 @@ def test_the_published_config_is_converted_with_the_tokenizers_mask(fixture_dir)
         "model_type": "stable_diffcoder",
         "mask_token_id": fixture.MASK,
     }
+
+
+def test_batch_rows_are_their_single_runs(loaded):
+    # Rows whose canvases end at different columns: each row's last block stops at its own end,
+    # and the columns after it, which the longer rows fill, are out of its view.
+    model, tok = loaded
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (10, 8, 7)]
+    together = batch_generate_diffusion(model, tok, prompts, max_tokens=8).tokens
+    assert together == [
+        batch_generate_diffusion(model, tok, [p], max_tokens=8).tokens[0] for p in prompts
+    ]
+    assert all(len(t) == 8 for t in together)
