@@ -107,6 +107,24 @@ def test_tokens_and_forwards_match_generate_block(ckpt, loaded, n, gen, settings
     assert dec.nfe - dec.backend.prefill_forwards == ref_nfe - dec.backend.commits_saved
 
 
+@pytest.mark.parametrize("seed", [15, 17, 19])
+def test_a_run_ends_at_its_eos_as_generate_block_does(fixture_dir, seed):
+    # generate_block stops after the block that holds the EOS (no store forward for it) and fills
+    # the block from the EOS on with it; the package returns the tokens before the EOS.
+    ckpt = build_once(fixture_dir / "stable_diffcoder_eos", fixture.build_eos_prone)
+    model, tok = load(ckpt)
+    prompt = np.random.default_rng(seed).integers(0, 256, 6).tolist()
+    x, ref_nfe = reference.generate_block(
+        ckpt, prompt, steps=32, gen_length=32, mask_id=fixture.MASK, eos_id=fixture.EOS
+    )
+    assert fixture.EOS in x[6:] and len(x) < 6 + 32
+    got, dec = run(model, tok, prompt, max_tokens=32)
+    assert got == cut_at_eos(x[6:], {fixture.EOS})
+    # Upstream stores every finished block but the EOS one; the engine counts that one saved too.
+    stores = dec.backend.commits_saved - 1
+    assert dec.nfe - dec.backend.prefill_forwards == ref_nfe - stores
+
+
 def test_a_prompt_off_the_grid_decodes_only_max_tokens(loaded):
     # generate_block's last block is the prompt's remainder: 7 + 32 ends 3 into a block, whose
     # three masks take three forwards (one token a step), not a whole block of four.
