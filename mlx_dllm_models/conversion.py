@@ -503,6 +503,6 @@ def diffusion_hint(path, config) -> str:
         return ""
     return (
         f". Its tokenizer has a mask token: if it is a masked-diffusion model saved as {found} "
-        f"(Open-dCoder), convert it with `mlx_dllm convert --hf-path {path} --mlx-path OUT "
+        f"({' / '.join(types)}), convert it with `mlx_dllm convert --hf-path {path} --mlx-path OUT "
         f"--model-type {types[0]}`"
     )

@@ -40,6 +40,7 @@ def block_causal_mask(
     offset: int = 0,
     left_padding: Optional[Sequence[int]] = None,
     on_columns: bool = False,
+    ends: Optional[Sequence[int]] = None,
 ) -> mx.array:
     """Block-causal keep-mask for `length` queries at absolute positions offset..offset+length-1
     against keys 0..offset+length-1: a query in block b sees every key in blocks <= b.
@@ -47,17 +48,23 @@ def block_causal_mask(
     Blocks are aligned on absolute positions (0, B, 2B, ...), as SDAR and LLaDA2 are trained.
     With left padding, positions are counted per row from the first real token; `on_columns`
     counts blocks on the columns instead (dllm's BD3LM sampler: padding fills the prompt up to
-    whole blocks, and is never attended).
+    whole blocks, and is never attended). `ends` (per row): columns from a row's end on are never
+    attended either (a batch whose last blocks stop at each row's max_tokens: a row alone has no
+    column there).
     """
     q = mx.arange(offset, offset + length)
     k = mx.arange(offset + length)
-    if left_padding is None:
+    if left_padding is None and ends is None:
         keep = (k[None, :] // block_length) <= (q[:, None] // block_length)
         return keep[None, None]
+    if left_padding is None:
+        left_padding = [0] * len(ends)
     pad = mx.array(left_padding, dtype=mx.int32)[:, None, None]
     qp = q[None, :, None] - (0 if on_columns else pad)
     kp = k[None, None, :] - (0 if on_columns else pad)
     keep = ((kp // block_length) <= (qp // block_length)) & (k[None, None, :] >= pad)
+    if ends is not None:
+        keep = keep & (k[None, None, :] < mx.array(ends, dtype=mx.int32)[:, None, None])
     keep = keep | (q[None, :, None] == k[None, None, :])
     return keep[:, None]
 

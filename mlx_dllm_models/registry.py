@@ -46,12 +46,16 @@ MODEL_TYPES = {
     "bd3lm": "bd3lm",
     # Gen-Verse's MMaDA-8B (LLaDA 8B's body; text-to-image through MAGVIT-v2 tokens, images.py).
     "mmada": "mmada",
+    # ByteDance Seed's Stable-DiffCoder (Seed-Coder's Llama body, block diffusion): the checkpoint
+    # writes "llama", which stays mlx-lm's; `mlx_dllm convert --model-type stable_diffcoder`
+    # writes this.
+    "stable_diffcoder": "stable_diffcoder",
 }
 
 # Families whose checkpoints are saved under their autoregressive body's model_type, which this
 # package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
 # `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
-RETYPES = {"open_dcoder": ("qwen2",)}
+RETYPES = {"open_dcoder": ("qwen2",), "stable_diffcoder": ("llama",)}
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).

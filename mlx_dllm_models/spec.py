@@ -130,6 +130,10 @@ class DiffusionSpec:
     # columns, so the prompt's first block holds its leading len % block_length tokens); the
     # last block holds only the positions max_tokens leaves, not a whole block of masks.
     blocks_end_at_prompt: bool = False
+    # Block-causal families whose canvas ends at max_tokens: blocks stay on absolute positions, but
+    # the last one holds only the positions max_tokens leaves (Stable-DiffCoder's generate_block
+    # shortens its last block to the prompt's remainder), not a whole block of masks cut afterwards.
+    last_block_at_max_tokens: bool = False
     # Spec fields a sampler brings (sampler -> {field: value}), where the checkpoint cannot tell
     # how it was trained: dllm's A2D conversions are one model_type whether MDLM- or BD3LM-trained,
     # and its BD3LM sampler reads them block-causally (for_settings applies them).

@@ -16,14 +16,15 @@ import pytest
 from mlx.utils import tree_flatten
 
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
+from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture, serving
 from mlx_dllm_models import SettingsError, batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.masks import every_key
 from mlx_dllm_models.server import Job, Scheduler
-from mlx_dllm_models.spec import BIDIRECTIONAL, CAUSAL_WINDOW
-from reference import coda_torch, dllm_a2d, open_dcoder_torch, rnd1_sampling
+from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_WINDOW
+from reference import coda_torch, dllm_a2d, open_dcoder_torch, rnd1_sampling, stable_diffcoder_torch
 
 CHAT = [{"role": "user", "content": "hi"}]
 QUESTION = "Question: hi\nAnswer:"
@@ -210,6 +211,24 @@ FAMILIES = {
         mask=open_dcoder.MASK,
         spec=spec_facts("open_dcoder", BIDIRECTIONAL, 1, open_dcoder.MASK),
         lengths=(1, 11),
+        plain_causal=True,
+    ),
+    "stable_diffcoder": Family(
+        stable_diffcoder_fixture.build_converted,
+        "stable_diffcoder",
+        convert_prompts=[list(range(40, 47))],
+        convert=dict(max_tokens=12),
+        length=12,
+        shard_ids=masked(stable_diffcoder_fixture.MASK, 3),
+        shard_forward={"mask": "causal"},
+        serve=(CHAT_AT_SEED_3, TOKEN_PROMPT),
+        scheduler_prompts=SCHEDULER_PROMPTS,
+        reference=stable_diffcoder_torch.reference_logits,
+        mask=stable_diffcoder_fixture.MASK,
+        spec=dict(
+            spec_facts("stable_diffcoder", BLOCK_CAUSAL, 0, stable_diffcoder_fixture.MASK),
+            eos_token_ids=(stable_diffcoder_fixture.EOS,),
+        ),
         plain_causal=True,
     ),
 }

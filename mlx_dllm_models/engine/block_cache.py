@@ -86,6 +86,7 @@ class PrefixCache(Backend):
         self.width = layout.width
         self.pads = list(layout.pads) if any(layout.pads) else None
         self.on_columns = layout.prompt_end  # dllm's BD3LM: blocks end at the prompt's end
+        self.ends = layout.right_ends
         self.cache = PrefixKVCache(len(model.layers), layout.width, self.pads)
         # The first column of the first block that holds a generated position of some row.
         self.prefix = (min(layout.starts) // self.block) * self.block
@@ -101,13 +102,23 @@ class PrefixCache(Backend):
 
     def _forward(self, x, start, stop, head_span):
         self.nfe += 1
-        if self.pads is None and start % self.block == 0 and stop - start <= self.block:
+        if (
+            self.pads is None
+            and self.ends is None
+            and start % self.block == 0
+            and stop - start <= self.block
+        ):
             # One block against its prefix: every key is visible. No mask lets attention take
             # its unmasked path (the usual denoising step).
             mask = None
         else:
             mask = block_causal_mask(
-                stop - start, self.block, start, left_padding=self.pads, on_columns=self.on_columns
+                stop - start,
+                self.block,
+                start,
+                left_padding=self.pads,
+                on_columns=self.on_columns,
+                ends=self.ends,
             )
         return self.model(
             x[:, start:stop], cache=self.cache.at(start), mask=mask, head_span=head_span
@@ -193,6 +204,7 @@ class PrefixCache(Backend):
         return replaced(
             self,
             pads=pads,
+            ends=layout.right_ends,
             cache=self.cache.select(idx, pads),
             decoded=layout.decoded,
             last=None if self.last is None else self.last[rows],

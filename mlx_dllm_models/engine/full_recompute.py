@@ -57,6 +57,7 @@ class FullRecompute(Backend):
                 settings["block_length"],
                 left_padding=layout.pads if any(layout.pads) else None,
                 on_columns=layout.prompt_end,
+                ends=layout.right_ends,
             )
         else:
             # Rows with different budgets (server.py): a row never attends past its own last

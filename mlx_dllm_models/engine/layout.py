@@ -28,6 +28,11 @@ class Layout:
     `prompt_end` (block-causal, dllm's BD3LM): every row's prompt ends on the same block boundary
     (its padding is what fills the longest prompt up to whole blocks) and blocks are counted on
     columns; the array ends at the last generated column and rows decode their max_tokens only.
+
+    `cut_last_block` (block-causal, Stable-DiffCoder): blocks on absolute positions, but the array
+    ends at the last generated column and rows decode their max_tokens only; a row whose canvas
+    ends before the array's never attends the columns after its end (`right_ends`), as alone it
+    has none.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class Layout:
         pad_id: int = 0,
         suffix: Sequence[int] = (),
         prompt_end: bool = False,
+        cut_last_block: bool = False,
     ):
         lengths = [len(p) for p in prompts]
         longest = max(lengths)
@@ -60,7 +66,8 @@ class Layout:
         suffix = list(suffix)
         self.suffix_length = len(suffix)
         width = max(s + n for s, n in zip(self.starts, n_gens)) + len(suffix)
-        if aligned and not prompt_end:
+        whole_last_block = aligned and not prompt_end and not cut_last_block
+        if whole_last_block:
             width = block_length * -(-width // block_length)
         self.width = width
         self.aligned = aligned
@@ -77,8 +84,12 @@ class Layout:
         cols = mx.arange(width)[None, :]
         starts = mx.array(self.starts)[:, None]
         self.ends = [s + n for s, n in zip(self.starts, n_gens)]  # past each row's last column
+        # `cut_last_block`: each row's end where some row ends before the array does (a column
+        # past it, which the row's last block would see, is never attended); else None.
+        cut = aligned and cut_last_block and not prompt_end and min(self.ends) < width
+        self.right_ends = list(self.ends) if cut else None
         self.generated = (cols >= starts) & (cols < mx.array(self.ends)[:, None])  # (B, W)
-        if aligned and not prompt_end:
+        if whole_last_block:
             ends = mx.array([block_length * -(-e // block_length) for e in self.ends])
             self.decoded = (cols >= starts) & (cols < ends[:, None])
         else:
@@ -115,6 +126,7 @@ class Layout:
             starts=[self.starts[i] for i in idx],
             n_gens=[self.n_gens[i] for i in idx],
             ends=[self.ends[i] for i in idx],
+            right_ends=None if self.right_ends is None else [self.right_ends[i] for i in idx],
             generated=self.generated[mx.array(idx)],
             decoded=self.decoded[mx.array(idx)],
             given=self.given[mx.array(idx)],

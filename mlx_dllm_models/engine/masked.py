@@ -274,6 +274,7 @@ class MaskedBlockDecoder(Decoder):
             spec.mask_token_id,
             suffix=self.suffix,
             prompt_end=spec.blocks_end_at_prompt,
+            cut_last_block=spec.last_block_at_max_tokens,
         )
         x = layout.tokens
         backend = self.backend = self.backend_cls(self.model, spec, layout, s)

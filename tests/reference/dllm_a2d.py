@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hf_forward import logits_under
+
 torch.set_num_threads(1)
 
 
@@ -58,15 +60,7 @@ def _logits(model, x, attention_mask=None, causal=False):
     keep = attention_mask.bool()[:, None, None, :].expand(B, 1, L, L)
     if causal:
         keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
-    additive = torch.zeros(B, 1, L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        out = model(
-            input_ids=x,
-            attention_mask=additive,
-            position_ids=torch.arange(L).expand(B, L),
-            use_cache=False,
-        )
-    return out.logits.float()
+    return logits_under(model, x, keep)
 
 
 def reference_logits(ckpt, input_ids, attention_mask=None, causal=False):

@@ -15,61 +15,29 @@ qwen2/: modeling_qwen2.py and generation_utils.py, read in the code index).
 """
 
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributions as dists
+
+from .hf_forward import build_body, keys_in_view, logits_under
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=2)
 def load_reference(ckpt):
-    from safetensors.torch import load_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = json.loads((Path(ckpt) / "config.json").read_text())
-    qcfg = Qwen2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-        tie_word_embeddings=cfg["tie_word_embeddings"],
-        use_sliding_window=False,
-    )
-    qcfg._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(qcfg).float().eval()
-    state = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    model.load_state_dict(state, strict=False)  # the tied head is the embedding
-    model.tie_weights()
+    model = build_body(Qwen2Config, Qwen2ForCausalLM, ckpt, strict=False, use_sliding_window=False)
+    model.tie_weights()  # the tied head is the embedding
     return model
 
 
 def reference_logits(ckpt, input_ids, causal=False):
     """Unshifted float32 logits (B, L, V) of token ids."""
     x = torch.as_tensor(np.asarray(input_ids)).long()
-    B, L = x.shape
-    keep = torch.ones(L, L, dtype=torch.bool)
-    if causal:
-        keep = torch.tril(keep)
-    additive = torch.zeros(B, 1, L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        out = load_reference(str(ckpt))(
-            input_ids=x,
-            attention_mask=additive,
-            position_ids=torch.arange(L).expand(B, L),
-            use_cache=False,
-        )
-    return out.logits.float().numpy()
+    return logits_under(load_reference(str(ckpt)), x, keys_in_view(x.shape[1], causal)).numpy()
 
 
 def top_p_logits(logits, top_p):

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .hf_forward import keys_in_view, logits_under
+
 torch.set_num_threads(1)
 
 
@@ -45,19 +47,7 @@ def load_reference(ckpt):
 
 
 def _logits(model, x, causal=False):
-    B, L = x.shape
-    additive = torch.zeros(B, 1, L, L)
-    if causal:
-        keep = torch.tril(torch.ones(L, L, dtype=torch.bool))
-        additive = additive.masked_fill(~keep, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        out = model(
-            input_ids=x,
-            attention_mask=additive,
-            position_ids=torch.arange(L).expand(B, L),
-            use_cache=False,
-        )
-    return out.logits.float()
+    return logits_under(model, x, keys_in_view(x.shape[1], causal))
 
 
 def reference_logits(ckpt, input_ids, causal=False):

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .hf_forward import logits_under
+
 torch.set_num_threads(1)
 
 _QWEN = {"sdar": ("qwen3", "Qwen3ForCausalLM"), "sdar_moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
@@ -52,7 +54,7 @@ def reference_logits(ckpt, input_ids, block_length, layout="block"):
     test can fail, the causal ("causal") or bidirectional ("full") reading."""
     model = load_reference(str(ckpt))
     x = torch.as_tensor(np.asarray(input_ids)).long()
-    B, L = x.shape
+    L = x.shape[1]
     if layout == "block":
         keep = block_causal_keep(L, block_length)
     elif layout == "causal":
@@ -61,13 +63,4 @@ def reference_logits(ckpt, input_ids, block_length, layout="block"):
         keep = torch.ones(L, L, dtype=torch.bool)
     else:
         raise ValueError(layout)
-    additive = torch.zeros(L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
-    additive = additive[None, None].expand(B, 1, L, L)
-    with torch.no_grad():
-        out = model(
-            input_ids=x,
-            attention_mask=additive,
-            position_ids=torch.arange(L).expand(B, L),
-            use_cache=False,
-        )
-    return out.logits.float().numpy()
+    return logits_under(model, x, keep).numpy()
