@@ -12,7 +12,9 @@ from test_family_defaults import CONFIGS, case_spec
 from test_server import chat_prompt
 from test_server_openai import connect, start
 
+from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
+from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from mlx_dllm_models import SettingsError, generate_diffusion, load
 from mlx_dllm_models.cli import generate_parser
 from mlx_dllm_models.cli import main as cli_main
@@ -198,3 +200,39 @@ def test_every_setting_reads_the_same_on_every_surface(case):
             assert cli == api, (row.name, value)
             checked += 1
     assert checked > 20
+
+
+@pytest.fixture(scope="module")
+def llada(fixture_dir):
+    path = build_once(fixture_dir / "setting_surfaces_llada", LLADA_CHECKPOINTS["llada"])
+    model, tokenizer = load(path)
+    server, url = start(path, "llada")
+    yield path, model, tokenizer, connect(url)
+    shutdown(server)
+
+
+def _flags(settings):
+    return [f for name, v in settings.items() for f in ("--" + name.replace("_", "-"), str(v))]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(sampler="threshold", threshold=0.7), dict(top_p=1.0, top_k=0), dict(steps=4)],
+)
+def test_a_llada_request_reads_the_same_on_every_surface(llada, capsys, settings):
+    """One real request per surface on a second family: the same text."""
+    path, model, tokenizer, client = llada
+    want = generate_diffusion(
+        model, tokenizer, chat_prompt(tokenizer, "hi"), max_tokens=16, **settings
+    )
+    assert want.strip()
+    args = ["generate", "--model", str(path), "--prompt", "hi", "--verbose", "false"]
+    assert cli_main([*args, "--max-tokens", "16", *_flags(settings)]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    out = client.chat.completions.create(
+        model="llada",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=16,
+        extra_body=settings,
+    )
+    assert out.choices[0].message.content == want
