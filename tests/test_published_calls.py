@@ -10,7 +10,7 @@ forwards at the published arguments and the tokens at temperature 0 with the oth
 published. Where the package deliberately differs, the row asserts the difference and the family's
 page (docs/families/*.md) says so with the reason (the phrase a row quotes is looked up there).
 
-Covered: LLaDA, Dream, SDAR, LLaDA2.0. Not yet: Nemotron, CoDA, RND1, WeDLM, Fast-dLLM v2, A2D,
+Covered: LLaDA, Dream, SDAR, LLaDA2.0, RND1. Not yet: Nemotron, CoDA, WeDLM, Fast-dLLM v2, A2D,
 BD3-LM, Open-dCoder, DiffusionGemma, LLaDA-MoE and the vision families."""
 
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ from test_block_decoding import mlx_vlm_forward, transformers_forward
 from fixtures import build_once
 from fixtures import dream as dream_fixture
 from fixtures import llada2 as llada2_fixture
+from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from helpers import cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
@@ -31,7 +32,7 @@ from mlx_dllm_models import stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.settings import resolve_settings
-from reference import dream_torch, llada_torch, sdar_generate
+from reference import dream_torch, llada_torch, rnd1_sampling, sdar_generate
 from reference.llada2_generate import llada20_generate
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
@@ -173,6 +174,31 @@ def _llada2(path, model, spec, prompt):
     return Outcome(cut_at_eos(want, set(spec.eos_token_ids)), forwards, window)
 
 
+# --------------------------------------------------------------------------------------- RND1
+# RadicalNumerics/RND1 README.md: generate(inputs=input_ids, max_new_tokens=256,
+# num_diffusion_steps=256), sampled at the temperature the family page records (0.01); the prompt
+# through the chat template and tokenizer(text). With an EOS id set (RND1GenerationMixin always
+# sets one), the window is max_new_tokens positions, the last kept as the pad: 255 masks. The
+# package's greedy reading is the reference's greedy=True at temperature 1 (tests/test_rnd1.py).
+
+
+def _rnd1_run(model, spec, prompt, temperature, greedy):
+    seq, nfe = rnd1_sampling.generate(
+        torch_logits_fn(model),
+        prompt,
+        256,
+        256,
+        mask_token_id=spec.mask_token_id,
+        eos_token_id=rnd1_fixture.IM_END,
+        pad_token_id=rnd1_fixture.ENDOFTEXT,
+        greedy=greedy,
+        temperature=temperature,
+    )
+    assert seq[-1] == rnd1_fixture.ENDOFTEXT
+    tokens = cut_at_eos(seq[len(prompt) : -1], set(spec.eos_token_ids))
+    return Outcome(tokens, nfe, len(seq) - len(prompt))
+
+
 CALLS = {
     "llada": Call(
         source="ML-GSAI/LLaDA generate.py",
@@ -194,6 +220,18 @@ CALLS = {
         # forward's logits where the reference runs it again.
         forwards=lambda ours, theirs: ours.forwards == theirs.forwards - theirs.repeats,
         documented=(("dream.md", "a step that commits nothing costs no forward"),),
+    ),
+    "rnd1": Call(
+        source="RadicalNumerics/RND1 README.md",
+        build=rnd1_fixture.build,
+        tokenize=lambda hf, m: hf(_templated(hf, m))["input_ids"],
+        published=lambda path, model, spec, p: _rnd1_run(model, spec, p, 0.01, False),
+        greedy=lambda path, model, spec, p: _rnd1_run(model, spec, p, 1.0, True),
+        # max_tokens counts the tokens generated: the README's 256 positions hold 255 of them and
+        # the reserved pad, so its call is max_tokens=255 here; the package's default of 256
+        # generates 256 (one mask more than the README's window).
+        package=dict(max_tokens=255),
+        differs=dict(max_tokens=(255, "rnd1.md")),
     ),
     "sdar": Call(
         source="JetAstra/SDAR generate.py",
