@@ -11,7 +11,9 @@ attention's causal=False and has no reading of a missing one (torch.all(None) ra
 plain call is its all-true reading; BD3-LM's forward over L tokens (sample_mode, no KV cache) is
 block-causal from position 0 (the x0 half of block_diff_mask). Each plain call is held against the
 reference's plain forward on a fixture in the real layout, and against another reading, so that
-the comparison can fail. DiffusionGemma has no torch reference forward here (not checked)."""
+the comparison can fail. Of the vision families, Dimple's text forward (DimpleModel.forward: Dream's
+bidirectional body with Qwen2-VL's M-RoPE) is checked; DiffusionGemma, LLaDA-V, LaViDa and
+Nemotron-VLM have no plain-ids reference forward here (not checked)."""
 
 import json
 
@@ -25,6 +27,7 @@ from test_block_models_forward import mlx_vlm_language_model
 from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
 from fixtures import coda as coda_fixture
+from fixtures import dimple as dimple_fixture
 from fixtures import dllm as a2d_fixture
 from fixtures import dllm_qwen2 as a2d_qwen2_fixture
 from fixtures import dream as dream_fixture
@@ -37,9 +40,10 @@ from fixtures import sdar as sdar_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from helpers import assert_close, far, load_fixture
-from mlx_dllm_models.masks import block_causal_mask
+from mlx_dllm_models.masks import block_causal_mask, causal_mask
 from reference import (
     coda_torch,
+    dimple_torch,
     dllm_a2d,
     dream_torch,
     fast_dllm_v2_torch,
@@ -173,3 +177,14 @@ def test_bd3lm_plain_call_is_its_block_causal_sampling_forward(fixture_dir):
     got = plain(model, x)
     assert_close(got, reference.forward(torch.as_tensor(x).long()).float().numpy())
     assert far(got, plain_every_key(model, x))
+
+
+def test_dimple_plain_call_is_its_bidirectional_forward(fixture_dir):
+    ckpt = build_once(fixture_dir / "dimple", dimple_fixture.build)
+    model = load_fixture(ckpt)[0]
+    x = ids(12, 19)
+    got = plain(model, x)
+    with torch.no_grad():
+        assert_close(got, dimple_torch.logits(ckpt, x).float().numpy())
+    causal = np.array(model(mx.array(x), mask=causal_mask(12)).astype(mx.float32))
+    assert far(got, causal)
