@@ -157,6 +157,15 @@ def _table(name: str):
     return globals()[name] if name in globals() else __getattr__(name)
 
 
+# The filters' values that keep every token: a nucleus of 1, a top-k of 0 (what OpenAI clients
+# send by default). Such a value is never refused as having no effect: it asks for none.
+NO_FILTER = {"top_p": 1, "top_k": 0}
+
+
+def filters_nothing(name: str, value) -> bool:
+    return name in NO_FILTER and not isinstance(value, bool) and value == NO_FILTER[name]
+
+
 def family_settings(family: str) -> Tuple[str, ...]:
     """The settings a family understands beyond the shared vocabulary."""
     return tuple(s.name for s in _table("FAMILY_SETTINGS") if family in s.families)
@@ -191,9 +200,11 @@ def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optiona
     explicit = {k: v for k, v in overrides.items() if v is not None}
     # Shared settings the family reads in its own terms, applied once the rest is resolved.
     readings = {name: explicit.pop(name) for name in spec.own_readings if name in explicit}
-    for name in explicit:
+    for name in list(explicit):
         why = spec.unused_settings.get(name)
-        if why:
+        if why and filters_nothing(name, explicit[name]):
+            del explicit[name]  # asks for nothing of a family that has no use for it
+        elif why:
             raise SettingsError(f"{name} does not apply to the {spec.family} family: {why}")
     from_checkpoint = {k: v for k, v in (checkpoint or {}).items() if k in rows and v is not None}
     values: Dict[str, Any] = {name: row.default for name, row in rows.items()}
@@ -303,7 +314,7 @@ def _validate(spec, rows, s, explicit, from_checkpoint=frozenset()):
     confidence = spec.sampler_spec.get(s["sampler"], {}).get("confidence", spec.confidence)
     if confidence == "raw" and s["temperature"] == 0:
         for name in ("top_p", "top_k"):
-            if name in explicit:
+            if name in explicit and not filters_nothing(name, explicit[name]):
                 raise SettingsError(
                     f"{name} has no effect at temperature 0 for the {spec.family} family "
                     f"(greedy decoding); set temperature > 0 or drop {name}"

@@ -170,14 +170,14 @@ DOCUMENTED = {
 
 
 @lru_cache(maxsize=None)
-def _spec(case):
+def case_spec(case):
     config = CONFIGS[case]()
     module = importlib.import_module(f"mlx_dllm_models.models.{MODEL_TYPES[config['model_type']]}")
     return module.Model(module.ModelArgs.from_dict(config)).diffusion_spec  # lazy, never run
 
 
 def _defaults(case, **explicit):
-    spec = _spec(case)
+    spec = case_spec(case)
     checkpoint = CHECKPOINT[case](spec) if case in CHECKPOINT else {}
     return resolve_settings(spec, explicit, checkpoint)
 
@@ -188,7 +188,7 @@ def test_effective_defaults_are_the_documented_ones(case):
 
 
 def test_every_family_has_a_documented_case():
-    families = {_spec(case).family for case in DOCUMENTED}
+    families = {case_spec(case).family for case in DOCUMENTED}
     assert families == {
         "llada",
         "dream",
@@ -297,7 +297,7 @@ def test_a_row_default_is_read_not_overwritten():
     """Resolution reads every row's default under the spec's: a value put in a family row takes
     effect where the spec does not set one, instead of silently doing nothing; and a spec that
     leaves a required setting without a default is refused, not run with None."""
-    spec = _spec("nemotron")
+    spec = case_spec("nemotron")
     bare = dataclasses.replace(
         spec, defaults={k: v for k, v in spec.defaults.items() if k != "causal_context"}
     )
@@ -314,7 +314,7 @@ def test_a_row_default_is_read_not_overwritten():
 
 @pytest.mark.parametrize("case", sorted(DOCUMENTED))
 def test_every_default_a_spec_states_is_a_setting_of_its_family(case):
-    spec = _spec(case)
+    spec = case_spec(case)
     known = {s.name for s in SETTINGS if not s.families} | set(family_settings(spec.family))
     stated = set(spec.defaults)
     for values in spec.sampler_defaults.values():

@@ -8,15 +8,22 @@ top_p below 1 cannot be honoured."""
 
 import openai
 import pytest
+from test_family_defaults import CONFIGS, case_spec
 from test_server import chat_prompt
 from test_server_openai import connect, start
 
+from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
+from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from mlx_dllm_models import SettingsError, generate_diffusion, load
+from mlx_dllm_models.cli import generate_parser
 from mlx_dllm_models.cli import main as cli_main
+from mlx_dllm_models.cli_common import chosen_settings
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.server import shutdown
+from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.settings_index import choices, flag_rows
 
 STEPS = 4
 SEED = 5
@@ -119,3 +126,113 @@ def test_diffusion_gemma_refusals_are_the_same_everywhere(gemma, capsys, name, v
     with pytest.raises(openai.BadRequestError) as server:
         _server(gemma, **{name: value})
     assert server.value.body["message"] == message and server.value.param == name
+
+
+# ------------------------------------------------------------------------------ the table
+# Every setting each family accepts (its spec's rows and the shared rows), at values the flag's
+# kind takes (valid and invalid ones), through each surface's own reading, then the one resolution
+# every surface calls (request.prepare's resolve_settings): the same resolved settings, or the same
+# refusal with the same message. `logprobs` is left out: the server reads it from OpenAI's
+# `logprobs` / `top_logprobs` fields (tests/test_logprobs.py).
+
+CANDIDATES = {
+    "int": (2, 0, -1),
+    "float": (0.5, 0.0, 1.5, -1.0),
+    "optional float": (0.5, 1.0, 0.0, 1.5),
+    "on/off": (True, False),
+}
+
+
+def _values(row):
+    options = choices().get(row.name)
+    return tuple(options) if options else CANDIDATES[row.kind]
+
+
+def _outcome(read, spec, value):
+    """The resolved settings a surface's reading gives, or its refusal's message."""
+    try:
+        return resolve_settings(spec, read(value))
+    except SettingsError as e:
+        return f"refused: {e}"
+
+
+def _cli_reading(row):
+    flag = "--" + row.name.replace("_", "-")
+
+    def read(value):
+        if row.kind == "on/off":
+            args = [flag if value else "--no-" + row.name.replace("_", "-")]
+        else:
+            args = [flag, str(value)]
+        return chosen_settings(generate_parser().parse_args(["--prompt", "hi", *args]))
+
+    return read
+
+
+def _server_reading(name):
+    service = Service.__new__(Service)  # request_settings reads the server's defaults only
+    service.defaults = {}
+    return lambda value: service.request_settings({name: value})
+
+
+def _rows(case):
+    """The flag rows of the settings a family accepts: the shared ones and its spec's own."""
+    spec = case_spec(case)
+    own = {row.name for row in spec.settings}
+    for row in flag_rows():
+        if row.name != "logprobs" and (not row.families or row.name in own):
+            yield spec, row
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_every_setting_reads_the_same_on_every_surface(case):
+    checked = 0
+    for spec, row in _rows(case):
+        for value in _values(row):
+            api = _outcome(lambda v: {row.name: v}, spec, value)
+            server = _outcome(_server_reading(row.name), spec, value)
+            assert server == api, (row.name, value)
+            try:
+                cli = _outcome(_cli_reading(row), spec, value)
+            except SystemExit:  # the flag's own parser refused it: so does the API
+                assert isinstance(api, str), (row.name, value, api)
+                continue
+            assert cli == api, (row.name, value)
+            checked += 1
+    assert checked > 20
+
+
+@pytest.fixture(scope="module")
+def llada(fixture_dir):
+    path = build_once(fixture_dir / "setting_surfaces_llada", LLADA_CHECKPOINTS["llada"])
+    model, tokenizer = load(path)
+    server, url = start(path, "llada")
+    yield path, model, tokenizer, connect(url)
+    shutdown(server)
+
+
+def _flags(settings):
+    return [f for name, v in settings.items() for f in ("--" + name.replace("_", "-"), str(v))]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(sampler="threshold", threshold=0.7), dict(top_p=1.0, top_k=0), dict(steps=4)],
+)
+def test_a_llada_request_reads_the_same_on_every_surface(llada, capsys, settings):
+    """One real request per surface on a second family: the same text."""
+    path, model, tokenizer, client = llada
+    want = generate_diffusion(
+        model, tokenizer, chat_prompt(tokenizer, "hi"), max_tokens=16, **settings
+    )
+    assert want.strip()
+    args = ["generate", "--model", str(path), "--prompt", "hi", "--verbose", "false"]
+    assert cli_main([*args, "--max-tokens", "16", *_flags(settings)]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    out = client.chat.completions.create(
+        model="llada",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=16,
+        extra_body=settings,
+    )
+    assert out.choices[0].message.content == want

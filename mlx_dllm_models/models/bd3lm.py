@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 
+from ..masks import block_causal_mask
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from . import sharding
 from .common import (
@@ -238,6 +239,10 @@ class Model(nn.Module):
         backbone = self.backbone
         c = backbone.conditioning()
         h = backbone.vocab_embed(inputs)
+        if mask is None and cache is None:
+            # The plain call: upstream's forward over L tokens (sample_mode, no KV cache) attends
+            # with the x0 half of block_diff_mask, block-causal from position 0.
+            mask = block_causal_mask(inputs.shape[1], self.args.block_size)
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             mask = mask.astype(h.dtype)
         for block, layer_cache in zip(backbone.blocks, cache or [None] * len(self.layers)):

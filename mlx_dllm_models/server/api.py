@@ -210,10 +210,6 @@ class Service:
                         f"{name} is not supported: {UNSUPPORTED_FIELDS[name]}", param=name
                     )
                 continue
-            # A nucleus of 1 and a top-k of 0 filter nothing (what clients send by default):
-            # dropped unless they override the server's flag.
-            if (name, value) in (("top_p", 1), ("top_k", 0)) and name not in self.defaults:
-                continue
             overrides[name] = value
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
