@@ -25,6 +25,7 @@ from starlette.routing import Route
 from .api import AccessLog, Service, log_failure
 from .fields import error_body
 from .guards import origin_refusal, receive_body
+from .image_api import edits, generations
 from .metrics import CONTENT_TYPE
 from .respond import CompletionResponse, plan, refused, submit
 from .transport import Limits
@@ -123,6 +124,18 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
     async def chat(request):
         return await completion(request, chat=True)
 
+    async def images(request, make):
+        try:
+            return JSONResponse(await make(request))
+        except ValueError as e:  # RequestError
+            return JSONResponse(*refused(e))
+
+    async def image_generations(request):
+        return await images(request, lambda r: generations(r, service, receive_body, limits))
+
+    async def image_edits(request):
+        return await images(request, lambda r: edits(r, service))
+
     async def text(request):
         return await completion(request, chat=False)
 
@@ -176,6 +189,8 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", text, methods=["POST"]),
+        Route("/v1/images/generations", image_generations, methods=["POST"]),
+        Route("/v1/images/edits", image_edits, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
