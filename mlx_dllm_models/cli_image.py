@@ -1,9 +1,11 @@
 """`mlx_dllm generate --image-out OUT.png`: text-to-image (images.stream_batch) for a model that
 writes images as tokens (MMaDA), and inpainting with `--image IN.png --mask MASK.png` (white =
-repaint). `--steps`, `--seed` and `--temp` are the settings flags generate already has;
-`--width`, `--height` and `--guidance-scale` are the text-to-image group's own. A flag that means
-nothing for an image is refused before the model loads."""
+repaint); `--trace OUT.html` writes a page of the image decoded after each step. `--steps`,
+`--seed` and `--temp` are the settings flags generate already has; `--width`, `--height` and
+`--guidance-scale` are the text-to-image group's own. A flag that means nothing for an image is
+refused before the model loads."""
 
+import io
 import sys
 import time
 from pathlib import Path
@@ -64,11 +66,6 @@ def refusal(args):
     for dest, flag in TEXT_ONLY.items():
         if getattr(args, dest) is not None:
             return f"{flag} shapes generated text; it means nothing with --image-out"
-    if args.trace is not None:
-        return (
-            "--trace replays a text canvas; for an image's steps use the API's "
-            "stream_generate_image(every=k)"
-        )
     other = sorted(set(chosen_settings(args)) - set(IMAGE_SETTINGS.values()))
     if other:
         return (
@@ -108,6 +105,21 @@ class Progress:
         print(f"\rstep {step}/{steps}", end=end, file=self.stream, flush=True)
 
 
+def png_bytes(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def write_trace(path: str, prompt: str, frames):
+    from .trace_page import image_steps_page
+
+    try:
+        Path(path).write_text(image_steps_page(prompt, frames), encoding="utf-8")
+    except OSError as e:
+        raise SystemExit(f"error: --trace {path}: {e}") from None
+
+
 def image_main(args) -> int:
     """generate with --image-out (the flags checked by `refusal` already)."""
     from .cli_common import load_for_cli
@@ -129,7 +141,7 @@ def image_main(args) -> int:
         raise SystemExit(f"error: {e}") from None
     read_weights(model)
     progress = Progress(sys.stderr) if sys.stderr.isatty() and args.verbose else None
-    started = time.perf_counter()
+    started, frames = time.perf_counter(), []
     try:
         for last in stream_batch(
             model,
@@ -137,14 +149,18 @@ def image_main(args) -> int:
             [prompt],
             images=[image],
             masks=[mask],
-            every=1 << 30,
+            # With --trace every step's image is decoded, for the page.
+            every=1 if args.trace is not None else 1 << 30,
             on_step=progress,
             **kwargs,
         ):
-            pass
+            if args.trace is not None:
+                frames.append((last[0].step, last[0].steps, png_bytes(last[0].image)))
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}") from None
     seconds = time.perf_counter() - started
+    if args.trace is not None:
+        write_trace(args.trace, prompt, frames)
     result = last[0]
     try:
         result.image.save(args.image_out, format="PNG")

@@ -19,7 +19,7 @@ from fixtures.llada import build_llada
 from fixtures.mmada import build_mmada
 from helpers import checkpoint_fixtures, run_cli, serving
 from mlx_dllm_models.images import batch_generate_image, generate_image
-from mlx_dllm_models.server.image_jobs import ImageJob
+from mlx_dllm_models.server.image_jobs import ImageJob, ImageQueue
 from mlx_dllm_models.server.scheduler import Scheduler
 
 MODEL_ID = "mmada-images"
@@ -217,10 +217,14 @@ def test_cli_writes_a_png_of_the_requested_size(ckpt, tmp_path):
         "2",
         "--seed",
         "3",
+        "--trace",
+        str(tmp_path / "steps.html"),
     )
     assert done.returncode == 0, done.stderr
     assert Image.open(out).size == (24, 16)
     assert "24x16" in done.stdout and "2 steps" in done.stdout
+    page = (tmp_path / "steps.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and "step 2/2" in page
     inpaint = tmp_path / "inpainted.png"
     mask = tmp_path / "mask.png"
     photo_path = tmp_path / "in.png"
@@ -257,3 +261,19 @@ def test_cli_refusals(ckpt, fixture_dir, tmp_path):
     assert done.returncode == 1
     assert "cannot generate images" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_image_batches_take_turns_with_waiting_text_runs():
+    queue = ImageQueue(object(), None)  # a model without image tokens: each batch is refused
+    first, second = (ImageJob("a cat", [0], {"steps": s}) for s in (1, 2))
+    queue.add(first)
+    queue.add(second)
+    queue.run_ready(text_waiting=True)
+    assert first.events.get_nowait()[:2] == (
+        "error",
+        "object cannot generate images: it writes no image tokens (MMaDA does)",
+    )
+    queue.run_ready(text_waiting=True)  # the text runs' turn
+    assert second.events.empty() and queue.waiting == [second]
+    queue.run_ready(text_waiting=True)
+    assert second.events.get_nowait()[2] == 400

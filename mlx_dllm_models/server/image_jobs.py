@@ -70,6 +70,7 @@ class ImageQueue:
         self.batches = 0  # stream_batch calls made (the tests read it)
         self.rows = 0  # images made
         self.forwards = 0
+        self.ran_last = False  # the worker's last turn was an image batch
 
     @property
     def default_size(self) -> Optional[tuple]:
@@ -105,9 +106,15 @@ class ImageQueue:
             self.since = time.monotonic() - self.gather  # the rest waited already
             return batch
 
-    def run_ready(self) -> int:
-        """Run the next batch when one is ready (on the worker thread); its forwards (0: none)."""
+    def run_ready(self, text_waiting: bool = False) -> int:
+        """Run the next batch when one is ready (on the worker thread); its forwards (0: none).
+        With text runs waiting, a batch never follows a batch: the two take turns, as the text
+        groups do block by block."""
+        if text_waiting and self.ran_last:
+            self.ran_last = False
+            return 0
         jobs = self.take()
+        self.ran_last = bool(jobs)
         if not jobs:
             return 0
         try:

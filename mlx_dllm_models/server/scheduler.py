@@ -322,7 +322,7 @@ class Scheduler:
             wait = min([wait, *gathering])
         if not self._take_news(None if busy else wait):
             return False
-        if self.images.run_ready():  # between two blocks, as a group's turn
+        if self.images.run_ready(busy):  # between two blocks, as a group's turn
             return True
         for key in list(self.groups):
             group = self.groups[key]
