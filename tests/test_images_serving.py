@@ -277,3 +277,10 @@ def test_image_batches_take_turns_with_waiting_text_runs():
     assert second.events.empty() and queue.waiting == [second]
     queue.run_ready(text_waiting=True)
     assert second.events.get_nowait()[2] == 400
+
+
+def test_a_sharded_server_refuses_images_and_loads_no_vq_model(loaded):
+    model, tok = loaded
+    queue = ImageQueue(model, tok, sharded=True)
+    assert queue.vq is None and "sharded server generates no images" in queue.refusal
+    assert ImageQueue(model, tok).vq is not None

@@ -37,8 +37,6 @@ SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 def image_queue(service):
     """The scheduler's image queue, or a 400 saying why this server makes no images."""
     images = service.scheduler.images
-    if service.scheduler.group is not None:
-        raise RequestError("a sharded server generates no images: serve the model on one machine")
     if images.refusal is not None:
         raise RequestError(images.refusal)
     return images

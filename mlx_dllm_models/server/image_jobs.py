@@ -11,7 +11,7 @@ seconds for others sent at the same moment.
 
 The VQ model is loaded here, when the scheduler is built on its thread: its arrays belong to that
 thread as the model's do. A checkpoint without one still serves text; its image requests are
-refused with the reason.
+refused with the reason, as are a sharded server's (rank 0 alone takes them).
 """
 
 import json
@@ -51,12 +51,14 @@ class ImageJob:
 class ImageQueue:
     """The image jobs waiting for the worker, and the worker's VQ model (module docstring)."""
 
-    def __init__(self, model, tokenizer, max_batch: int = 32, gather: float = 0.0):
+    def __init__(self, model, tokenizer, max_batch=32, gather=0.0, sharded=False):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.gather = max_batch, gather
         self.spec = getattr(model, "image_spec", None)
         self.vq, self.refusal = None, None
-        if self.spec is None:
+        if sharded:  # the other ranks would have to take part in every forward
+            self.refusal = "a sharded server generates no images: serve the model on one machine"
+        elif self.spec is None:
             name = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
             self.refusal = f"{name} cannot generate images: it writes no image tokens (MMaDA does)"
         else:

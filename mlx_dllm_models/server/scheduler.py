@@ -202,7 +202,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.inbox: "queue.Queue[Job]" = queue.Queue()
         self.groups: Dict[str, Group] = {}
-        self.images = ImageQueue(model, tokenizer, max_batch, self.gather)  # image_jobs.py
+        self.images = ImageQueue(model, tokenizer, max_batch, self.gather, group is not None)
         self.thread: Optional[threading.Thread] = None
         self.finished = threading.Event()  # the loop has ended (its thread is then parked)
         self.stopped = threading.Event()  # asked to stop (rank 0 shares it at the next step)
