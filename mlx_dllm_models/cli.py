@@ -86,7 +86,8 @@ def generate_parser():
         action="append",
         default=None,
         metavar="PATH",
-        help="an image for the prompt (repeatable; checkpoints with a vision tower)",
+        help="an image for the prompt (repeatable; checkpoints with a vision tower); with "
+        "--image-out, the image to inpaint",
     )
     p.add_argument(
         "--trace",
