@@ -185,10 +185,17 @@ def test_text_chat_keeps_working_and_metrics_count_images(url):
         model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert chat.choices[0].message.content is not None
-    client.images.generate(prompt="a cat", extra_body={"steps": 1})
+    before = forwards(requests.get(url + "/metrics").text)
+    client.images.generate(prompt="a cat", extra_body={"steps": 2})
     metrics = requests.get(url + "/metrics").text
     line = 'mlx_dllm_requests_total{endpoint="/v1/images/generations",status="200"}'
     assert line in metrics
+    assert forwards(metrics) == before + 2  # one forward a step (the guidance rows share it)
+
+
+def forwards(metrics: str) -> int:
+    (line,) = [x for x in metrics.splitlines() if x.startswith("mlx_dllm_forwards_total ")]
+    return int(float(line.split()[1]))
 
 
 def test_text_only_model_cannot_generate_images(fixture_dir):

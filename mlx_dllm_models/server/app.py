@@ -111,9 +111,7 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
         try:
             body = await receive_body(request, service.max_body_bytes, limits.body_timeout)
         except ValueError as e:
-            packet, status = refused(e)
-            close = {"Connection": "close"} if status in (408, 411, 413) else None
-            return JSONResponse(packet, status, headers=close)
+            return body_refusal(e)
         try:
             planned = await run_in_threadpool(plan, service, body, chat)
         except (ValueError, TypeError) as e:  # RequestError, SettingsError, CheckpointError
@@ -127,8 +125,8 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
     async def images(request, make):
         try:
             return JSONResponse(await make(request))
-        except ValueError as e:  # RequestError
-            return JSONResponse(*refused(e))
+        except ValueError as e:  # RequestError: of the body, or of its fields
+            return body_refusal(e)
 
     async def image_generations(request):
         return await images(request, lambda r: generations(r, service, receive_body, limits))
@@ -210,6 +208,14 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
             allow_headers=["Content-Type", "Authorization"],
         )
     return AccessLog(Guard(inner, service), service, bug_answer)
+
+
+def body_refusal(e: Exception) -> Response:
+    """A refused request's answer; one whose body was not read whole (too large, too slow, of no
+    stated length) also closes the connection."""
+    packet, status = refused(e)
+    close = {"Connection": "close"} if status in (408, 411, 413) else None
+    return JSONResponse(packet, status, headers=close)
 
 
 def bug_answer(e: Exception) -> Response:

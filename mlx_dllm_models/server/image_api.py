@@ -17,6 +17,7 @@ worker, which owns the model; it then waits for the job's event.
 
 import base64
 import io
+import queue
 import re
 import secrets
 import time
@@ -112,7 +113,7 @@ def wait(service, job: ImageJob, poll: float = 1.0):
         try:
             event = job.events.get(timeout=poll)
             break
-        except Exception:  # queue.Empty: the worker may have stopped meanwhile
+        except queue.Empty:  # the worker may have stopped meanwhile
             if not service.is_healthy:
                 raise RequestError("the server is shutting down; send the request again", 503)
     if event[0] == "error":
