@@ -69,8 +69,8 @@ def refusal(args):
     other = sorted(set(chosen_settings(args)) - set(IMAGE_SETTINGS.values()))
     if other:
         return (
-            f"setting {other[0]!r} is a text-decoding setting; with --image-out only --steps, "
-            "--seed and --temp apply"
+            f"--{other[0].replace('_', '-')} is a text-decoding setting; with --image-out only "
+            "--steps, --seed and --temp apply"
         )
     if args.prompt is None:
         return "--image-out needs --prompt: the text of the image"

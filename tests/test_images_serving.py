@@ -263,6 +263,8 @@ def test_cli_refusals(ckpt, fixture_dir, tmp_path):
     assert done.returncode != 0 and "--suffix" in done.stderr and "--image-out" in done.stderr
     done = run_cli("generate", "--model", str(ckpt), "--mask", out)
     assert done.returncode != 0 and "--mask" in done.stderr
+    done = run_cli("generate", "--image-out", out, "--prompt", "x", "--block-length", "4")
+    assert done.returncode != 0 and "--block-length is a text-decoding setting" in done.stderr
     llada = build_once(fixture_dir / "images_serving_llada", build_llada)
     done = run_cli("generate", "--model", str(llada), "--prompt", "x", "--image-out", out)
     assert done.returncode == 1
