@@ -3,7 +3,8 @@ evaluate, settings) listed by `mlx_dllm --help` and dispatched to their modules,
 parses its own flags; `generate` and `convert` live here.
 
 generate applies the tokenizer's chat template when it has one (as mlx_lm.generate does), shows the
-canvas filling in live on a terminal, and ends with a statistics line.
+canvas filling in live on a terminal, and ends with a statistics line; with `--image-out` it
+generates an image instead (cli_image.py).
 """
 
 import contextlib
@@ -24,6 +25,7 @@ from .cli_common import (
     str2bool,
     template_kwargs,
 )
+from .cli_image import add_image_flags, image_main, refusal
 from .errors import CheckpointError, SettingsError
 from .prompts import has_chat_template, render_chat, user_turn
 
@@ -84,7 +86,8 @@ def generate_parser():
         action="append",
         default=None,
         metavar="PATH",
-        help="an image for the prompt (repeatable; checkpoints with a vision tower)",
+        help="an image for the prompt (repeatable; checkpoints with a vision tower); with "
+        "--image-out, the image to inpaint",
     )
     p.add_argument(
         "--trace",
@@ -94,6 +97,7 @@ def generate_parser():
         "order of commitment to OUT.svg beside it",
     )
     add_setting_flags(p)
+    add_image_flags(p)
     return p
 
 
@@ -121,6 +125,11 @@ def constraint_args(args) -> dict:
 
 def generate_main(argv):
     args = generate_parser().parse_args(argv)  # first: a bad flag is refused before any loading
+    problem = refusal(args)
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
+    if args.image_out is not None:
+        return image_main(args)
 
     from .generate import responses, stats_line, stream_events
     from .loader import read_weights

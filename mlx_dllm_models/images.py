@@ -15,7 +15,7 @@ steps, temperature 1.0 for MMaDA). The server and CLI call these functions as th
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -233,13 +233,15 @@ def stream_batch(
     masks: Optional[Sequence[Any]] = None,
     vq_model=None,
     draws: Optional[Draws] = None,
+    on_step: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[List[ImageResponse]]:
     """Every `every` steps (and at the last), each prompt's ImageResponse.
 
         `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
         less one (the reference's max_seq_length, 512); `images` / `masks` (one a prompt, None for
     none): inpainting, the image encoded, the tokens under the mask's white cells decoded; `vq_model`: a MAGVITv2 or its folder (default:
-        the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests)."""
+        the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests);
+        `on_step(step, steps)`: called after every step (a progress bar), images decoded or not."""
     spec = image_spec_of(model)
     if max_text_len is not None:
         if not isinstance(max_text_len, int) or max_text_len < 1:
@@ -271,6 +273,8 @@ def stream_batch(
     for event in decoder.run(
         steps=steps, guidance_scale=guidance_scale, temperature=temperature, draws=draws
     ):
+        if on_step is not None:
+            on_step(event.step + 1, steps)
         last = event.step == steps - 1
         if not last and (event.step + 1) % every:
             continue

@@ -230,3 +230,25 @@ draw(Number(slider.value));
 </script>
 </body></html>
 """
+
+
+def image_steps_page(prompt: str, frames) -> str:
+    """A text-to-image run's trace: a self-contained page of the image decoded after each step
+    (`frames`: (step, steps, PNG bytes) in order), the image canvas filling in."""
+    import base64
+
+    figures = "".join(
+        f'<figure><img alt="step {step}" src="data:image/png;base64,'
+        f'{base64.b64encode(png).decode("ascii")}"><figcaption>step {step}/{steps}</figcaption>'
+        "</figure>"
+        for step, steps, png in frames
+    )
+    style = (
+        "body{font-family:sans-serif;margin:1em}figure{display:inline-block;margin:4px}"
+        "img{width:192px;image-rendering:pixelated;border:1px solid #ccc}"
+        "figcaption{text-align:center;font-size:small}"
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>image trace</title>"
+        f"<style>{style}</style></head><body><h1>{escape(prompt)}</h1>{figures}</body></html>"
+    )

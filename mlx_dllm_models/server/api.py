@@ -2,9 +2,10 @@
 and preparation), stop strings, and the access log.
 
 Endpoints follow `mlx_lm.server` (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health`), plus `/v1/models/{id}` and `/metrics`; a request overrides any decoding setting with a
-body field of the same name (`block_length`, `steps`, `sampler`, `threshold`, family settings) or
-the OpenAI one (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`).
+`/health`), plus `/v1/models/{id}`, `/metrics` and OpenAI's Images API (image_api.py); a request
+overrides any decoding setting with a body field of the same name (`block_length`, `steps`,
+`sampler`, `threshold`, family settings) or the OpenAI one (`max_tokens` /
+`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`).
 The HTTP stack is Starlette on uvicorn (app.py, transport.py); respond.py answers a completion.
 
 What comes from mlx-lm's server, and what cannot:

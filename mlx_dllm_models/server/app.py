@@ -25,6 +25,7 @@ from starlette.routing import Route
 from .api import AccessLog, Service, log_failure
 from .fields import error_body
 from .guards import origin_refusal, receive_body
+from .image_api import edits, generations
 from .metrics import CONTENT_TYPE
 from .respond import CompletionResponse, plan, refused, submit
 from .transport import Limits
@@ -110,9 +111,7 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
         try:
             body = await receive_body(request, service.max_body_bytes, limits.body_timeout)
         except ValueError as e:
-            packet, status = refused(e)
-            close = {"Connection": "close"} if status in (408, 411, 413) else None
-            return JSONResponse(packet, status, headers=close)
+            return body_refusal(e)
         try:
             planned = await run_in_threadpool(plan, service, body, chat)
         except (ValueError, TypeError) as e:  # RequestError, SettingsError, CheckpointError
@@ -122,6 +121,18 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
 
     async def chat(request):
         return await completion(request, chat=True)
+
+    async def images(request, make):
+        try:
+            return JSONResponse(await make(request))
+        except ValueError as e:  # RequestError: of the body, or of its fields
+            return body_refusal(e)
+
+    async def image_generations(request):
+        return await images(request, lambda r: generations(r, service, receive_body, limits))
+
+    async def image_edits(request):
+        return await images(request, lambda r: edits(r, service))
 
     async def text(request):
         return await completion(request, chat=False)
@@ -176,6 +187,8 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", text, methods=["POST"]),
+        Route("/v1/images/generations", image_generations, methods=["POST"]),
+        Route("/v1/images/edits", image_edits, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -195,6 +208,14 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
             allow_headers=["Content-Type", "Authorization"],
         )
     return AccessLog(Guard(inner, service), service, bug_answer)
+
+
+def body_refusal(e: Exception) -> Response:
+    """A refused request's answer; one whose body was not read whole (too large, too slow, of no
+    stated length) also closes the connection."""
+    packet, status = refused(e)
+    close = {"Connection": "close"} if status in (408, 411, 413) else None
+    return JSONResponse(packet, status, headers=close)
 
 
 def bug_answer(e: Exception) -> Response:

@@ -13,7 +13,7 @@ PREFIX = "mlx_dllm"
 # must not grow the counters without bound).
 ENDPOINTS = frozenset(
     {"/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/models", "/health"}
-    | {"/metrics"}
+    | {"/metrics", "/v1/images/generations", "/v1/images/edits"}
 )
 
 
@@ -71,7 +71,12 @@ class Metrics:
             "Completion tokens of answered requests.",
             [((), completion)],
         )
-        metric("forwards_total", "counter", "Model forwards run.", [((), scheduler.forwards)])
+        metric(
+            "forwards_total",
+            "counter",
+            "Model forwards run.",
+            [((), scheduler.forwards + scheduler.images.forwards)],
+        )
         metric("blocks_total", "counter", "Blocks committed.", [((), scheduler.blocks)])
         waiting, running = queue_depth(scheduler)
         metric("requests_waiting", "gauge", "Requests not yet in a run.", [((), waiting)])

@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..distributed import lost_rank, lost_rank_exits, share
 from ..engine import Batching, join_policy, make_decoder
 from ..request import Request, prepare
+from .image_jobs import ImageQueue
 from .prompt_cache import PromptCache
 from .worker import on_worker_thread
 
@@ -201,6 +202,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.inbox: "queue.Queue[Job]" = queue.Queue()
         self.groups: Dict[str, Group] = {}
+        self.images = ImageQueue(model, tokenizer, max_batch, self.gather, group is not None)
         self.thread: Optional[threading.Thread] = None
         self.finished = threading.Event()  # the loop has ended (its thread is then parked)
         self.stopped = threading.Event()  # asked to stop (rank 0 shares it at the next step)
@@ -292,6 +294,7 @@ class Scheduler:
         self._fail_all(message)
 
     def _fail_all(self, message, status: int = 500):
+        self.images.fail(message, status)
         for group in self.groups.values():
             if group.run is not None:
                 group.run.close()
@@ -319,6 +322,8 @@ class Scheduler:
             wait = min([wait, *gathering])
         if not self._take_news(None if busy else wait):
             return False
+        if self.images.run_ready(busy):  # between two blocks, as a group's turn
+            return True
         for key in list(self.groups):
             group = self.groups[key]
             if group.idle:
