@@ -207,8 +207,8 @@ def batch_generate_diffusion(
     """Generate for several prompts at once; the results come in the prompts' order. Rows of
     similar length (prompt + generation, within RUN_SLACK) decode together, left-padded, each
     row dropped from its run at its own EOS; runs of different lengths decode one after another,
-    so that no row is padded far beyond its own length (one run padded to a 400-token prompt made
-    a batch of 1-400-token prompts 3x slower than the same prompts one by one). `images`: None,
+    so that no row is padded far beyond its own length (a short row padded to a long one's length
+    pays for every padded position at every step). `images`: None,
     or one entry per prompt (None, an image, or a list of images; see stream_events): each row
     reads its own images.
 
