@@ -381,3 +381,14 @@ def assert_sharded_is_one_process(one, ranks, name="", tokens=None):
     for got in ranks:
         assert got[key("tokens")].tolist() == want, name
     assert ranks[0][key("weights")] < one[key("weights")], name
+
+
+def batch_equal_to_single_runs(model, tok, prompts, **settings):
+    """batch_generate_diffusion over `prompts`, once each row is checked to hold the tokens its
+    prompt's single run returns (a batch row decodes as it would alone)."""
+    from mlx_dllm_models import batch_generate_diffusion
+
+    batch = batch_generate_diffusion(model, tok, prompts, **settings)
+    for p, got in zip(prompts, batch.tokens):
+        assert got == stream_tokens(model, tok, p, **settings)
+    return batch

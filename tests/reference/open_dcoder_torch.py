@@ -15,43 +15,20 @@ qwen2/: modeling_qwen2.py and generation_utils.py, read in the code index).
 """
 
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributions as dists
+
+from .dream_torch import top_p_logits  # veomni's generation_utils copies Dream's
+from .hf_body import qwen2_model
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=2)
 def load_reference(ckpt):
-    from safetensors.torch import load_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = json.loads((Path(ckpt) / "config.json").read_text())
-    qcfg = Qwen2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-        tie_word_embeddings=cfg["tie_word_embeddings"],
-        use_sliding_window=False,
-    )
-    qcfg._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(qcfg).float().eval()
-    state = {}
-    for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    model.load_state_dict(state, strict=False)  # the tied head is the embedding
-    model.tie_weights()
-    return model
+    return qwen2_model(ckpt)
 
 
 def reference_logits(ckpt, input_ids, causal=False):
@@ -70,16 +47,6 @@ def reference_logits(ckpt, input_ids, causal=False):
             use_cache=False,
         )
     return out.logits.float().numpy()
-
-
-def top_p_logits(logits, top_p):
-    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = 0
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
 
 
 def top_k_logits(logits, top_k):
