@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .hf_body import qwen2_from
 from .llada_torch import olmo_llama
-from .llada_v_torch import select_best_resolution, unpad_image, vision_path
+from .llada_v_torch import select_best_resolution, spliced_embeds, unpad_image, vision_path
 
 _MODELS = {}
 
@@ -114,15 +114,8 @@ def image_features(ckpt, pixel_values, image_size_wh):
     return feats.numpy(), projected.numpy(), torch.cat((base, t), dim=0).numpy()
 
 
-@torch.no_grad()
 def embed_prompt(ckpt, ids_before, features, ids_after):
-    emb = load(ckpt)[4].model.embed_tokens
-    parts = [
-        emb(torch.tensor(ids_before, dtype=torch.long)),
-        torch.as_tensor(np.asarray(features, dtype=np.float32)),
-        emb(torch.tensor(ids_after, dtype=torch.long)),
-    ]
-    return torch.cat(parts, dim=0)[None]
+    return spliced_embeds(load(ckpt)[4], ids_before, features, ids_after)
 
 
 @torch.no_grad()

@@ -132,9 +132,14 @@ def image_features(ckpt, pixel_values):
     return feats.numpy(), projected.numpy(), image.numpy()
 
 
-@torch.no_grad()
 def embed_prompt(ckpt, ids_before, features, ids_after):
-    _, _, _, _, lm = load(ckpt)
+    return spliced_embeds(load(ckpt)[4], ids_before, features, ids_after)
+
+
+@torch.no_grad()
+def spliced_embeds(lm, ids_before, features, ids_after):
+    """(1, L, H) inputs_embeds of a LLaVA-style prompt: the language model `lm`'s embeddings of
+    the ids before and after an image with the image's features between them."""
     emb = lm.model.embed_tokens
     parts = [
         emb(torch.tensor(ids_before, dtype=torch.long)),
