@@ -29,16 +29,21 @@ class Positions:
         return [cls(offset) for _ in range(num_layers)]
 
 
-class BlockKVCache:
-    """K/V of one layer over the columns of a block-aligned layout (block-causal families).
+def zero_kv(keys, values, width: int):
+    """Zeroed K and V buffers of `width` columns, shaped (B, kv_heads, width, head_dim) as `keys`
+    and `values` are."""
+    b, h, _, d = keys.shape
+    return (
+        mx.zeros((b, h, width, d), keys.dtype),
+        mx.zeros((b, values.shape[1], width, values.shape[3]), values.dtype),
+    )
 
-    The buffer holds the whole window (B, kv_heads, width, head_dim), allocated at the first
-    write. A forward over columns start..start+L-1 writes its K/V there in place and reads the keys
-    of columns 0..start+L-1 as a slice: the committed prefix is never copied or concatenated. The
-    cursor (`start`, `committed`) is shared by every layer through `PrefixKVCache`.
-    """
 
-    def __init__(self, owner: "PrefixKVCache"):
+class LayerKV:
+    """One layer's K/V buffers, allocated at the first write; the cursor (and so the RoPE
+    `offset` mlx-lm's layers read) is the owner's, shared by every layer."""
+
+    def __init__(self, owner):
         self.owner = owner
         self.keys = None
         self.values = None
@@ -47,21 +52,51 @@ class BlockKVCache:
     def offset(self):
         return self.owner.offset
 
+
+class BlockKVCache(LayerKV):
+    """K/V of one layer over the columns of a block-aligned layout (block-causal families).
+
+    The buffer holds the whole window (B, kv_heads, width, head_dim), allocated at the first
+    write. A forward over columns start..start+L-1 writes its K/V there in place and reads the keys
+    of columns 0..start+L-1 as a slice: the committed prefix is never copied or concatenated. The
+    cursor (`start`, `committed`) is shared by every layer through `PrefixKVCache`.
+    """
+
     def update_and_fetch(self, keys, values):
         start, width = self.owner.start, self.owner.width
         end = start + keys.shape[2]
         if end > width:
             raise ValueError(f"write of columns {start}..{end - 1} past the cache width {width}")
         if self.keys is None:
-            b, h, _, d = keys.shape
-            self.keys = mx.zeros((b, h, width, d), keys.dtype)
-            self.values = mx.zeros((b, values.shape[1], width, values.shape[3]), values.dtype)
+            self.keys, self.values = zero_kv(keys, values, width)
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
         return self.keys[..., :end, :], self.values[..., :end, :]
 
 
-class PrefixKVCache:
+class LayerCaches:
+    """A model's per-layer K/V (`layers`), passed as mlx-lm's `cache=` list: iterated and indexed
+    by layer."""
+
+    layers: list
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def take_rows(self, other: "LayerCaches", rows: mx.array) -> None:
+        """This cache's K/V become rows `rows` of `other`'s (layers not yet written stay empty)."""
+        for new, old in zip(self.layers, other.layers):
+            if old.keys is not None:
+                new.keys, new.values = old.keys[rows], old.values[rows]
+
+
+class PrefixKVCache(LayerCaches):
     """The per-layer `BlockKVCache`s of a model and their shared cursor; pass it as `cache=`.
 
     `committed`: columns 0..committed-1 hold final K/V (finished blocks). `at(start)` places the
@@ -89,15 +124,6 @@ class PrefixKVCache:
     def offset(self):
         return self.start if self.pads is None else self.start - self.pads
 
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
     def at(self, start: int) -> "PrefixKVCache":
         if start > self.committed:
             raise ValueError(
@@ -116,31 +142,18 @@ class PrefixKVCache:
         out.start, out.committed = self.start, self.committed
         rows = mx.array(idx)
         out.row_state = {name: value[rows] for name, value in self.row_state.items()}
-        for new, old in zip(out.layers, self.layers):
-            if old.keys is not None:
-                new.keys, new.values = old.keys[rows], old.values[rows]
+        out.take_rows(self, rows)
         return out
 
 
-class _RowLayerKV:
+class _RowLayerKV(LayerKV):
     """One layer's K/V of `RowKVCache`: (B, kv_heads, width + 1, head_dim), written in place; the
     last column takes the writes of padding inputs (never read)."""
-
-    def __init__(self, owner: "RowKVCache"):
-        self.owner = owner
-        self.keys = None
-        self.values = None
-
-    @property
-    def offset(self):
-        return self.owner.offset
 
     def update_and_fetch(self, keys, values):
         o = self.owner
         if self.keys is None:
-            b, h, _, d = keys.shape
-            self.keys = mx.zeros((b, h, o.width + 1, d), keys.dtype)
-            self.values = mx.zeros((b, values.shape[1], o.width + 1, values.shape[3]), values.dtype)
+            self.keys, self.values = zero_kv(keys, values, o.width + 1)
         cols = o.columns[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(cols, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(
@@ -149,7 +162,7 @@ class _RowLayerKV:
         return self.keys[..., : o.end, :], self.values[..., : o.end, :]
 
 
-class RowKVCache:
+class RowKVCache(LayerCaches):
     """Per-layer K/V of a batch whose rows sit at columns of their own (self-speculation's rows
     keep a different number of tokens every round): `place(starts, stops)` says that a forward's
     input row b holds columns starts[b]..stops[b]-1 (the rest of it is padding); its K/V are
@@ -167,15 +180,6 @@ class RowKVCache:
     def offset(self):
         return mx.array(self.starts, dtype=mx.int32)
 
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
     def place(self, starts, stops, length: int) -> "RowKVCache":
         if max(stops) > self.width:
             raise ValueError(f"a write up to column {max(stops) - 1} past the width {self.width}")
@@ -189,9 +193,7 @@ class RowKVCache:
         """The cache of rows `idx` (rows that finished leave the batch)."""
         out = RowKVCache(len(self.layers), len(idx), self.width)
         rows = mx.array(list(idx))
-        for new, old in zip(out.layers, self.layers):
-            if old.keys is not None:
-                new.keys, new.values = old.keys[rows], old.values[rows]
+        out.take_rows(self, rows)
         return out
 
 
@@ -252,11 +254,7 @@ class PriorKV:
         if keep == 0:
             return out
         for new, old in zip(out.layers, self.cache.layers):
-            b, h, _, d = old.keys.shape
-            new.keys = mx.zeros((b, h, width, d), old.keys.dtype)
-            new.values = mx.zeros(
-                (b, old.values.shape[1], width, old.values.shape[3]), old.values.dtype
-            )
+            new.keys, new.values = zero_kv(old.keys, old.values, width)
             new.keys[..., :keep, :] = old.keys[..., :keep, :]
             new.values[..., :keep, :] = old.values[..., :keep, :]
         return out

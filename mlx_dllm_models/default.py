@@ -82,7 +82,7 @@ def held_out_pairs():
     return {p for a, b in held_out_list() for p in ((a, b), (b, a))}
 
 
-# The long-context form of the task (issue #14): solved examples before the question. With 7 shots
+# The long-context form of the task: solved examples before the question. With 7 shots
 # the templated prompt is about 256 tokens, with 15 about 475 (the default model has 512 positions).
 FEW_SHOT_INSTRUCTION = "Solve the last problem. Solved examples:"
 

@@ -75,7 +75,8 @@ def _exiting() -> None:
 def stop_on_sigterm(group: mx.distributed.Group) -> None:
     """SIGTERM ends this rank with lost_contact's line and exit status 1. `mlx.launch` sends it to
     the remaining ranks once one has exited with an error, usually while they compute, before
-    their next collective fails: they used to vanish without a word (exit -15). The handler runs
+    their next collective fails; without the handler they would end without a word (exit -15).
+    The handler runs
     between Python bytecodes of the main thread (a collective already under way fails on the
     dead rank first). Only where SIGTERM still has its default action, from the main thread; the
     server puts its own in place while it serves."""

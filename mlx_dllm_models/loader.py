@@ -11,7 +11,7 @@ import mlx_dllm_models_hook  # noqa: F401  (registers our model types with mlx-l
 
 from .conversion import diffusion_hint, quiet_transformers, remote_generate_params
 from .errors import (
-    CheckpointError,  # noqa: F401  (raised here; importable from here as before)
+    CheckpointError,  # noqa: F401  (raised here, so callers may catch it as loader's)
     SettingsError,
 )
 from .registry import MODEL_TYPES

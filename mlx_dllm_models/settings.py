@@ -17,7 +17,7 @@ import importlib
 from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .errors import SettingsError  # noqa: F401  (raised here; importable from here as before)
+from .errors import SettingsError  # noqa: F401  (raised here, so callers may catch it as settings')
 from .registry import MODEL_TYPES
 from .settings_families import DIFFUSION_MODE, Setting
 from .validators import (

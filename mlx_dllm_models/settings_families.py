@@ -70,3 +70,18 @@ D3LLM_SETTINGS: Tuple[Setting, ...] = (
     _d3llm("decoded_token_threshold", "fully active once the block before is this share decoded"),
     _d3llm("early_stop", "positions after a decoded EOS become EOS", true_or_false, cli_bool),
 )
+
+# d3LLM's recipe for its distilled checkpoints (chat/chat_d3llm_llada.py, chat_d3llm_dream.py:
+# generate_multi_block(max_new_tokens=256, temperature=0, threshold=0.5, block_size=32,
+# block_add_threshold=0.1, decoded_token_threshold=0.95, early_stop=True)): the same for every
+# family that lists the sampler. Its whole canvas is the engine's one block.
+D3LLM_DEFAULTS: Mapping[str, Any] = {
+    "block_length": None,
+    "max_tokens": 256,
+    "block_size": 32,
+    "threshold": 0.5,
+    "block_add_threshold": 0.1,
+    "decoded_token_threshold": 0.95,
+    "early_stop": True,
+    "temperature": 0.0,
+}

@@ -381,3 +381,49 @@ def assert_sharded_is_one_process(one, ranks, name="", tokens=None):
     for got in ranks:
         assert got[key("tokens")].tolist() == want, name
     assert ranks[0][key("weights")] < one[key("weights")], name
+
+
+def batch_equal_to_single_runs(model, tok, prompts, images=None, **settings):
+    """batch_generate_diffusion over `prompts` (with `images`, one entry a prompt, when given),
+    once each row is checked to hold the tokens its prompt's single run returns (a batch row
+    decodes as it would alone)."""
+    from mlx_dllm_models import batch_generate_diffusion
+
+    if images is None:
+        batch = batch_generate_diffusion(model, tok, prompts, **settings)
+        singles = [stream_tokens(model, tok, p, **settings) for p in prompts]
+    else:
+        batch = batch_generate_diffusion(model, tok, prompts, images=images, **settings)
+        singles = [
+            stream_tokens(model, tok, p, image=i, **settings) for p, i in zip(prompts, images)
+        ]
+    for got, single in zip(batch.tokens, singles):
+        assert got == single
+    return batch
+
+
+def assert_image_reads_as_feature_ids(model, processor, image, other, **settings):
+    """A vision family's generate with `image` equals generate from the prompt of its feature ids
+    (the processor's input_ids), and the `other` image gives other tokens (the image is read)."""
+    text = "<image>What is it?"
+    got = stream_tokens(model, processor, text, image=image, **settings)
+    ids = processor(text=[text], images=[image])["input_ids"][0]
+    assert got == stream_tokens(model, processor, ids, **settings)
+    assert stream_tokens(model, processor, text, image=other, **settings) != got
+
+
+def assert_one_rank_keeps_logits_and_three_are_refused(model, ids):
+    """`model.shard` over three ranks is refused before any weight changes (for the tiny
+    fixtures' sizes), and over the single-process group keeps the logits of `ids`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_dllm_models import SettingsError
+
+    before = np.array(model(ids))
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
+        model.shard(Ranks(3))
+    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
+    model.shard(mx.distributed.init())  # the single-process group
+    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)

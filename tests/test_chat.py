@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import llada2 as l2_fx
-from fixtures import nemotron as nem_fx
-from fixtures import sdar as sdar_fx
+from fixtures.kv_turns import FAMILIES, TURNS
 from helpers import load_fixture, pty_session
 from mlx_dllm_models import load
 from mlx_dllm_models.cache import PriorKV
@@ -20,14 +18,6 @@ from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.tiny import build_tiny_llada
 
 ROOT = Path(__file__).resolve().parents[1]
-
-FAMILIES = {
-    # name: (builder, settings); block lengths small enough that the prompts span whole blocks
-    "sdar": (sdar_fx.build_sdar, dict(block_length=4, steps=4)),
-    "llada2": (l2_fx.build, dict(block_length=8, steps=4)),
-    "nemotron": (nem_fx.build, dict(block_length=8, steps=4)),
-}
-TURNS = ["hi", "and?", "ok"]  # Nemotron's fixture has a 64-position context
 
 
 @pytest.fixture(scope="module")

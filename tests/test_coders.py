@@ -15,12 +15,13 @@ from mlx.utils import tree_flatten
 
 from fixtures import build_once
 from fixtures import dream as dream_fixture
+from fixtures.tokenizers import DREAM
 from helpers import convert_and_generate
 from mlx_dllm_models import batch_generate_diffusion, load
 from mlx_dllm_models.models import dream
 from mlx_dllm_models.request import checkpoint_settings, eos_ids, prepare
 from mlx_dllm_models.settings import resolve_settings
-from mlx_dllm_models.tiny import CHATML_TEMPLATE, build_tokenizer, write_checkpoint
+from mlx_dllm_models.tiny import build_tokenizer, write_checkpoint
 
 DATA = Path(__file__).parent / "data"
 DIFFUCODER = DATA / "apple__DiffuCoder-7B-Instruct"
@@ -100,15 +101,7 @@ def _tiny(path: Path, real: dict, specials: dict) -> Path:
         config[key] = small[key]
     config["bos_token_id"] = BEGINOFTEXT if real["bos_token_id"] == 151665 else ENDOFTEXT
     write_checkpoint(path, config, dream_fixture.tensors())
-    build_tokenizer(
-        path,
-        specials,
-        bos_token="<|beginoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|mask|>",
-        chat_template=CHATML_TEMPLATE,
-    )
+    build_tokenizer(path, specials, **DREAM)
     return path
 
 
@@ -153,15 +146,7 @@ def test_a_row_ends_at_dlm_pad(fixture_dir, tmp_path):
     pad = later[0]
     path = Path(shutil.copytree(base, tmp_path / "pad"))
     specials = dict(dream_fixture.SPECIAL_TOKENS, **{"<|dlm_pad|>": pad})
-    build_tokenizer(
-        path,
-        specials,
-        bos_token="<|beginoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|mask|>",
-        chat_template=CHATML_TEMPLATE,
-    )
+    build_tokenizer(path, specials, **DREAM)
     model, tok = load(path)
     assert (
         batch_generate_diffusion(model, tok, [[40, 41, 42]], **kw).tokens[0]

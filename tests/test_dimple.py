@@ -16,8 +16,8 @@ from PIL import Image
 
 from fixtures.dimple import ENDOFTEXT, IM_END, IMAGE, MASK, VEND, VSTART, build
 from helpers import (
-    Ranks,
     assert_close,
+    assert_one_rank_keeps_logits_and_three_are_refused,
     checkpoint_fixtures,
     cut_at_eos,
     far,
@@ -339,16 +339,10 @@ def test_serve_answers_an_image_url_part(loaded, ckpt):
 
 
 def test_shard_over_one_rank_keeps_image_logits_and_three_ranks_are_refused(ckpt):
-    from mlx_dllm_models import SettingsError
-
     model, processor = load(ckpt)  # its own copy: shard changes it
     ours, *_ = image_prompt(model, processor, seed=16)
     ids = mx.array([ours + [MASK] * 4])
-    before = np.array(model(ids))
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks(3))
-    model.shard(mx.distributed.init())
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    assert_one_rank_keeps_logits_and_three_are_refused(model, ids)
 
 
 @pytest.mark.parametrize("alg", ["origin", "origin-ratio"])

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from fixtures.dllm import ENDOFTEXT, IM_END, MASK, build
-from helpers import checkpoint_fixtures, decoded, load_fixture
+from helpers import batch_equal_to_single_runs, checkpoint_fixtures, decoded, load_fixture
 from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
-from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding.dllm import dllm_schedule, linear_alpha_quotas
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine import join_policy, make_decoder, select_backend
@@ -211,9 +210,7 @@ def test_batch_rows_of_different_lengths_equal_single_runs_and_the_reference(loa
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
     kw = dict(max_tokens=12, block_length=4, steps=3)
-    batch = batch_generate_diffusion(model, tok, prompts, **kw)
-    for p, got in zip(prompts, batch.tokens):
-        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    batch_equal_to_single_runs(model, tok, prompts, **kw)
     # The reference batched (right-padded with EOS, its attention mask hiding the padding).
     got, _ = ours(model, prompts, **kw)
     assert got == reference(ckpt, prompts, 12, 4, 3)
@@ -324,9 +321,7 @@ def test_bd3lm_batch_rows_equal_single_runs_and_the_reference(loaded, ckpt):
     model, tok = loaded
     prompts = [prompt(9, 10), prompt(3, 11), prompt(14, 12)]
     kw = dict(sampler="bd3lm", max_tokens=12, block_length=4, steps=3)
-    batch = batch_generate_diffusion(model, tok, prompts, **kw)
-    for p, got in zip(prompts, batch.tokens):
-        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    batch_equal_to_single_runs(model, tok, prompts, **kw)
     got, _ = ours(model, prompts, **kw)
     for row, ref in zip(got, bd3lm_reference(ckpt, prompts, 12, 4, 3)):
         assert row[: len(ref)] == ref[: len(row)]

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from fixtures import fast_dllm_v2 as fx
-from helpers import assert_close, checkpoint_fixtures, cut_at_eos, far, load_fixture
+from helpers import assert_close, checkpoint_fixtures, far, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.decoding.samplers import StepContext
 from mlx_dllm_models.decoding.stats import TokenStats
 from mlx_dllm_models.decoding.sub_block import sub_block_commit, sub_block_index
 from mlx_dllm_models.masks import block_causal_mask
-from reference.fast_dllm_v2_torch import Reference, generate
+from reference.fast_dllm_v2_torch import Reference
 
 checkpoint, loaded = checkpoint_fixtures(
     "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
@@ -87,22 +87,6 @@ PARITY = [
 ]
 
 
-def reference_tokens(ref, ids, n, settings):
-    """The reference's new tokens (it decodes whole blocks past n, and one more block: enough to
-    cover n), cut before its first stop token as the package returns them."""
-    out, _ = generate(
-        ref,
-        torch.tensor([ids]),
-        n + 2 * fx.BLOCK_SIZE,
-        fx.MASK,
-        threshold=settings.get("threshold", 0.9),
-        small_block_size=settings.get("sub_block_length", 8),
-        block_size=fx.BLOCK_SIZE,
-        stop_token=fx.IM_END,
-    )
-    return cut_at_eos(out[0, len(ids) :].tolist(), {fx.IM_END})[:n]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("length, settings", PARITY)
 @pytest.mark.parametrize("cache", ["auto", "none"])
@@ -110,7 +94,7 @@ def test_tokens_match_the_reference_generate(loaded, ref, length, settings, cach
     model, tok = loaded
     ids = prompt(length)
     got = batch_generate_diffusion(model, tok, [ids], max_tokens=80, cache=cache, **settings)
-    want = reference_tokens(ref, ids, 80, settings)
+    want = fx.reference_tokens(ref, ids, 80, settings)
     assert got.tokens[0] == want
     assert got.finish_reasons[0] == ("stop" if len(want) < 80 else "length")
 
@@ -118,7 +102,7 @@ def test_tokens_match_the_reference_generate(loaded, ref, length, settings, cach
 @pytest.mark.slow
 def test_the_cases_stop_at_eos_and_run_long(loaded, ref):
     # The parity cases hold both endings: an EOS in a block (the stop-token rules) and 80 tokens.
-    ends = {len(reference_tokens(ref, prompt(n), 80, s)) < 80 for n, s in PARITY}
+    ends = {len(fx.reference_tokens(ref, prompt(n), 80, s)) < 80 for n, s in PARITY}
     assert ends == {True, False}
 
 
@@ -129,7 +113,7 @@ def test_a_wrong_shift_or_no_seed_changes_the_tokens(loaded, ref):
 
     model, tok = loaded
     ids = prompt(64)
-    want = reference_tokens(ref, ids, 80, {})
+    want = fx.reference_tokens(ref, ids, 80, {})
     spec = model.diffusion_spec
     try:
         for wrong in ({"logit_shift": 0, "seeds_block_start": False}, {"seeds_block_start": False}):

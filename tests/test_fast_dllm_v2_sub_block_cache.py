@@ -5,15 +5,14 @@ it runs, and the settings it refuses."""
 
 import numpy as np
 import pytest
-import torch
 
 from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
 from fixtures import sdar as sdar_fx
-from helpers import checkpoint_fixtures, cut_at_eos, load_fixture
+from helpers import checkpoint_fixtures, load_fixture
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.generate import stream_events
-from reference.fast_dllm_v2_torch import Reference, generate
+from reference.fast_dllm_v2_torch import Reference
 
 checkpoint, loaded = checkpoint_fixtures(
     "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
@@ -43,36 +42,21 @@ CASES = [
 ]
 
 
-def reference_tokens(ref, ids, n, settings, use_block_cache):
-    out, _ = generate(
-        ref,
-        torch.tensor([ids]),
-        n + 2 * fx.BLOCK_SIZE,
-        fx.MASK,
-        threshold=settings.get("threshold", 0.9),
-        small_block_size=settings.get("sub_block_length", 8),
-        block_size=fx.BLOCK_SIZE,
-        stop_token=fx.IM_END,
-        use_block_cache=use_block_cache,
-    )
-    return cut_at_eos(out[0, len(ids) :].tolist(), {fx.IM_END})[:n]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("length, settings", CASES)
 def test_tokens_match_the_reference_with_its_sub_block_cache(loaded, ref, length, settings):
     model, tok = loaded
     ids = prompt(length)
     got = batch_generate_diffusion(model, tok, [ids], max_tokens=80, cache="sub_block", **settings)
-    assert got.tokens[0] == reference_tokens(ref, ids, 80, settings, True)
+    assert got.tokens[0] == fx.reference_tokens(ref, ids, 80, settings, True)
 
 
 @pytest.mark.slow
 def test_the_cases_tell_the_cache_from_exact_decoding(ref):
     # The approximation shows: most cases decode other tokens without the sub-block cache.
     differ = [
-        reference_tokens(ref, prompt(n), 80, s, True)
-        != reference_tokens(ref, prompt(n), 80, s, False)
+        fx.reference_tokens(ref, prompt(n), 80, s, True)
+        != fx.reference_tokens(ref, prompt(n), 80, s, False)
         for n, s in CASES
     ]
     assert sum(differ) >= len(CASES) // 2

@@ -3,6 +3,7 @@ the suffix, and mask tokens inside a prompt are filled too. Token parity at temp
 transcriptions of LLaDA's generate.py (every mask before the block's end is a candidate) and
 Dream's diffusion_generate (the whole canvas); refusals for the other layouts; the CLI's --suffix."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -43,24 +44,18 @@ def dream(tmp_path_factory):
 def test_llada_suffix_matches_generate_py(llada, gen, block, steps):
     _, model, tok = llada
     spec = model.diffusion_spec
-    x = llada_generate(
+    reference = functools.partial(
+        llada_generate,
         torch_logits_fn(model),
         torch.tensor([PREFIX]),
         steps=steps * (gen // block),
         gen_length=gen,
         block_length=block,
         mask_id=spec.mask_token_id,
-        suffix_ids=SUFFIX,
     )
+    x = reference(suffix_ids=SUFFIX)
     assert x[0, -len(SUFFIX) :].tolist() == SUFFIX
-    plain = llada_generate(
-        torch_logits_fn(model),
-        torch.tensor([PREFIX]),
-        steps=steps * (gen // block),
-        gen_length=gen,
-        block_length=block,
-        mask_id=spec.mask_token_id,
-    )
+    plain = reference()
     span = x[0, len(PREFIX) : len(PREFIX) + gen]
     assert (span != plain[0, len(PREFIX) :]).any(), "the suffix changes nothing: could not fail"
     want = cut_at_eos(span, set(spec.eos_token_ids))

@@ -3,6 +3,8 @@ remasking="random" (sampler "random"), `logits_eos_inf` and `confidence_eos_eot_
 at temperature 0 with the transcription in reference/llada_torch.py, run on our forward (the
 forward's numerics have their own parity tests), and their errors."""
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -170,17 +172,8 @@ def test_eos_options_match_generate_py(eos_heavy, options):
     ids = dict(eos_id=eos, eot_id=eot)
     spec = model.diffusion_spec
     # Compare whole canvases (no EOS cut): the options act on where EOS / EoT land.
-    x = llada_generate(
-        torch_logits_fn(model),
-        torch.tensor([PROMPTS[0]]),
-        steps=steps,
-        gen_length=gen,
-        block_length=block,
-        mask_id=spec.mask_token_id,
-        **ids,
-        **options,
-    )
-    plain = llada_generate(
+    reference = functools.partial(
+        llada_generate,
         torch_logits_fn(model),
         torch.tensor([PROMPTS[0]]),
         steps=steps,
@@ -188,6 +181,8 @@ def test_eos_options_match_generate_py(eos_heavy, options):
         block_length=block,
         mask_id=spec.mask_token_id,
     )
+    x = reference(**ids, **options)
+    plain = reference()
     assert (x != plain).any(), "the option changes nothing here: the test could not fail"
     want = cut_at_eos(x[0, len(PROMPTS[0]) :], set(spec.eos_token_ids))
     got = stream_tokens(

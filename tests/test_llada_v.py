@@ -11,7 +11,7 @@ import pytest
 from fixtures import build_once
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, TILE, build_llada_v
-from helpers import Ranks, assert_close, far
+from helpers import assert_close, assert_one_rank_keeps_logits_and_three_are_refused, far
 from mlx_dllm_models.models import llava_llada
 from reference import llada_v_torch as ref
 
@@ -249,17 +249,8 @@ def test_forgotten_image_features_are_a_clear_error(ckpt, monkeypatch):
 
 
 def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
-    from mlx.utils import tree_flatten
-
-    from mlx_dllm_models import SettingsError, load
+    from mlx_dllm_models import load
 
     model, _ = load(ckpt)
     ids = mx.array([[300] + model.image_slots(pixels(5)) + [72, MASK, MASK]])
-    before = np.array(model(ids))
-
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks(3))
-    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
-    model.shard(mx.distributed.init())  # the single-process group
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    assert_one_rank_keeps_logits_and_three_are_refused(model, ids)

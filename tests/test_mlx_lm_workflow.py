@@ -314,7 +314,7 @@ def test_lora_noise_flags_reach_the_loss(default_model, seed):
 
         diffusion_spec = default_model.diffusion_spec
 
-        def __call__(self, inputs):
+        def __call__(self, inputs, mask=None):
             self.inputs = inputs
             return mx.zeros((*inputs.shape, 8))
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import load_fixture, run_cli, spy_forwards
+from helpers import checkpoint_fixtures, load_fixture, run_cli, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.self_spec import speculative_accept
@@ -31,14 +31,9 @@ L = fx.BLOCK_SIZE
 PROMPTS = fx.prompts(4, seed=1)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return fx.shared_checkpoint(fixture_dir)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "nemotron", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ token-identical to a transcription of the remote code's ar_generate.
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import load_fixture, spy_forwards
+from helpers import checkpoint_fixtures, load_fixture, spy_forwards
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.cli_common import add_setting_flags, chosen_settings
 from mlx_dllm_models.engine import BlockEvent
@@ -29,14 +29,9 @@ N = 3 * L  # new tokens of the parity runs
 PROMPTS = fx.prompts(3, seed=2)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return fx.shared_checkpoint(fixture_dir)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "nemotron", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")

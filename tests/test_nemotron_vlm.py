@@ -15,7 +15,14 @@ import pytest
 from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
-from helpers import Ranks, assert_close, cut_at_eos, far, random_picture, stream_tokens
+from helpers import (
+    assert_close,
+    assert_one_rank_keeps_logits_and_three_are_refused,
+    cut_at_eos,
+    far,
+    random_picture,
+    stream_tokens,
+)
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 
@@ -191,17 +198,8 @@ def test_ids_past_the_vocabulary_and_odd_pixels_are_refused(loaded):
 def test_shard_over_one_rank_keeps_the_logits_and_three_ranks_are_refused(ckpt):
     """The text family's tensor parallelism (encoder.layers split); the tower and projector stay
     replicated, so every rank computes the same image features."""
-    from mlx.utils import tree_flatten
-
-    from mlx_dllm_models import SettingsError, load
+    from mlx_dllm_models import load
 
     model, processor = load(ckpt)  # its own copy
     ids = mx.array([processor(text=["a<image>b"], images=[picture(6)])["input_ids"][0] + [258]])
-    before = np.array(model(ids))
-
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    with pytest.raises(SettingsError, match="cannot split the checkpoint over 3 ranks"):
-        model.shard(Ranks(3))
-    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
-    model.shard(mx.distributed.init())  # the single-process group
-    np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+    assert_one_rank_keeps_logits_and_three_are_refused(model, ids)

@@ -10,8 +10,14 @@ from PIL import Image
 
 from fixtures import build_once
 from fixtures import nemotron_vlm as fx
-from helpers import random_picture, served_image_answer, stream_tokens
-from mlx_dllm_models import batch_generate_diffusion, load, stream_generate_diffusion
+from helpers import (
+    assert_image_reads_as_feature_ids,
+    batch_equal_to_single_runs,
+    random_picture,
+    served_image_answer,
+    stream_tokens,
+)
+from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.models import nemotron_labs_diffusion_vlm as vlm_module
 from reference import nemotron_vlm_torch as ref
 
@@ -64,21 +70,14 @@ def test_processor_caps_images_at_the_towers_size(loaded):
 
 def test_generate_with_an_image_equals_the_prompt_of_feature_ids(loaded):
     model, processor = loaded
-    image = picture(2)
-    got = stream_tokens(model, processor, "<image>What is it?", image=image, **SETTINGS)
-    ids = processor(text=["<image>What is it?"], images=[image])["input_ids"][0]
-    assert got == stream_tokens(model, processor, ids, **SETTINGS)
-    other = stream_tokens(model, processor, "<image>What is it?", image=picture(3), **SETTINGS)
-    assert other != got  # the image is read
+    assert_image_reads_as_feature_ids(model, processor, picture(2), picture(3), **SETTINGS)
 
 
 def test_batch_rows_with_other_several_or_no_images_equal_single_runs(loaded):
     model, processor = loaded
     prompts = ["<image>What is it?", "<image> and <image>: which?", "No picture here", "<image>?"]
     images = [picture(4), [picture(5), picture(6, (30, 30))], None, picture(7, (100, 40))]
-    batch = batch_generate_diffusion(model, processor, prompts, images=images, **SETTINGS)
-    for prompt, image, tokens in zip(prompts, images, batch.tokens):
-        assert tokens == stream_tokens(model, processor, prompt, image=image, **SETTINGS)
+    batch_equal_to_single_runs(model, processor, prompts, images=images, **SETTINGS)
 
 
 def test_self_speculation_over_an_image_prompt_is_greedy_ar(loaded):

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fixtures import build_once
-from fixtures.open_dcoder import ENDOFTEXT, MASK, VOCAB, build, build_converted
-from helpers import ROOT, checkpoint_fixtures, cli_env, decoded, run_cli
+from fixtures.open_dcoder import ENDOFTEXT, MASK, build, build_converted
+from fixtures.qwen_body import VOCAB
+from helpers import ROOT, batch_equal_to_single_runs, checkpoint_fixtures, cli_env, decoded, run_cli
 from helpers import random_prompt as prompt
 from mlx_dllm_models import CheckpointError, SettingsError, batch_generate_diffusion, load
-from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.conversion import retyped_config
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.decoding import p2 as p2_rules
@@ -193,9 +193,7 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     # The recipe's sampling (temperature 0.5, top-k 200), and a hotter one where the draws show.
     for temperature in (0.5, 2.0):
         kw = dict(max_tokens=10, steps=5, temperature=temperature)
-        batch = batch_generate_diffusion(model, tok, prompts, **kw)
-        for p, got in zip(prompts, batch.tokens):
-            assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+        batch = batch_equal_to_single_runs(model, tok, prompts, **kw)
     other = batch_generate_diffusion(model, tok, prompts, seed=7, **kw).tokens
     assert other != batch.tokens  # the draws matter
 

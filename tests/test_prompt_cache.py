@@ -6,23 +6,13 @@ from pathlib import Path
 import pytest
 
 from fixtures import build_once
-from fixtures import llada2 as l2_fx
-from fixtures import nemotron as nem_fx
-from fixtures import sdar as sdar_fx
+from fixtures.kv_turns import FAMILIES, TURNS
 from mlx_dllm_models import load
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.server import Job, Scheduler
 from mlx_dllm_models.server.prompt_cache import PromptCache, parse_size
 from mlx_dllm_models.tiny import build_tiny_llada
 from mlx_dllm_models.vision import text_tokenizer
-
-FAMILIES = {
-    # name: (builder, settings); block lengths small enough that the prompts span whole blocks
-    "sdar": (sdar_fx.build_sdar, dict(block_length=4, steps=4)),
-    "llada2": (l2_fx.build, dict(block_length=8, steps=4)),
-    "nemotron": (nem_fx.build, dict(block_length=8, steps=4)),
-}
-TURNS = ["hi", "and?", "ok"]  # Nemotron's fixture has a 64-position context
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build
-from helpers import checkpoint_fixtures, decoded
+from helpers import batch_equal_to_single_runs, checkpoint_fixtures, decoded
 from helpers import random_prompt as prompt
 from mlx_dllm_models import SettingsError, batch_generate_diffusion
-from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.decoding import rnd1 as rnd1_rules
 from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import rnd1
@@ -211,15 +210,11 @@ def test_batch_rows_of_different_lengths_equal_single_runs(loaded):
     # One run of three rows, left-padded, at the recipe's temperature 0.01: each row samples
     # from a stream of its own seed, as it would alone.
     kw = dict(max_tokens=12, steps=6)
-    batch = batch_generate_diffusion(model, tok, prompts, **kw)
-    for p, got in zip(prompts, batch.tokens):
-        assert got == [t for r in stream(model, tok, p, **kw) for t in r.tokens]
+    batch = batch_equal_to_single_runs(model, tok, prompts, **kw)
     assert any(len(t) > 1 for t in batch.tokens)
     # The draws matter here: at temperature 1 the rows still equal their single runs.
     hot = dict(kw, temperature=1.0)
-    batch = batch_generate_diffusion(model, tok, prompts, **hot)
-    for p, got in zip(prompts, batch.tokens):
-        assert got == [t for r in stream(model, tok, p, **hot) for t in r.tokens]
+    batch = batch_equal_to_single_runs(model, tok, prompts, **hot)
     assert batch.tokens != batch_generate_diffusion(model, tok, prompts, seed=3, **hot).tokens
 
 

@@ -32,9 +32,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import SettingsError
-from .dream import timesteps
+from .dream import ranked_score, timesteps
 from .rule import CommitRule
 from .rules import quota_commit
+from .stats import uniform
 
 DIMPLE_ALGS = ("origin", "origin-ratio", "autoregressive", "maskgit_plus", "entropy")
 # The algorithms only the "dim" pipeline has (settings: refused with sampler "dream").
@@ -73,20 +74,6 @@ def fallback_counts(left: mx.array, total: mx.array, step: int, steps: int, eps:
     return mx.take_along_axis(n, pick, axis=1)[:, 0], mx.take_along_axis(ratio, pick, axis=1)[:, 0]
 
 
-def _uniform(key, shape, low: float = 0.0):
-    """Uniform draws of `shape` (B, ...) from one key (2,) or a key per row (B, 2) (row b's
-    draws are then those of row b run alone)."""
-    if key.ndim == 1:
-        return mx.random.uniform(low=low, high=1.0, shape=shape, key=key)
-    one = (1, *shape[1:])
-    rows = [mx.random.uniform(low=low, high=1.0, shape=one, key=key[b]) for b in range(shape[0])]
-    return mx.concatenate(rows, axis=0)
-
-
-def _gumbel(key, shape):
-    return -mx.log(-mx.log(_uniform(key, shape, low=1e-20)))
-
-
 def dimple_commit(stats, cand, ctx):
     """Commit rule of sampler "dimple" (see the module docstring)."""
     s = ctx.settings
@@ -95,7 +82,7 @@ def dimple_commit(stats, cand, ctx):
     total = ctx.generated.sum(axis=1)  # the row's canvas: every position started masked
     n, ratio = fallback_counts(cand.sum(axis=1), total, ctx.step, ctx.steps, s["eps"])
     if alg == "origin-ratio":
-        counted = cand & (_uniform(ctx.key, cand.shape) < ratio[:, None])
+        counted = cand & (uniform(ctx.key, cand.shape) < ratio[:, None])
     elif alg == "autoregressive":  # the leftmost mask of each row
         counted = quota_commit(-mx.arange(cand.shape[1], dtype=mx.float32)[None], cand, 1)
     else:
@@ -109,20 +96,18 @@ def dimple_commit(stats, cand, ctx):
     return mx.where(hit.any(axis=1, keepdims=True), hit, counted)
 
 
+# The ranked algorithms' score of a position (Dream's, without topk_margin; entropy unprocessed).
+DIMPLE_SCORES = {
+    "maskgit_plus": lambda stats: stats.confidence,
+    "entropy": lambda stats: -stats.entropy,
+}
+
+
 def _score(stats, cand, ctx):
     """The ranked algorithms' score (origin's: random, a random subset of n)."""
-    s, alg = ctx.settings, ctx.settings["alg"]
-    if alg == "origin":
-        return _uniform(ctx.key, cand.shape)  # randperm's random subset
-    elif alg == "maskgit_plus":
-        score = stats.confidence
-    elif alg == "entropy":
-        score = -stats.entropy
-    else:
-        raise ValueError(f"unknown Dimple alg {alg!r}")
-    if s.get("alg_temp"):
-        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
-    return score
+    if ctx.settings["alg"] == "origin":
+        return uniform(ctx.key, cand.shape)  # randperm's random subset
+    return ranked_score(DIMPLE_SCORES, "Dimple", stats, ctx)
 
 
 dimple_commit = CommitRule(dimple_commit, schedule=dimple_schedule)

@@ -164,6 +164,29 @@ def _gumbel(key, shape):
     return -mx.log(-mx.log(u))
 
 
+# The ranked algorithms' score of a position (the highest commit first).
+DREAM_SCORES = {
+    "maskgit_plus": lambda stats: stats.confidence,
+    "topk_margin": lambda stats: stats.margin,
+    "entropy": lambda stats: -stats.processed_entropy,
+}
+
+
+def ranked_score(scores, name: str, stats, ctx) -> mx.array:
+    """The score of the `alg` setting's ranked algorithm (`scores`: alg -> score, `name`: whose
+    algorithms they are) under `alg_temp` (none or 0: greedily). Drawing k positions without
+    replacement from softmax(score / alg_temp) is taking the k best of score / alg_temp + Gumbel
+    noise."""
+    alg = ctx.settings["alg"]
+    if alg not in scores:
+        raise ValueError(f"unknown {name} alg {alg!r}")
+    score = scores[alg](stats)
+    temperature = ctx.settings.get("alg_temp")
+    if not temperature:
+        return score
+    return score / temperature + _gumbel(ctx.key, score.shape)
+
+
 def dream_commit(stats, cand, ctx):
     """Commit rule of sampler "dream" (see the module docstring); ctx.floor is dream_schedule's."""
     s = ctx.settings
@@ -172,19 +195,7 @@ def dream_commit(stats, cand, ctx):
         p = float(_transfer_ratio(ctx.step, ctx.steps, s["eps"]))
         hit = uniform(ctx.key, cand.shape) < mx.array(p, dtype=mx.float32)
         return (cand & hit) | quota_commit(stats.confidence, cand, ctx.floor)
-    if alg == "maskgit_plus":
-        score = stats.confidence
-    elif alg == "topk_margin":
-        score = stats.margin
-    elif alg == "entropy":
-        score = -stats.processed_entropy
-    else:
-        raise ValueError(f"unknown Dream alg {alg!r}")
-    if s.get("alg_temp"):
-        # Drawing k positions without replacement from softmax(score / alg_temp) is taking the k
-        # best of score / alg_temp + Gumbel noise.
-        score = score / s["alg_temp"] + _gumbel(ctx.key, score.shape)
-    return quota_commit(score, cand, ctx.floor)
+    return quota_commit(ranked_score(DREAM_SCORES, "Dream", stats, ctx), cand, ctx.floor)
 
 
 def _exact_floor(settings) -> bool:

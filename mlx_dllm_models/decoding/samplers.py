@@ -2,8 +2,8 @@
 
 A family lists the samplers it honours in its DiffusionSpec (`samplers`); the masked block engine
 (engine.masked) looks the setting up in COMMIT_RULES, the one table of them, next to the rules it
-names. Adding a sampler is a rule and a row here (and the family's `samplers`);
-tests/test_sampler_rules.py checks that every sampler a family lists has a row. DiffusionGemma's
+names. Adding a sampler is a rule and a row here (and the family's `samplers`): every sampler a
+family lists must have a row. DiffusionGemma's
 samplers are not here: its canvas loop implements its own two (engine.canvas.CanvasDecoder).
 
 Each row is a decoding.rule.CommitRule: the function and what it declares (its schedule,

@@ -32,7 +32,7 @@ block; at 1 every step is a full forward and decoding equals full recompute toke
 test holds it to that).
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -150,14 +150,20 @@ class FastDLLMCache(Backend):
         return x
 
     def block_logits(self, x, lo, stop):
-        start, _ = self.block
         if self.since_full is None or (self.refresh and self.since_full + 1 >= self.refresh):
             return self._full(x, lo, stop)
         self.since_full += 1
+        w0, w1 = self.cached_window(lo, stop)
+        return self._forward(x, w0, w1, lo, stop)
+
+    def cached_window(self, lo: int, stop: int) -> Tuple[int, int]:
+        """The columns (w0, w1) a forward between two full ones runs, for the candidates lo..stop-1
+        of the current block."""
+        start, _ = self.block
         # Candidates before the block (infilling) are recomputed with it, from their own left
         # neighbour; Dream's block start reads its own row (its column is committed).
         w0 = start if lo >= start else max(lo - self.shift, 0)
-        return self._forward(x, w0, stop if self.dual else self.width, lo, stop)
+        return w0, stop if self.dual else self.width
 
     def end_block(self, x, start, stop):
         self.block = None

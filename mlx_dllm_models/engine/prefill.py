@@ -35,12 +35,8 @@ class PrefillCache(FastDLLMCache):
         self.since_full = None
         return x
 
-    def block_logits(self, x, lo, stop):
+    def cached_window(self, lo: int, stop: int):
         start, _ = self.block
-        if self.since_full is None or (self.refresh and self.since_full + 1 >= self.refresh):
-            return self._full(x, lo, stop)
-        self.since_full += 1
         # From the column before the first candidate (the prompt's last column): its hidden state
         # gives the first candidate's logits.
-        w0 = max(min(lo, start) - self.shift, 0)
-        return self._forward(x, w0, self.width, lo, stop)
+        return max(min(lo, start) - self.shift, 0), self.width

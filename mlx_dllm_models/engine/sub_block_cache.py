@@ -18,6 +18,7 @@ are kept only for the rows a forward was for, so a row's tokens are those of its
 
 import mlx.core as mx
 
+from ..cache import zero_kv
 from ..masks import block_causal_mask
 from ..settings import SettingsError
 from .block_cache import PrefixCache
@@ -54,9 +55,7 @@ class _RowWritesLayer:
     def update_and_fetch(self, keys, values):
         o, layer = self.owner, self.layer
         if layer.keys is None:  # a run whose prompt holds no whole block: nothing prefilled
-            b, h, _, d = keys.shape
-            layer.keys = mx.zeros((b, h, o.main.width, d), keys.dtype)
-            layer.values = mx.zeros((b, values.shape[1], o.main.width, values.shape[3]), keys.dtype)
+            layer.keys, layer.values = zero_kv(keys, values, o.main.width)
         start = o.start
         stop = start + (keys.shape[2] if o.offsets is None else o.block)
         old_k, old_v = layer.keys[..., start:stop, :], layer.values[..., start:stop, :]

@@ -162,7 +162,7 @@ class WeDLMDecoder(Decoder):
     """The `wedlm` decoder: the rows of a batch step together, one forward a step (see the module
     docstring)."""
 
-    # The `sampler` setting's names this loop has a rule for (tests/test_sampler_rules.py).
+    # The `sampler` setting's names this loop has a rule for.
     samplers = ("wedlm",)
     # Structured output: a constrained row fills a grammar-valid prefix of its window
     # (constrained.WindowConstraint).

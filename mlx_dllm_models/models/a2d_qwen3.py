@@ -24,8 +24,8 @@ from typing import Optional, Sequence, Union
 
 from mlx_lm.models import qwen3
 
-from ..spec import BIDIRECTIONAL, BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
-from .common import build_spec, cached_spec, check_special_ids
+from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS
+from .common import check_special_ids
 from .mlx_lm_body import MaskedBody
 
 # The settings family of dllm's A2D specs (Qwen3 and Qwen2 bodies); it adds no setting of its own.
@@ -78,12 +78,10 @@ class A2DBody(MaskedBody):
     def family(self):
         return self.args.model_type  # a2d-qwen3, or a2d-qwen2 (models.a2d_qwen2)
 
-    @cached_spec
-    def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
-            self.args,
-            FAMILY,
-            BIDIRECTIONAL,
+    spec_family = FAMILY
+
+    def spec_fields(self) -> dict:
+        return dict(
             confidence="raw",  # MDLMSampler: softmax of the unprocessed logits at the argmax
             quota_base="masks",
             # "mdlm" is MDLMSampler's low_confidence remasking on dllm's schedule, "bd3lm" the

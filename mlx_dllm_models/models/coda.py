@@ -15,11 +15,9 @@ from typing import Optional, Sequence, Union
 
 from mlx_lm.models import qwen3
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import SHARED_SAMPLERS
 from . import dream
 from .common import (
-    build_spec,
-    cached_spec,
     check_special_ids,
 )
 from .mlx_lm_body import MaskedBody
@@ -82,16 +80,12 @@ class Model(MaskedBody, qwen3.Model):
         "num_hidden_layers, hidden_size, intermediate_size, head counts, head_dim, vocab_size"
     )
 
-    @cached_spec
-    def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
-            self.args,
-            FAMILY,
-            BIDIRECTIONAL,
-            f"add it to config.json ({CODA_MASK_TOKEN_ID}, <|mask|>, for CoDA-v0-Instruct).",
-            logit_shift=1,
-            confidence="sampled",
-            quota_base="masks",
+    spec_family = FAMILY
+    missing_mask = f"add it to config.json ({CODA_MASK_TOKEN_ID}, <|mask|>, for CoDA-v0-Instruct)."
+
+    def spec_fields(self) -> dict:
+        return dict(
+            **dream.DREAM_READING,
             # "dream" is CoDA's diffusion_generate (a copy of Dream's; `alg` picks the
             # algorithm); the shared samplers run block-wise.
             samplers=("dream",) + SHARED_SAMPLERS,

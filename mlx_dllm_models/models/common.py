@@ -72,6 +72,28 @@ def refuse_autoregressive_tools(model):
     )
 
 
+def unquantized_vision(*prefixes: str) -> property:
+    """A vision family's `quant_predicate` (the property mlx-lm's convert reads): the weights under
+    `prefixes` (its vision path) stay unquantized, as mlx-vlm keeps vision towers."""
+
+    def predicate(path, module):
+        return not path.startswith(prefixes)
+
+    return property(lambda model: predicate)
+
+
+class ImageTextModel:
+    """What a vision family's Model (a text body and a vision tower on mlx's Module) shares: mlx-lm's
+    AR tools refused at make_cache, and its text layers where mlx-lm's tools and the engine's
+    caches look for them."""
+
+    make_cache = refuse_autoregressive_tools
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+
 # ----------------------------------------------------------------------------------- checkpoint
 
 # Suffixes of tensors that quantized layers add next to their `.weight`.
@@ -254,6 +276,27 @@ def check_special_ids(
     check_token_ids(args.model_type, args.vocab_size, {k: getattr(args, k) for k in keys})
 
 
+# The config.json fields a Qwen2 / Qwen3 body's mlx-lm ModelArgs takes under the same names.
+QWEN_BODY_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+
+
+def config_fields(args, names: Sequence[str]) -> dict:
+    """{name: value} of `args`' fields `names`: the arguments of a body's ModelArgs that a
+    family's config.json carries under the same names."""
+    return {name: getattr(args, name) for name in names}
+
+
 def check_context_length(family: str, key: str, value) -> None:
     """A context length from config.json is a positive integer or absent: 0 is not "no limit"."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -290,6 +333,12 @@ def build_spec(
         eos_token_ids=eos_token_ids(args.eos_token_id),
         **fields,
     )
+
+
+# How the block-causal references (SDAR's and Fast-dLLM v2's generate) read a step: the sampled
+# token's probability is its confidence, quotas count over the block, and a threshold keeps the
+# tokens strictly above it (x1_p > threshold).
+BLOCK_READING = dict(confidence="sampled", quota_base="block", strict_threshold=True)
 
 
 class cached_spec:

@@ -1,7 +1,8 @@
 """Half-precision and quantized weights through float32 matmuls on MLX's CPU backend.
 
 On the CPU, MLX multiplies float32 through BLAS, but bfloat16 / float16 matmuls and
-`quantized_matmul` / `gather_qmm` run in its own single-threaded loops, 40-70x slower, and
+`quantized_matmul` / `gather_qmm` run in its own single-threaded loops (an order of magnitude
+slower or worse: BENCHMARKS.md, "Half-precision and quantized weights on MLX's CPU backend"), and
 `gather_mm` refuses any dtype but float32 (a bfloat16 MoE cannot run at all). Attention over
 half-precision activations takes the same slow matmuls. So when the default device is the CPU,
 `use_float32_matmuls(model)` (loader.load calls it) turns the model's half-precision and quantized
@@ -22,7 +23,7 @@ Metal or CUDA nothing changes. Float32 layers are left alone.
 
 Widening: a half-precision weight by `astype`; an affine-quantized one (2, 4 or 8 bits) as `32 /
 bits` float32 pieces, piece p holding the columns p, p + 32/bits, ... (one compiled kernel, the
-shift an input; `mx.dequantize` is 2-4x slower here), multiplied by
+shift an input; `mx.dequantize` is slower here), multiplied by
 the matching columns of the input and summed. Other quantization modes and widths go through
 `mx.dequantize`. An expert gather widens each expert its pairs select once (the distinct experts
 read from the indices on the host), then runs float32 gather_mm, or, for sorted pairs that
@@ -31,10 +32,10 @@ BLAS matmul per expert: MLX's CPU gather_mm multiplies pair by pair. A quantized
 serve about one pair each runs MLX's gather_qmm, faster there.
 
 Freed buffers of a widened weight are reused by the next layer of the same shape only when MLX's
-allocator keeps them (its CPU buffer cache is 32 MB by default): `use_float32_matmuls` raises that
+allocator keeps them (its CPU buffer cache is small by default): `use_float32_matmuls` raises that
 cache to 1.5 times what a forward holds widened (`widened_bytes`; never lowers it), memory the
 forward takes at every step anyway. Without it every widening pays the page faults of fresh
-memory, which made an upcast cost twice its matmul.
+memory.
 """
 
 import mlx.core as mx
@@ -69,9 +70,8 @@ def _unpack_piece(packed, shift, mask, scales, biases):
 
 # One compiled kernel serves every piece of every width: the shift and the mask are inputs, not
 # constants. MLX's CPU backend compiles each fused kernel with the system C++ compiler at its
-# first use (about 1 s each here, cached in $TMPDIR/mlx), and a constant shift made a kernel per
-# piece: 2 x 28 of them for 2, 4 and 8 bits, which a first 4-bit forward paid for 16. (MLX ran
-# those pieces as separate kernels anyway, each reading the packed words.)
+# first use (cached in $TMPDIR/mlx), so a constant shift would make a kernel per piece and width,
+# each compiled by the first forward that reads it.
 UNPACK_PIECE = mx.compile(_unpack_piece, shapeless=True)
 PIECE_BITS = (2, 4, 8)
 
@@ -197,8 +197,8 @@ def _host(indices):
 def _grouped(x, pieces, rhs):
     """gather_mm of sorted pairs (x: (pairs, 1, columns), rhs: their experts on the host, in
     order) as one BLAS matmul per run of pairs of the same expert. MLX's CPU gather_mm multiplies
-    pair by pair: at 72 pairs an expert (64 experts, 2,048 -> 1,024) this is 3.5-3.9x faster in
-    bf16 and 4.8-5.4x in 4 bits, and a 576-token LLaDA-MoE-7B-A1B forward took 36 s, not 166."""
+    pair by pair, which many pairs an expert (a prefill) turn into the forward's largest cost
+    (BENCHMARKS.md, "A sorted expert gather of many pairs an expert")."""
     rhs = rhs.astype(np.int64)
     starts = np.flatnonzero(np.diff(rhs, prepend=-1))
     ends = np.append(starts[1:], rhs.size)
@@ -214,9 +214,9 @@ def gathered(layer, x, indices, sorted_indices=False):
     """gather_mm / gather_qmm of mlx-lm's SwitchLinear (x @ W[e].T for each token-expert pair)
     in float32, each expert the pairs select widened once."""
     x = x.astype(F32)
-    # One host read of the indices a call: a 32-row block's 256 pairs (top-8) select about 170
-    # of 256 experts, and widening only those cuts the widening, the MoE step's largest cost, by
-    # a third. The read waits for the router, which the widening has to wait for anyway.
+    # One host read of the indices a call: a block's pairs select only some of the experts (a
+    # 32-row block's 256 top-8 pairs, about two thirds of 256), and widening only those shrinks
+    # the MoE step's largest cost. The read waits for the router, which the widening has to wait for anyway.
     host = _host(indices)
     experts = layer["weight"].shape[0]
     chosen = None if host is None else np.unique(host)
@@ -226,9 +226,9 @@ def gathered(layer, x, indices, sorted_indices=False):
         if "scales" in layer and indices.size < QMM_PAIRS_PER_EXPERT * chosen.size:
             # Each expert serves about one pair (a small block, one token): one-row products,
             # where MLX's own gather_qmm reads the packed weight once and beats widening it
-            # (a 256 x 512 x 2048 4-bit layer against float32 gather_mm: 1.55x / 2.08x widened at
-            # 1 row, 1.91x / 2.12x at 4, 1.74x / 2.36x at 8, 1.88x / 2.04x at 16; 1.99x / 1.88x
-            # at 32 rows, 256 pairs over 170 experts). Its output is float32 for float32 input.
+            # (BENCHMARKS.md, "After `gathered` widens only the selected experts": its cost grows
+            # with the pairs, widening's with the distinct experts). Its output is float32 for
+            # float32 input.
             return QuantizedSwitchLinear.__call__(layer, x, indices, sorted_indices)
         # The selected experts renumbered in order (a monotone map: sorted stays sorted).
         renumber = np.zeros(experts, np.uint32)

@@ -49,13 +49,16 @@ from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO
 from . import dream, sharding
 from .common import (
+    QWEN_BODY_FIELDS,
+    ImageTextModel,
     build_spec,
     cached_spec,
     check_special_ids,
     check_weights,
+    config_fields,
     drop_unused_buffers,
     project,
-    refuse_autoregressive_tools,
+    unquantized_vision,
 )
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
@@ -156,19 +159,8 @@ class ModelArgs(BaseModelArgs):
                 f"{self.tower['spatial_merge_size']} are not supported (Qwen2.5-VL's silu / 2)"
             )
         check_special_ids(self)
-        self.qwen2_args = qwen2.ModelArgs(
-            model_type="qwen2",
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            vocab_size=self.vocab_size,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
+        fields = config_fields(self, QWEN_BODY_FIELDS)
+        self.qwen2_args = qwen2.ModelArgs(model_type="qwen2", **fields)
 
 
 # mlx-vlm's loader builds `ModelConfig.from_dict(config)`, then `VisionConfig.from_dict` of the
@@ -249,7 +241,7 @@ def _zeros(width):
     return lambda ids: mx.zeros(ids.shape + (width,), mx.float32)
 
 
-class Model(nn.Module):
+class Model(ImageTextModel, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -268,12 +260,6 @@ class Model(nn.Module):
         # back (the grid's largest side minus its row count).
         self.__dict__["slots"] = SlotStore(NAME, args.vocab_size, MAX_STORED_FEATURES)
         self.__dict__["grid"] = SlotStore(NAME, args.vocab_size, MAX_STORED_FEATURES)
-
-    make_cache = refuse_autoregressive_tools
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     @property
     def vision_tower(self):
@@ -385,13 +371,8 @@ class Model(nn.Module):
         group = sharding.checked_group(self, group, NAME, "intermediate_size")
         qwen2.Model.shard(self, group)
 
-    @property
-    def quant_predicate(self):
-        def predicate(path, module):
-            # mlx-vlm keeps vision towers unquantized; the projector is of the vision path too.
-            return not path.startswith(("model.vision_tower", "img_projector"))
-
-        return predicate
+    # The projector is of the vision path too.
+    quant_predicate = unquantized_vision("model.vision_tower", "img_projector")
 
     def load_processor(self, tokenizer):
         """The processor `mlx_dllm_models.load` returns with this model (see Processor), with the

@@ -15,12 +15,10 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models import qwen2
 
-from ..settings_families import D3LLM_SETTINGS, Relation, Setting
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO, DiffusionSpec
+from ..settings_families import D3LLM_DEFAULTS, D3LLM_SETTINGS, Relation, Setting
+from ..spec import SHARED_SAMPLERS, TIMESTEP_ELBO
 from ..validators import choice, cli_optional_float, number, optional
 from .common import (
-    build_spec,
-    cached_spec,
     check_special_ids,
 )
 from .mlx_lm_body import MaskedBody
@@ -107,22 +105,15 @@ REFERENCE_DEFAULTS = {
 # their own), and steps 512 whatever max_tokens is would cost 512 forwards for 16 tokens with
 # "origin". These keys are not read from it; eps and alg_temp are.
 IGNORED_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
-# d3LLM's recipe for its distilled d3LLM_Dream / d3LLM_Dream_Coder (chat/chat_d3llm_dream.py:
-# generate_multi_block(max_new_tokens=256, temperature=0, alg="entropy_threshold", threshold=0.5,
-# block_size=32, block_add_threshold=0.1, decoded_token_threshold=0.95, early_stop=True)), no
-# top-p / top-k (its _sample_multi_block reads neither). Its whole canvas is the engine's block.
-D3LLM_DEFAULTS = {
-    "block_length": None,
-    "max_tokens": 256,
-    "block_size": 32,
-    "threshold": 0.5,
-    "block_add_threshold": 0.1,
-    "decoded_token_threshold": 0.95,
-    "early_stop": True,
-    "temperature": 0.0,
-    "top_p": None,
-    "top_k": None,
-}
+# d3LLM's recipe for d3LLM_Dream / d3LLM_Dream_Coder (chat/chat_d3llm_dream.py), with no top-p /
+# top-k (its _sample_multi_block reads neither).
+D3LLM_DREAM_DEFAULTS = {**D3LLM_DEFAULTS, "top_p": None, "top_k": None}
+
+
+# How diffusion_generate reads the logits, shared by the families built on it (CoDA, Open-dCoder,
+# RND1): token i from hidden state i-1, the sampled token's probability as its confidence, the
+# step quotas over the masks left.
+DREAM_READING = dict(logit_shift=1, confidence="sampled", quota_base="masks")
 
 
 @dataclass
@@ -163,19 +154,15 @@ class Model(MaskedBody, qwen2.Model):
     layout = "Qwen2's layout, with q/k/v biases (e.g. 'model.layers.0.self_attn.k_proj.bias')"
     config_keys = "num_hidden_layers, hidden_size, intermediate_size, head counts, vocab_size"
 
-    @cached_spec
-    def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
-            self.args,
-            FAMILY,
-            BIDIRECTIONAL,
-            "add it to config.json (151666, <|mask|>, for Dream-v0-*-7B).",
+    spec_family = FAMILY
+    missing_mask = "add it to config.json (151666, <|mask|>, for Dream-v0-*-7B)."
+
+    def spec_fields(self) -> dict:
+        return dict(
             settings=SETTINGS,
             relations=(ALG_RELATION,),
             likelihood=TIMESTEP_ELBO,
-            logit_shift=1,
-            confidence="sampled",
-            quota_base="masks",
+            **DREAM_READING,
             # "dream" is diffusion_generate (its `alg` picks origin / maskgit_plus / topk_margin /
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
             samplers=("dream", "d3llm") + SHARED_SAMPLERS,
@@ -188,5 +175,5 @@ class Model(MaskedBody, qwen2.Model):
             # before the first one (generations[0].split('<|dlm_pad|>')[0]).
             eos_token_names=("<|dlm_pad|>",),
             # The whole canvas is one block ("d3llm": d3LLM's multi-block decoding, decoding/d3llm).
-            sampler_defaults={"dream": {"block_length": None}, "d3llm": dict(D3LLM_DEFAULTS)},
+            sampler_defaults={"dream": {"block_length": None}, "d3llm": dict(D3LLM_DREAM_DEFAULTS)},
         )

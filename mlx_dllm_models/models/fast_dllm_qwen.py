@@ -26,6 +26,7 @@ from ..settings_families import Relation, Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from ..validators import positive_int
 from .common import (
+    BLOCK_READING,
     build_spec,
     cached_spec,
     check_special_ids,
@@ -86,11 +87,8 @@ def fast_dllm_v2_spec(args) -> DiffusionSpec:
         # ... and a block's first token is the argmax after the previous block is whole.
         seeds_block_start=True,
         # sample_with_top_p: the probability of the chosen token under softmax(logits / T) after
-        # top-p; at temperature 0 the plain softmax.
-        confidence="sampled",
-        quota_base="block",
-        # unmask_idx = x1_p > threshold
-        strict_threshold=True,
+        # top-p (at temperature 0 the plain softmax); unmask_idx = x1_p > threshold.
+        **BLOCK_READING,
         sampling_order=("temperature", "top_k", "top_p"),
         samplers=SHARED_SAMPLERS + ("sub_block",),
         sampler_defaults={"sub_block": {"sub_block_length": FAST_DLLM_SUB_BLOCK}},

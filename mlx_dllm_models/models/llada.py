@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from ..settings_families import D3LLM_DEFAULTS
 from ..spec import BIDIRECTIONAL, MASK_COUNT_ELBO, SHARED_SAMPLERS, DiffusionSpec
 from . import llada_moe, sharding
 from .common import (
@@ -49,21 +50,6 @@ REFERENCE_DEFAULTS = {
 MODEL_TYPE = "llada"
 
 LLADA_SAMPLERS = SHARED_SAMPLERS + ("random", "d3llm")
-# d3LLM's recipe for d3LLM_LLaDA (chat/chat_d3llm_llada.py and eval_scripts/llada_gsm8k_cot.sh's
-# generate_multi_block run): 256 tokens, blocks of 32, entropy threshold 0.5, the next block at
-# 10% of the last, full activation at 95% of the previous, early stop at EOS, greedy. Its whole
-# canvas is the engine's one block.
-D3LLM_DEFAULTS = {
-    "block_length": None,
-    "max_tokens": 256,
-    "block_size": 32,
-    "threshold": 0.5,
-    "block_add_threshold": 0.1,
-    "decoded_token_threshold": 0.95,
-    "early_stop": True,
-    "temperature": 0.0,
-}
-
 # The end-of-turn token that confidence_eos_eot_inf scores 0 (generate.py hard-codes 126348, LLaDA
 # 8B's <|eot_id|>), by name, resolved through the checkpoint's tokenizer; LLaDA-MoE's chat template
 # ends a turn with <|role_end|>.
@@ -221,22 +207,27 @@ class LLaDASpec:
         max_pos = a.max_position_embeddings
         if not a.is_moe and a.max_sequence_length is not None:
             max_pos = a.max_sequence_length  # 0 is a bad value (build_spec says so), not "unset"
-        return build_spec(
-            a,
-            FAMILY,
-            BIDIRECTIONAL,
-            settings=SETTINGS,
-            likelihood=MASK_COUNT_ELBO,
-            logit_shift=0,
-            confidence="raw",
-            quota_base="masks",
-            samplers=LLADA_SAMPLERS,
-            defaults=dict(REFERENCE_DEFAULTS),
-            sampler_defaults={"d3llm": dict(D3LLM_DEFAULTS)},
-            threshold_keeps_lowest=True,  # d3LLM's get_transfer_index_entropy
-            eot_token_names=EOT_TOKENS,
-            max_position_embeddings=max_pos,
-        )
+        return llada_spec(a, defaults=dict(REFERENCE_DEFAULTS), max_position_embeddings=max_pos)
+
+
+def llada_spec(args, **fields) -> DiffusionSpec:
+    """The spec of LLaDA generate.py's families (LLaDA 8B, LLaDA-MoE, LLaDA-V): what they share,
+    with `fields` (their defaults, ...) added."""
+    return build_spec(
+        args,
+        FAMILY,
+        BIDIRECTIONAL,
+        settings=SETTINGS,
+        likelihood=MASK_COUNT_ELBO,
+        logit_shift=0,
+        confidence="raw",
+        quota_base="masks",
+        samplers=LLADA_SAMPLERS,
+        sampler_defaults={"d3llm": dict(D3LLM_DEFAULTS)},
+        threshold_keeps_lowest=True,  # d3LLM's get_transfer_index_entropy
+        eot_token_names=EOT_TOKENS,
+        **fields,
+    )
 
 
 class Model(LLaDASpec, nn.Module):

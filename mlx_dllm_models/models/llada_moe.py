@@ -314,18 +314,12 @@ class Model(nn.Module):
         """Tensor parallelism over `group` as qwen3_moe.Model.shard: attention heads, dense MLPs
         and the shared expert split, the routed experts split over their intermediate dimension;
         router and expert_bias replicated."""
-        group = sharding.group_of(group)
-        a = self.args
-        sizes = {"num_attention_heads": a.num_attention_heads}
-        for name in (
+        widths = (
             "expert_intermediate_size",
             "dense_intermediate_size",
             "shared_expert_intermediate_size",
-        ):
-            if getattr(a, name) is not None:
-                sizes[name] = getattr(a, name)
-        kv = {"num_key_value_heads": a.num_key_value_heads}
-        sharding.check_divisible("llada", group, sizes, kv, model=self)
+        )
+        group = sharding.checked_gqa_group(self, group, "llada", *widths)
         for layer in self.layers:
             sharding.shard_attention(layer.self_attn, group)
             if isinstance(layer.mlp, SparseMoeBlock):

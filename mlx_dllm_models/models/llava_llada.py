@@ -49,15 +49,14 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs
 
-from ..spec import BIDIRECTIONAL, MASK_COUNT_ELBO
 from . import lavida, llada, sharding
 from .common import (
-    build_spec,
+    ImageTextModel,
     cached_spec,
     check_weights,
     project,
-    refuse_autoregressive_tools,
     run_layers,
+    unquantized_vision,
 )
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
@@ -246,7 +245,7 @@ _VISION_RENAMES = (
 )
 
 
-class Model(nn.Module):
+class Model(ImageTextModel, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -257,12 +256,6 @@ class Model(nn.Module):
         self.vision = vision_module(args)
         # Outside the parameter tree: mlx's Module would otherwise walk it.
         self.__dict__["slots"] = SlotStore(NAME, args.vocab_size, MAX_STORED_FEATURES)
-
-    make_cache = refuse_autoregressive_tools
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     @property
     def vision_tower(self):
@@ -339,22 +332,10 @@ class Model(nn.Module):
         """Tensor parallelism over `group` as LLaDA 8B's (mlx-lm's llama.Model.shard: heads and
         the MLP split); the vision tower, projector and image newline stay replicated, so every
         rank computes the same image features."""
-        group = sharding.group_of(group)
-        a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "intermediate_size": a.intermediate_size,
-        }
-        kv = {"num_key_value_heads": a.num_key_value_heads}
-        sharding.check_divisible(NAME, group, sizes, kv, model=self)
+        group = sharding.checked_gqa_group(self, group, NAME, "intermediate_size")
         return llama.Model.shard(self, group)
 
-    @property
-    def quant_predicate(self):
-        def predicate(path, module):
-            return not path.startswith("vision")  # mlx-vlm keeps vision towers unquantized
-
-        return predicate
+    quant_predicate = unquantized_vision("vision")
 
     def load_processor(self, tokenizer):
         """The processor `mlx_dllm_models.load` returns with this model (see Processor)."""
@@ -366,20 +347,9 @@ class Model(nn.Module):
         if a.lavida:
             return lavida.diffusion_spec(a)
         suppressed = tuple(t for t in a.suppressed_token_ids if 0 <= t < a.vocab_size)
-        return build_spec(
+        return llada.llada_spec(
             a,
-            FAMILY,
-            BIDIRECTIONAL,
-            settings=SETTINGS,
-            likelihood=MASK_COUNT_ELBO,
-            logit_shift=0,
-            confidence="raw",
-            quota_base="masks",
-            samplers=llada.LLADA_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
-            sampler_defaults={"d3llm": dict(llada.D3LLM_DEFAULTS)},
-            threshold_keeps_lowest=True,
-            eot_token_names=llada.EOT_TOKENS,
             eos_token_names=EOS_TOKEN_NAMES,
             logit_suppressed_token_ids=suppressed,
             vocab_size=a.vocab_size,

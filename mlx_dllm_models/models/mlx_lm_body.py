@@ -9,8 +9,10 @@ A family is a class on `MaskedBody` and the body's mlx-lm `Model`, for example
         layout = "Qwen2's layout, with q/k/v biases (e.g. ...)"
         config_keys = "num_hidden_layers, hidden_size, ..."
 
-        @cached_spec
-        def diffusion_spec(self): ...
+        spec_family = FAMILY  # the settings family (the model file's FAMILY)
+
+        def spec_fields(self):
+            return dict(settings=SETTINGS, samplers=..., defaults=...)
 
 declaring:
 
@@ -18,7 +20,11 @@ declaring:
 * `layout` and `config_keys`: what `check_weights` says the checkpoint holds and what decides it;
 * `shard_widths`: the config sizes a tensor-parallel split divides besides the attention heads
   (an MoE body: `moe_intermediate_size` too); `shard_name` where sharding errors name the family
-  otherwise.
+  otherwise;
+* `spec_family`, `attention` (bidirectional unless said), `missing_mask` (build_spec's message
+  for a config without a mask id; None: such a config is accepted) and `spec_fields()`: the
+  DiffusionSpec's fields beyond what build_spec reads from config.json. A family whose spec is
+  built otherwise overrides `diffusion_spec` itself.
 
 The head is the body's: mlx-lm's `Model` builds `lm_head` unless `args.tie_word_embeddings` (a
 family whose head is always its own sets that flag false in its ModelArgs).
@@ -35,8 +41,11 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from ..spec import BIDIRECTIONAL, DiffusionSpec
 from . import sharding
 from .common import (
+    build_spec,
+    cached_spec,
     check_weights,
     drop_tied_head,
     drop_unused_buffers,
@@ -54,6 +63,9 @@ class MaskedBody:
     config_keys: str = ""
     shard_widths: Tuple[str, ...] = ("intermediate_size",)
     shard_name: Optional[str] = None
+    spec_family: str = ""
+    attention: str = BIDIRECTIONAL
+    missing_mask: Optional[str] = None
 
     # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
     make_cache = refuse_autoregressive_tools
@@ -62,6 +74,15 @@ class MaskedBody:
         if mask is None and cache is None:
             mask = self.plain_mask(inputs.shape[1])
         return masked_forward(self, self.model.embed_tokens, inputs, cache, mask, head_span)
+
+    def spec_fields(self) -> dict:
+        """The family's DiffusionSpec fields beyond build_spec's readings of config.json."""
+        return {}
+
+    @cached_spec
+    def diffusion_spec(self) -> DiffusionSpec:
+        fields = self.spec_fields()
+        return build_spec(self.args, self.spec_family, self.attention, self.missing_mask, **fields)
 
     def plain_mask(self, length: int):
         """The mask of a call with neither mask nor cache: the upstream forward's."""

@@ -317,14 +317,7 @@ class Model(nn.Module):
         """mlx-lm's ministral3.Model.shard over `encoder.layers`: attention heads and MLP split
         over `group`. The embedding and the diffusion head (tied or not) stay replicated, so both
         attention modes and the AR head read the same full logits on every rank."""
-        group = sharding.group_of(group)
-        a = self.args
-        sizes = {
-            "num_attention_heads": a.num_attention_heads,
-            "intermediate_size": a.intermediate_size,
-        }
-        kv = {"num_key_value_heads": a.num_key_value_heads}
-        sharding.check_divisible(_NAME, group, sizes, kv, model=self)
+        group = sharding.checked_gqa_group(self, group, _NAME, "intermediate_size")
         for layer in self.layers:
             sharding.shard_attention(layer.self_attn, group)
             sharding.shard_mlp(layer.mlp, group)

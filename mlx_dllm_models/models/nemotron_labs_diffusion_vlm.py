@@ -45,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import nemotron_labs_diffusion as text
-from .common import check_weights, drop_tied_head, drop_unused_buffers
+from .common import check_weights, drop_tied_head, drop_unused_buffers, unquantized_vision
 from .image_slots import ImageSlotError, SlotProcessor, SlotStore
 
 NAME = "nemotron_labs_diffusion_vlm"
@@ -233,12 +233,7 @@ class Model(text.Model):
         keys = "num_hidden_layers, vocab_size, hidden_size, intermediate_size, heads, vision_config"
         return check_weights(self, out, NAME, layout, keys, origin)
 
-    @property
-    def quant_predicate(self):
-        def predicate(path, module):
-            return not path.startswith("model.")  # mlx-vlm keeps vision towers unquantized
-
-        return predicate
+    quant_predicate = unquantized_vision("model.")  # the vision tower and projector
 
     def load_processor(self, tokenizer):
         """The processor `mlx_dllm_models.load` returns with this model (see Processor)."""

@@ -26,11 +26,9 @@ from typing import Optional, Sequence, Union
 
 from mlx_lm.models import qwen2
 
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import SHARED_SAMPLERS
 from . import dream
 from .common import (
-    build_spec,
-    cached_spec,
     check_special_ids,
 )
 from .dream import Model as DreamModel
@@ -87,15 +85,13 @@ class Model(DreamModel):
         # passes False; the engine passes its own mask), as transformers' Qwen2 does.
         return "causal"
 
-    @cached_spec
-    def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
-            self.args,
-            FAMILY,
-            BIDIRECTIONAL,
-            logit_shift=1,
-            confidence="sampled",  # sample_tokens: the probability of x0 after temperature, top-k
-            quota_base="masks",
+    spec_family = FAMILY
+    missing_mask = None  # the mask id has a default (OPEN_DCODER_MASK_TOKEN_ID)
+
+    def spec_fields(self) -> dict:
+        return dict(
+            # sample_tokens: the probability of x0 after temperature and top-k is the confidence.
+            **dream.DREAM_READING,
             samplers=("p2", "dream") + SHARED_SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},

@@ -21,13 +21,12 @@ from typing import List, Optional, Union
 from mlx_lm.models import qwen3_moe
 
 from ..settings_families import Setting
-from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import SHARED_SAMPLERS
 from ..validators import cli_optional_float, number, optional
 from .common import (
-    build_spec,
-    cached_spec,
     check_special_ids,
 )
+from .dream import DREAM_READING
 from .mlx_lm_body import MaskedBody
 
 # The settings family of RND1's spec, and the row it adds: sampling.py's entropy-bounded variant of
@@ -97,16 +96,12 @@ class Model(MaskedBody, qwen3_moe.Model):
     )
     shard_widths = ("moe_intermediate_size", "intermediate_size")
 
-    @cached_spec
-    def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
-            self.args,
-            FAMILY,
-            BIDIRECTIONAL,
+    spec_family = FAMILY
+
+    def spec_fields(self) -> dict:
+        return dict(
             settings=SETTINGS,
-            logit_shift=1,
-            confidence="sampled",
-            quota_base="masks",
+            **DREAM_READING,
             # "rnd1" is rnd/sampling.py's diffusion_sample (decoding/rnd1.py); the shared
             # samplers run block-wise.
             samplers=("rnd1",) + SHARED_SAMPLERS,

@@ -15,6 +15,7 @@ from ..settings_families import Setting
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from ..validators import number
 from .common import (
+    BLOCK_READING,
     build_spec,
     cached_spec,
     check_special_ids,
@@ -59,10 +60,8 @@ def sdar_spec(args) -> DiffusionSpec:
         FAMILY,
         BLOCK_CAUSAL,
         settings=SETTINGS,
-        confidence="sampled",
-        quota_base="block",
         # generate.py: low_confidence_dynamic keeps tokens with probability > threshold.
-        strict_threshold=True,
+        **BLOCK_READING,
         # sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
         sampling_order=("temperature", "top_k", "top_p"),
         # low_confidence_static = "quota", low_confidence_dynamic = "threshold", sequential,

@@ -76,6 +76,17 @@ def checked_group(model, group, family: str, *widths: str) -> mx.distributed.Gro
     return group
 
 
+def checked_gqa_group(model, group, family: str, *widths: str) -> mx.distributed.Group:
+    """checked_group for the families whose split keeps one K/V head a rank where the K/V heads
+    are fewer than the ranks (shard_attention): the K/V head count may divide the group size
+    instead."""
+    group = group_of(group)
+    sizes = config_sizes(model.args, "num_attention_heads", *widths)
+    kv = config_sizes(model.args, "num_key_value_heads")
+    check_divisible(family, group, sizes, kv, model=model)
+    return group
+
+
 def shard_attention(
     attn,
     group,

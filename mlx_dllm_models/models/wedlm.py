@@ -32,9 +32,11 @@ from ..settings_families import Setting
 from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
 from ..validators import cli_optional_float, number, optional
 from .common import (
+    QWEN_BODY_FIELDS,
     build_spec,
     cached_spec,
     check_special_ids,
+    config_fields,
 )
 from .mlx_lm_body import MaskedBody
 
@@ -145,20 +147,7 @@ class ModelArgs(BaseModelArgs):
 
     def body_args(self):
         """mlx-lm's ModelArgs of the Qwen body this config describes."""
-        shared = dict(
-            model_type=self.model_type,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            vocab_size=self.vocab_size,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
+        shared = config_fields(self, QWEN_BODY_FIELDS + ("model_type", "rope_scaling"))
         if self.qk_norm:
             return qwen3, qwen3.ModelArgs(head_dim=self.head_dim, **shared)
         return qwen2, qwen2.ModelArgs(**shared)

@@ -14,94 +14,40 @@
 """
 
 import functools
-import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .hf_forward import keys_in_view, logits_under
+from .dream_torch import sample_tokens
+from .hf_body import body_logits, load_relabelled
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from transformers import AutoModelForCausalLM
-
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
     drop = ("auto_map", "mask_token_id", "attention_kernel", "sampling_eps", "mask_block_sizes")
-    cfg = {k: v for k, v in cfg.items() if k not in drop}
     # CoDALanguageModel's lm_head is never tied to the embedding (see models/coda.py).
-    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        for f in ckpt.glob("*.safetensors"):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32
-        )
-    return model.eval()
-
-
-def _logits(model, x, causal=False):
-    return logits_under(model, x, keys_in_view(x.shape[1], causal))
+    fields = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    return load_relabelled(ckpt, fields, drop)
 
 
 def reference_logits(ckpt, input_ids, causal=False):
     """Unshifted float32 logits (B, L, V); `causal=True` is Qwen3's own reading, which a correct
     CoDA must not match."""
     x = torch.as_tensor(np.asarray(input_ids)).long()
-    return _logits(load_reference(str(ckpt)), x, causal).numpy()
+    return body_logits(load_reference(str(ckpt)), x, causal).numpy()
 
 
 def reference_forward(ckpt):
     """`forward(x) -> logits` for `coda_generate`, backed by the torch reference."""
     model = load_reference(str(ckpt))
-    return lambda x: _logits(model, x)
+    return lambda x: body_logits(model, x)
 
 
 # --- generation_utils.py ---------------------------------------------------------------------
-
-
-def top_p_logits(logits, top_p):
-    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = 0
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
-
-
-def top_k_logits(logits, top_k):
-    top_k = min(top_k, logits.size(-1))
-    kth = torch.topk(logits, top_k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
-
-
-def sample_tokens(logits, temperature, top_p, top_k, margin=False, neg_entropy=False, g=None):
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_logits(logits, top_p)
-    if top_k is not None:
-        logits = top_k_logits(logits, top_k)
-    probs = torch.softmax(logits, dim=-1)
-    if temperature > 0:
-        x0 = torch.multinomial(probs, 1, generator=g).squeeze(-1)
-        confidence = torch.gather(probs, -1, x0[:, None]).squeeze(-1)
-    else:
-        confidence, x0 = probs.max(dim=-1)
-    if margin:
-        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
-        confidence = sorted_probs[:, 0] - sorted_probs[:, 1]
-    if neg_entropy:
-        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-    return confidence, x0
+# Its top_p_logits, top_k_logits and sample_tokens are Dream's (dream_torch), which it copies.
 
 
 def coda_generate(
@@ -139,14 +85,22 @@ def coda_generate(
             p_transfer = 1 - s / t if i < steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index]) + mask_token_id
             transfer = torch.rand(x0.shape, generator=g) < p_transfer
-            _, x0[transfer] = sample_tokens(mask_logits[transfer], temperature, top_p, top_k, g=g)
+            _, x0[transfer] = sample_tokens(
+                mask_logits[transfer], temperature, top_p, top_k, generator=g
+            )
             x[mask_index] = x0.clone()
             continue
-        kinds = {"maskgit_plus": {}, "topk_margin": {"margin": True}, "entropy": {}}
+        kinds = {"maskgit_plus": {}, "topk_margin": {"margin_confidence": True}, "entropy": {}}
         if alg not in kinds:
             raise RuntimeError(f"Unknown alg: {alg}")
         confidence, x0 = sample_tokens(
-            mask_logits, temperature, top_p, top_k, neg_entropy=alg == "entropy", g=g, **kinds[alg]
+            mask_logits,
+            temperature,
+            top_p,
+            top_k,
+            neg_entropy=alg == "entropy",
+            generator=g,
+            **kinds[alg],
         )
         num_mask_token = mask_index.sum() / mask_index.shape[0]
         n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .dream_torch import top_p_logits  # Dimple's generation_utils copies Dream's
+
 torch.set_num_threads(1)
 _CACHE = {}
 
@@ -276,18 +278,6 @@ def _fallback_count(num_cur, num_total, i, steps, timesteps):
     raise AssertionError("unreachable")
 
 
-def _top_p_logits(logits, top_p):
-    """generation_utils.top_p_logits: tokens past the top_p mass (the first always kept) get the
-    dtype's minimum."""
-    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = 0
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
-
-
 def _step_logits(ckpt, ids, pixel_values, grid_thw, prompt_length, state):
     """One step's shifted logits over the columns the step runs (all of them, or with use_cache
     from prompt_length on), as prepare_inputs_for_generation / forward / _sample do."""
@@ -340,7 +330,7 @@ def generate(
         probs = torch.softmax(mask_logits, dim=-1)
         if pipeline == "dream" and top_p is not None and top_p < 1:
             # use_original_confidence=False: the confidence is the top-p filtered distribution's.
-            probs = torch.softmax(_top_p_logits(mask_logits, top_p), dim=-1)
+            probs = torch.softmax(top_p_logits(mask_logits, top_p), dim=-1)
         confidence, x0 = probs.max(dim=-1)
         if alg == "entropy":
             confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)

@@ -17,39 +17,26 @@
 """
 
 import functools
-import json
 import math
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .hf_forward import logits_under
+from .hf_body import additive_mask, load_relabelled, masked_logits
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from transformers import AutoModelForCausalLM
+    def fields(cfg):
+        # a2d-qwen3 / a2d-qwen2: transformers' own class of the source model.
+        base = cfg["model_type"].removeprefix("a2d-")
+        cls = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[base]
+        return dict(model_type=base, architectures=[cls])
 
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg.pop("mask_token_id", None)
-    # a2d-qwen3 / a2d-qwen2: transformers' own class of the source model.
-    base = cfg["model_type"].removeprefix("a2d-")
-    cls = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[base]
-    cfg.update(model_type=base, architectures=[cls])
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        for f in ckpt.glob("*.safetensors"):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32
-        )
-    return model.eval()
+    return load_relabelled(ckpt, fields, drop=("mask_token_id",))
 
 
 def _logits(model, x, attention_mask=None, causal=False):
@@ -60,7 +47,7 @@ def _logits(model, x, attention_mask=None, causal=False):
     keep = attention_mask.bool()[:, None, None, :].expand(B, 1, L, L)
     if causal:
         keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
-    return logits_under(model, x, keep)
+    return masked_logits(model, x, additive_mask(keep))
 
 
 def reference_logits(ckpt, input_ids, attention_mask=None, causal=False):

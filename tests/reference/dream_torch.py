@@ -12,44 +12,19 @@
 """
 
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .hf_body import qwen2_model
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from safetensors.torch import load_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    qcfg = Qwen2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        hidden_act=cfg.get("hidden_act", "silu"),
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        use_sliding_window=False,
-    )
-    qcfg._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(qcfg).float().eval()
-    state = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    model.load_state_dict(state, strict=True)
-    return model
+    return qwen2_model(ckpt)
 
 
 def _run(model, x, keep=None, position_ids=None):

@@ -42,105 +42,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .hf_body import qwen2_from
+from .llada_torch import olmo_llama
+from .llada_v_torch import select_best_resolution, spliced_embeds, unpad_image, vision_path
+
 _MODELS = {}
-_OLMO_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "attn_out": "self_attn.o_proj",
-    "ff_norm": "post_attention_layernorm",
-    "ff_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "ff_out": "mlp.down_proj",
-}
-_OLMO_TOP = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}
 
 
 def _tensor(v):
     return torch.from_numpy(np.asarray(v, dtype=np.float32))
 
 
-def _tower(config, w):
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    v = config["vision_tower_config"]
-    vcfg = SiglipVisionConfig(
-        **{k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
-        num_attention_heads=v["num_attention_heads"],
-        image_size=v["image_size"],
-        patch_size=v["patch_size"],
-        layer_norm_eps=v["layer_norm_eps"],
-        hidden_act="gelu_pytorch_tanh",
-        attn_implementation="eager",
-    )
-    tower = SiglipVisionModel(vcfg)
-    body = getattr(tower, "vision_model", tower)
-    del body.encoder.layers[-1:]
-    body.head = torch.nn.Identity()
-    prefix = "model.vision_tower.vision_tower."
-    if body is tower:  # transformers 5: no `vision_model` level
-        prefix += "vision_model."
-    state = {k[len(prefix) :]: _tensor(x) for k, x in w.items() if k.startswith(prefix)}
-    missing, unexpected = tower.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all("position_ids" in k or ".head." in k for k in missing), missing
-    return tower.eval()
-
-
-def _language_model(config, w):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d, heads = config["d_model"], config["n_heads"]
-    cfg = LlamaConfig(
-        vocab_size=config.get("embedding_size") or config["vocab_size"],
-        hidden_size=d,
-        intermediate_size=config["mlp_hidden_size"],
-        num_hidden_layers=config["n_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=config.get("n_kv_heads") or heads,
-        head_dim=d // heads,
-        rms_norm_eps=config["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
-        max_position_embeddings=config["max_sequence_length"],
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        attn_implementation="eager",
-    )
-    state = {}
-    for k, v in w.items():
-        parts = k.split(".")
-        if parts[:3] == ["model", "transformer", "blocks"]:
-            state[f"model.layers.{parts[3]}.{_OLMO_BLOCK[parts[4]]}.{parts[5]}"] = _tensor(v)
-        elif parts[:2] == ["model", "transformer"]:
-            state[f"{_OLMO_TOP[parts[2]]}.{parts[3]}"] = _tensor(v)
-    lm = LlamaForCausalLM(cfg)
-    lm.load_state_dict(state, strict=True)
-    return lm.eval()
-
-
 def _dream_language_model(config, w):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        max_position_embeddings=config["max_position_embeddings"],
-        rms_norm_eps=config["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]},
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        attn_implementation="eager",
-    )
-    lm = Qwen2ForCausalLM(cfg)
     names = ("model.layers", "model.embed_tokens", "model.norm", "lm_head")
-    lm.load_state_dict({k: _tensor(v) for k, v in w.items() if k.startswith(names)}, strict=True)
-    return lm.eval()
+    state = {k: _tensor(v) for k, v in w.items() if k.startswith(names)}
+    return qwen2_from(dict(config, tie_word_embeddings=False), state)
 
 
 def load(ckpt):
@@ -152,20 +68,13 @@ def load(ckpt):
         config = json.loads((path / "config.json").read_text())
         w = load_file(str(path / "model.safetensors"))
         dream = config["model_type"] == "llava_dream"
-        H, mm = config["hidden_size" if dream else "d_model"], config["mm_hidden_size"]
-        projector = torch.nn.Sequential(
-            torch.nn.Linear(mm, H), torch.nn.GELU(), torch.nn.Linear(H, H)
-        )
-        projector.load_state_dict(
-            {
-                k[len("model.mm_projector.") :]: _tensor(x)
-                for k, x in w.items()
-                if "mm_projector" in k
-            }
-        )
-        newline = _tensor(w["model.image_newline"])
-        lm = (_dream_language_model if dream else _language_model)(config, w)
-        _MODELS[key] = (config, _tower(config, w), projector, newline, lm)
+        if dream:
+            lm = _dream_language_model(config, w)
+        else:  # LLaDA 8B's OLMo-named language model
+            names = {k: v for k, v in w.items() if k.startswith("model.transformer.")}
+            lm = olmo_llama(config, names)[0]
+        vision = vision_path(config, w, config["hidden_size" if dream else "d_model"])
+        _MODELS[key] = (config, *vision, lm)
     return _MODELS[key]
 
 
@@ -182,30 +91,6 @@ def _pool(feats, side, mode):
     return x.permute(0, 2, 3, 1).reshape(n, -1, dim)
 
 
-def _select_best_resolution(original_size, possible_resolutions):
-    ow, oh = original_size
-    best, most, least = None, 0, float("inf")
-    for width, height in possible_resolutions:
-        scale = min(width / ow, height / oh)
-        effective = min(int(ow * scale) * int(oh * scale), ow * oh)
-        wasted = width * height - effective
-        if effective > most or (effective == most and wasted < least):
-            most, least, best = effective, wasted, (width, height)
-    return best
-
-
-def _unpad_image(tensor, original_size):
-    original_width, original_height = original_size
-    current_height, current_width = tensor.shape[1:]
-    if original_width / original_height > current_width / current_height:
-        new_height = int(original_height * (current_width / original_width))
-        padding = (current_height - new_height) // 2
-        return tensor[:, padding : current_height - padding, :]
-    new_width = int(original_width * (current_height / original_height))
-    padding = (current_width - new_width) // 2
-    return tensor[:, :, padding : current_width - padding]
-
-
 @torch.no_grad()
 def image_features(ckpt, pixel_values, image_size_wh):
     """(tower features, projector output, packed image features), numpy."""
@@ -219,25 +104,18 @@ def image_features(ckpt, pixel_values, image_size_wh):
     side = int(np.sqrt(base.shape[0]))
     if tiles.shape[0] == 0:  # one tile: the features and the newline
         return feats.numpy(), projected.numpy(), torch.cat([base, newline[None]]).numpy()
-    w, h = _select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
+    w, h = select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
     npw, nph = w // v["image_size"], h // v["image_size"]
     t = tiles.view(nph, npw, side, side, -1)
     t = t.permute(4, 0, 2, 1, 3).contiguous().flatten(1, 2).flatten(2, 3)
-    t = _unpad_image(t, image_size_wh)
+    t = unpad_image(t, image_size_wh)
     t = torch.cat((t, newline[:, None, None].expand(*t.shape[:-1], 1)), dim=-1)
     t = t.flatten(1, 2).transpose(0, 1)
     return feats.numpy(), projected.numpy(), torch.cat((base, t), dim=0).numpy()
 
 
-@torch.no_grad()
 def embed_prompt(ckpt, ids_before, features, ids_after):
-    emb = load(ckpt)[4].model.embed_tokens
-    parts = [
-        emb(torch.tensor(ids_before, dtype=torch.long)),
-        torch.as_tensor(np.asarray(features, dtype=np.float32)),
-        emb(torch.tensor(ids_after, dtype=torch.long)),
-    ]
-    return torch.cat(parts, dim=0)[None]
+    return spliced_embeds(load(ckpt)[4], ids_before, features, ids_after)
 
 
 @torch.no_grad()

@@ -54,7 +54,9 @@ _OLMO_BLOCK = {
 }
 
 
-def _llama(config, weights):
+def olmo_llama(config, weights):
+    """LLaDA 8B's OLMo-named checkpoint as transformers' Llama (bidirectional under the caller's
+    mask), with the context its forwards run in."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if config.get("include_bias") or config.get("include_qkv_bias") or config.get("weight_tying"):
@@ -182,7 +184,7 @@ def load_model(ckpt_path):
     key = str(Path(ckpt_path).resolve())
     if key not in _MODELS:
         config, weights = _read(ckpt_path)
-        _MODELS[key] = (_qwen3_moe if _is_moe(config) else _llama)(config, weights)
+        _MODELS[key] = (_qwen3_moe if _is_moe(config) else olmo_llama)(config, weights)
     return _MODELS[key]
 
 

@@ -38,10 +38,11 @@ def _tensor(v):
     return torch.from_numpy(np.asarray(v, dtype=np.float32))
 
 
-def _build(ckpt):
-    from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
+def vision_path(config, w, hidden):
+    """The vision path of a LLaVA-style checkpoint (LLaDA-V's, LaViDa's): the SigLIP tower, the
+    mm_projector into the language model's width `hidden`, and the image newline."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config, w = _read(ckpt)
     v = config["vision_tower_config"]
     vcfg = SiglipVisionConfig(
         hidden_size=v["hidden_size"],
@@ -69,13 +70,20 @@ def _build(ckpt):
     assert not unexpected, unexpected
     assert all("position_ids" in k or ".head." in k for k in missing), missing
     tower.eval()
-
-    H, mm = config["hidden_size"], config["mm_hidden_size"]
+    H, mm = hidden, config["mm_hidden_size"]
     projector = torch.nn.Sequential(torch.nn.Linear(mm, H), torch.nn.GELU(), torch.nn.Linear(H, H))
     projector.load_state_dict(
         {k[len("model.mm_projector.") :]: _tensor(x) for k, x in w.items() if "mm_projector" in k}
     )
-    newline = _tensor(w["model.image_newline"])
+    return tower, projector, _tensor(w["model.image_newline"])
+
+
+def _build(ckpt):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config, w = _read(ckpt)
+    H = config["hidden_size"]
+    tower, projector, newline = vision_path(config, w, H)
 
     lcfg = LlamaConfig(
         vocab_size=config["vocab_size"],
@@ -124,9 +132,14 @@ def image_features(ckpt, pixel_values):
     return feats.numpy(), projected.numpy(), image.numpy()
 
 
-@torch.no_grad()
 def embed_prompt(ckpt, ids_before, features, ids_after):
-    _, _, _, _, lm = load(ckpt)
+    return spliced_embeds(load(ckpt)[4], ids_before, features, ids_after)
+
+
+@torch.no_grad()
+def spliced_embeds(lm, ids_before, features, ids_after):
+    """(1, L, H) inputs_embeds of a LLaVA-style prompt: the language model `lm`'s embeddings of
+    the ids before and after an image with the image's features between them."""
     emb = lm.model.embed_tokens
     parts = [
         emb(torch.tensor(ids_before, dtype=torch.long)),
@@ -215,7 +228,7 @@ def _preprocess(image, size):
     return ((x / 255 - 0.5) / 0.5).transpose(2, 0, 1)
 
 
-def _select_best_resolution(original_size, possible_resolutions):
+def select_best_resolution(original_size, possible_resolutions):
     original_width, original_height = original_size
     best_fit, max_effective, min_wasted = None, 0, float("inf")
     for width, height in possible_resolutions:
@@ -234,7 +247,7 @@ def process_anyres_image(image, size, grid_pinpoints):
 
     from PIL import Image
 
-    best = _select_best_resolution(image.size, grid_pinpoints)
+    best = select_best_resolution(image.size, grid_pinpoints)
     ow, oh = image.size
     tw, th = best
     if tw / ow < th / oh:
@@ -251,7 +264,7 @@ def process_anyres_image(image, size, grid_pinpoints):
     return np.stack([_preprocess(t, size) for t in tiles])
 
 
-def _unpad_image(tensor, original_size):
+def unpad_image(tensor, original_size):
     original_width, original_height = original_size
     current_height, current_width = tensor.shape[1:]
     if original_width / original_height > current_width / current_height:
@@ -278,13 +291,13 @@ def anyres_image_features(ckpt, pixel_values, image_size_wh):
         config["vision_tower_config"]["image_size"] // config["vision_tower_config"]["patch_size"]
     )
     tile = config["vision_tower_config"]["image_size"]
-    w, h = _select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
+    w, h = select_best_resolution(image_size_wh, config["image_grid_pinpoints"])
     npw, nph = w // tile, h // tile
     max_num = int(re.match(r"anyres_max_(\d+)", config["image_aspect_ratio"]).group(1))
     t = tiles.view(nph, npw, side, side, -1)
     unit = t.shape[2]
     t = t.permute(4, 0, 2, 1, 3).contiguous().flatten(1, 2).flatten(2, 3)
-    t = _unpad_image(t, image_size_wh)
+    t = unpad_image(t, image_size_wh)
     c, hh, ww = t.shape
     times = math.sqrt(hh * ww / (max_num * unit**2))
     if times > 1.1:

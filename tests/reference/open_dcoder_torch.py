@@ -20,34 +20,22 @@ import numpy as np
 import torch
 import torch.distributions as dists
 
-from .hf_forward import build_body, keys_in_view, logits_under
+from .dream_torch import top_p_logits  # veomni's generation_utils copies Dream's
+from .hf_body import qwen2_model
+from .hf_forward import keys_in_view, logits_under
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=2)
 def load_reference(ckpt):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    model = build_body(Qwen2Config, Qwen2ForCausalLM, ckpt, strict=False, use_sliding_window=False)
-    model.tie_weights()  # the tied head is the embedding
-    return model
+    return qwen2_model(ckpt)
 
 
 def reference_logits(ckpt, input_ids, causal=False):
     """Unshifted float32 logits (B, L, V) of token ids."""
     x = torch.as_tensor(np.asarray(input_ids)).long()
     return logits_under(load_reference(str(ckpt)), x, keys_in_view(x.shape[1], causal)).numpy()
-
-
-def top_p_logits(logits, top_p):
-    sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = 0
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_indices, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
 
 
 def top_k_logits(logits, top_k):

@@ -13,51 +13,34 @@
 """
 
 import functools
-import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .hf_forward import keys_in_view, logits_under
+from .hf_body import body_logits, load_relabelled
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from transformers import AutoModelForCausalLM
-
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
     drop = ("auto_map", "mask_token_id", "num_diffusion_steps", "moe_backend", "rope_scaling")
-    cfg = {k: v for k, v in cfg.items() if k not in drop}
     # RND1Config's defaults write sliding_window / rope_scaling as false (none); RND1's attention
     # reads neither.
-    cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], sliding_window=None)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        for f in ckpt.glob("*.safetensors*"):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32
-        )
-    return model.eval()
-
-
-def _logits(model, x, causal=False):
-    return logits_under(model, x, keys_in_view(x.shape[1], causal))
+    fields = dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], sliding_window=None
+    )
+    return load_relabelled(ckpt, fields, drop)
 
 
 def reference_logits(ckpt, input_ids, causal=False):
     x = torch.as_tensor(np.asarray(input_ids)).long()
-    return _logits(load_reference(str(ckpt)), x, causal).numpy()
+    return body_logits(load_reference(str(ckpt)), x, causal).numpy()
 
 
 def reference_forward(ckpt):
     model = load_reference(str(ckpt))
-    return lambda x: _logits(model, x)
+    return lambda x: body_logits(model, x)
 
 
 # --- rnd/sampling.py ----------------------------------------------------------------------------

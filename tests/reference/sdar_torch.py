@@ -8,13 +8,11 @@ and a 4-D additive mask (transformers returns a 4-D mask as-is and eager attenti
 """
 
 import functools
-import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from .hf_body import load_relabelled
 from .hf_forward import logits_under
 
 torch.set_num_threads(1)
@@ -24,21 +22,11 @@ _QWEN = {"sdar": ("qwen3", "Qwen3ForCausalLM"), "sdar_moe": ("qwen3_moe", "Qwen3
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from transformers import AutoModelForCausalLM
+    def fields(cfg):
+        model_type, arch = _QWEN[cfg["model_type"]]
+        return dict(model_type=model_type, architectures=[arch])
 
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    model_type, arch = _QWEN[cfg["model_type"]]
-    cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "block_size", "mask_token_id")}
-    cfg.update(model_type=model_type, architectures=[arch])
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        for f in ckpt.glob("*.safetensors"):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32
-        )
-    return model.eval()
+    return load_relabelled(ckpt, fields, drop=("auto_map", "block_size", "mask_token_id"))
 
 
 def block_causal_keep(length, block_length):

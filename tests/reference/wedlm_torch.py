@@ -21,37 +21,25 @@ window in place under the equivalent mask, so the two are independent readings.
 """
 
 import functools
-import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .hf_body import load_relabelled
 
 torch.set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=4)
 def load_reference(ckpt):
-    from transformers import AutoModelForCausalLM
+    def fields(cfg):
+        if cfg.get("qk_norm"):
+            return dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+        return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
 
-    ckpt = Path(ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    qwen3 = bool(cfg.get("qk_norm"))
     drop = ("auto_map", "mask_token_id", "qk_norm", "layer_types", "use_sliding_window")
-    cfg = {k: v for k, v in cfg.items() if k not in drop}
-    kind = "qwen3" if qwen3 else "qwen2"
-    arch = "Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"
-    cfg.update(model_type=kind, architectures=[arch])
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        for f in ckpt.glob("*.safetensors"):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-        model = AutoModelForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", dtype=torch.float32
-        )
-    return model.eval()
+    return load_relabelled(ckpt, fields, drop)
 
 
 def causal_mask(queries, keys):
