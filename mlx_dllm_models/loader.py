@@ -305,16 +305,7 @@ def load(
     # Named in errors that only show at decoding time (non-finite logits: corrupt weights).
     model.checkpoint_path = str(path)
     model.remote_generate_params = remote_generate_params(path, config)
-    # Nemotron-Labs-Diffusion's self-speculation draft adapter, where the checkpoint ships it.
-    adapter = path / "linear_spec_lora"
-    if hasattr(model, "load_draft_adapter") and (adapter / "adapter_config.json").is_file():
-        try:
-            model.load_draft_adapter(adapter)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"{adapter}: the draft adapter cannot be read ({e}); remove the folder to run "
-                "without it"
-            ) from None
+    load_draft_adapter(model, path)
     # On MLX's CPU backend, half-precision and quantized weights compute through float32 BLAS
     # (models/cpu_layers.py); elsewhere nothing changes.
     from .models.cpu_layers import use_float32_matmuls
@@ -331,6 +322,19 @@ def load(
                 path, tokenizer_config["trust_remote_code"], vision_config_of(path)
             )
     return model, tokenizer
+
+
+def load_draft_adapter(model, path: Path) -> None:
+    """Nemotron-Labs-Diffusion's self-speculation draft adapter, where the checkpoint ships it."""
+    adapter = path / "linear_spec_lora"
+    if hasattr(model, "load_draft_adapter") and (adapter / "adapter_config.json").is_file():
+        try:
+            model.load_draft_adapter(adapter)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{adapter}: the draft adapter cannot be read ({e}); remove the folder to run "
+                "without it"
+            ) from None
 
 
 # Tensors read per evaluation while the progress bar is shown: small enough for the bar to move,

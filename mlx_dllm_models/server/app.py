@@ -104,6 +104,21 @@ class Preflight(CORSMiddleware):
         return Response(status_code=204, headers=headers)
 
 
+async def http_error(request, exc: HTTPException) -> Response:
+    """Starlette's own 404 / 405 (and other HTTP errors) as OpenAI's error object."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return error(
+            f"{request.method} is not allowed on {request.url.path}; it takes {allowed}",
+            405,
+            headers={"Allow": allowed},
+        )
+    if exc.status_code == 404:
+        return error(f"no such endpoint: {where}", 404)
+    return error(f"{exc.detail} ({where})", exc.status_code)
+
+
 def build_app(service: Service, limits: Limits = Limits()) -> Callable:
     """The ASGI application serving `service`."""
 
@@ -165,19 +180,6 @@ def build_app(service: Service, limits: Limits = Limits()) -> Callable:
     async def metrics(request):
         text = service.metrics.exposition(service.scheduler)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
-
-    async def http_error(request, exc: HTTPException):
-        where = f"{request.method} {request.url.path}"
-        if exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
-            return error(
-                f"{request.method} is not allowed on {request.url.path}; it takes {allowed}",
-                405,
-                headers={"Allow": allowed},
-            )
-        if exc.status_code == 404:
-            return error(f"no such endpoint: {where}", 404)
-        return error(f"{exc.detail} ({where})", exc.status_code)
 
     async def bug(request, exc: Exception):
         log_failure(request.scope, exc)  # before the answer: a client reading it finds the line
