@@ -23,11 +23,20 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
+def lazy_exports(namespace: dict, exports: dict):
+    """A module's `__getattr__` that imports each name of `exports` (name -> module path) on its
+    first use and keeps it in `namespace` (the module's globals)."""
 
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # resolved once
-        return value
-    raise AttributeError(f"module 'mlx_dllm_models' has no attribute {name!r}")
+    def __getattr__(name):
+        if name in exports:
+            import importlib
+
+            value = getattr(importlib.import_module(exports[name]), name)
+            namespace[name] = value  # resolved once
+            return value
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -5,29 +5,21 @@ respond.py speak OpenAI's HTTP API, app.py is the Starlette application, transpo
 uvicorn, process.py is the command: flags, ranks, shutdown.
 """
 
-import importlib
+from .. import lazy_exports
 
 # Resolved on first use: `mlx_dllm serve` reads its flags (server.flags) before these load mlx-lm.
 _EXPORTS = {
-    "Service": "api",
-    "StopWords": "api",
-    "build_app": "app",
-    "RequestError": "fields",
-    "read_image": "images",
-    "follow": "process",
-    "main": "process",
-    "make_server": "process",
-    "shutdown": "process",
-    "Job": "scheduler",
-    "Scheduler": "scheduler",
+    name: f"{__name__}.{module}"
+    for module, names in {
+        "api": ("Service", "StopWords"),
+        "app": ("build_app",),
+        "fields": ("RequestError",),
+        "images": ("read_image",),
+        "process": ("follow", "main", "make_server", "shutdown"),
+        "scheduler": ("Job", "Scheduler"),
+    }.items()
+    for name in names
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(globals(), _EXPORTS)
