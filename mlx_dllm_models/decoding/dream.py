@@ -173,7 +173,7 @@ DREAM_SCORES = {
 
 
 def ranked_score(scores, name: str, stats, ctx) -> mx.array:
-    """The score of the `alg` setting's ranked algorithm (`scores`: alg -> score, `name`: whose
+    """The score of the `alg` setting's ranked algorithm (`scores`: alg -> score, `name`: the pipeline whose
     algorithms they are) under `alg_temp` (none or 0: greedily). Drawing k positions without
     replacement from softmax(score / alg_temp) is taking the k best of score / alg_temp + Gumbel
     noise."""
@@ -195,7 +195,9 @@ def dream_commit(stats, cand, ctx):
         p = float(_transfer_ratio(ctx.step, ctx.steps, s["eps"]))
         hit = uniform(ctx.key, cand.shape) < mx.array(p, dtype=mx.float32)
         return (cand & hit) | quota_commit(stats.confidence, cand, ctx.floor)
-    return quota_commit(ranked_score(DREAM_SCORES, "Dream", stats, ctx), cand, ctx.floor)
+    return quota_commit(
+        ranked_score(DREAM_SCORES, "diffusion_generate", stats, ctx), cand, ctx.floor
+    )
 
 
 def _exact_floor(settings) -> bool:
