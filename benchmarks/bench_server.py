@@ -114,7 +114,7 @@ def load_run(url, bodies, clients, turns=1):
     todo = list(range(len(bodies)))
     lock = threading.Lock()
     latencies, texts, tokens = [None] * len(bodies), [None] * len(bodies), [0] * len(bodies)
-    cached = []
+    cached, failed = [], []
 
     def client():
         while True:
@@ -123,7 +123,11 @@ def load_run(url, bodies, clients, turns=1):
                     return
                 i = todo.pop(0)
             tic = time.perf_counter()
-            texts[i], tokens[i], hits = converse(url, bodies[i], turns)
+            try:
+                texts[i], tokens[i], hits = converse(url, bodies[i], turns)
+            except OSError as e:  # a refused or reset connection: the request is lost
+                failed.append(f"{type(e).__name__}")
+                continue
             latencies[i] = time.perf_counter() - tic
             with lock:
                 cached.extend(hits)
@@ -134,7 +138,8 @@ def load_run(url, bodies, clients, turns=1):
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - tic, sum(tokens), latencies, texts, cached
+    answered = [x for x in latencies if x is not None]
+    return time.perf_counter() - tic, sum(tokens), answered, texts, cached, len(failed)
 
 
 def build_model(kind, tmp):
@@ -190,14 +195,15 @@ def make_bodies(args, path) -> list:
 def measure(url, bodies, levels, runs, turns) -> dict:
     """Per client count: tok/s of each run, every request's latency, cached tokens, answers."""
     load_run(url, bodies[:2], 1, turns)  # warm-up
-    out = {c: {"tps": [], "lat": [], "hits": [], "answers": None} for c in levels}
+    out = {c: {"tps": [], "lat": [], "hits": [], "answers": None, "lost": 0} for c in levels}
     for r in range(runs):
         for c in levels if r % 2 == 0 else reversed(levels):
-            wall, toks, latencies, texts, cached = load_run(url, bodies, c, turns)
+            wall, toks, latencies, texts, cached, lost = load_run(url, bodies, c, turns)
             row = out[c]
             row["tps"].append(toks / wall)
             row["lat"].extend(latencies)
             row["hits"].extend(cached)
+            row["lost"] += lost
             row["answers"] = row["answers"] or texts
             first = out[levels[0]]["answers"] or texts
             differ = [i for i, (a, b) in enumerate(zip(texts, first)) if a != b]
@@ -214,9 +220,10 @@ def measure(url, bodies, levels, runs, turns) -> dict:
 def table(rows, levels):
     print(
         "| server | clients | aggregate tok/s | vs one at a time | latency p50 s | p90 s | p99 s "
-        "| max s | cached prompt tokens (turns 2..) | same answers as one at a time |"
+        "| max s | cached prompt tokens (turns 2..) | same answers as one at a time "
+        "| requests lost (connection refused or reset) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for label, stats in rows:
         base = statistics.median(stats[levels[0]]["tps"]) or float("nan")
         for c in levels:
@@ -229,7 +236,7 @@ def table(rows, levels):
                 f"| {label} | {c} | {med:.1f} | {med / base:.2f}x | {statistics.median(lat):.2f} "
                 f"| {q[89]:.2f} | {q[98]:.2f} | {max(lat):.2f} | "
                 f"{statistics.mean(row['hits']) if row['hits'] else 0:.1f} | "
-                f"{'yes' if same else 'no'} |"
+                f"{'yes' if same else 'no'} | {row['lost']} |"
             )
 
 
