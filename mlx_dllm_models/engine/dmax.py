@@ -113,6 +113,9 @@ class DMaxDecoder(Decoder):
     drops_cancelled_rows = True
     # Its own restarts are not implemented: rows never join a running batch.
     judges_joins = True
+    # A row draws nothing (temperature 0) and decodes as it would alone: rows of any seeds share
+    # a run.
+    row_seeds = True
 
     def __init__(self, model, inputs: DecoderInputs, backend=None):
         s = inputs.settings
