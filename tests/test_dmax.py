@@ -198,3 +198,24 @@ def test_convert_model_type_dmax_retypes_a_llada2_checkpoint(tmp_path):
     source = dmax_fixture.build(tmp_path / "published")
     assert json.loads((source / "config.json").read_text())["model_type"] == "llada2_moe"
     assert retyped_config(source, "dmax") == {"model_type": "dmax"}
+
+
+@pytest.mark.slow
+def test_a_cancelled_row_leaves_before_its_next_forward(dmax):
+    _, model, tok = dmax
+    _, ids, decoder = stream_events(model, tok, ["Hi", "a" * 40], max_tokens=40)
+    cancelled, rows_after, blocks = set(), [], {0: [], 1: []}
+    for event in decoder.run(ids, cancelled=cancelled):
+        if cancelled:
+            rows_after.append(event.rows)
+        if type(event).__name__ == "StepEvent" and event.rows == [0]:
+            cancelled.add(0)
+        if type(event).__name__ == "BlockEvent":
+            for row, toks in zip(event.rows, event.tokens):
+                blocks[row] += toks
+    assert rows_after and all(0 not in rows for rows in rows_after[1:])
+    assert blocks[1], "the other row decoded nothing"
+    assert (
+        blocks[0] == []
+        and blocks[1] == decode(model, tok, ["a" * 40], max_tokens=40)[0][0][: len(blocks[1])]
+    )
