@@ -12,7 +12,7 @@ import torch
 
 from fixtures import build_once
 from fixtures import dmax as dmax_fixture
-from helpers import load_fixture, mlx_vlm_llada2
+from helpers import load_fixture, mlx_vlm_llada2, run_cli
 from mlx_dllm_models.cache import PrefixKVCache
 from mlx_dllm_models.conversion import retyped_config
 from mlx_dllm_models.decoding.dmax import best_tokens, prefix_commit, soft_embeddings
@@ -219,3 +219,19 @@ def test_a_cancelled_row_leaves_before_its_next_forward(dmax):
         blocks[0] == []
         and blocks[1] == decode(model, tok, ["a" * 40], max_tokens=40)[0][0][: len(blocks[1])]
     )
+
+
+@pytest.mark.slow
+def test_mlx_dllm_convert_model_type_dmax_then_decodes_as_dmax(dmax, tmp_path):
+    _, model, tok = dmax
+    out = tmp_path / "mlx"
+    source = dmax_fixture.build(tmp_path / "published")
+    proc = run_cli(
+        "convert", "--hf-path", str(source), "--mlx-path", str(out), "--model-type", "dmax"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "dmax"
+    converted, converted_tok = load_fixture(out)
+    assert converted.diffusion_spec.decoder == "dmax"
+    want = decode(model, tok, ["Hi"], max_tokens=16)[0]
+    assert decode(converted, converted_tok, ["Hi"], max_tokens=16)[0] == want and want[0]
