@@ -471,7 +471,7 @@ def retyped_config(source, model_type: str) -> dict:
     if model_type not in RETYPES:
         raise CheckpointError(
             f"--model-type {model_type!r} is not one this package writes; choose one of "
-            f"{', '.join(RETYPES)} (families saved under their autoregressive body's model_type)"
+            f"{', '.join(RETYPES)} (families saved under another model_type)"
         )
     config = _read_json(Path(source) / "config.json") or {}
     found, bodies = config.get("model_type"), RETYPES[model_type]

@@ -50,12 +50,16 @@ MODEL_TYPES = {
     # writes "llama", which stays mlx-lm's; `mlx_dllm convert --model-type stable_diffcoder`
     # writes this.
     "stable_diffcoder": "stable_diffcoder",
+    # Zigeng's DMax (LLaDA2.0-mini fine-tunes for soft parallel decoding): the checkpoint writes
+    # "llada2_moe" (LLaDA2's decoding); `mlx_dllm convert --model-type dmax` writes this.
+    "dmax": "dmax",
 }
 
-# Families whose checkpoints are saved under their autoregressive body's model_type, which this
-# package never takes over from mlx-lm (a plain qwen2 is an AR model): the model_type that
+# Families whose checkpoints are saved under another family's model_type: their autoregressive
+# body's, which this package never takes over from mlx-lm (a plain qwen2 is an AR model), or the
+# family they were fine-tuned from, which decodes otherwise (DMax's llada2_moe): the model_type that
 # `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
-RETYPES = {"open_dcoder": ("qwen2",), "stable_diffcoder": ("llama",)}
+RETYPES = {"open_dcoder": ("qwen2",), "stable_diffcoder": ("llama",), "dmax": ("llada2_moe",)}
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).

@@ -427,3 +427,19 @@ def assert_one_rank_keeps_logits_and_three_are_refused(model, ids):
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == shapes
     model.shard(mx.distributed.init())  # the single-process group
     np.testing.assert_allclose(np.array(model(ids)), before, rtol=1e-5, atol=1e-5)
+
+
+def mlx_vlm_llada2(path, **config):
+    """mlx-vlm's llada2_moe language model (an independent implementation) on a checkpoint, through
+    its own config (`config`: entries over config.json's) and sanitize."""
+    import mlx.core as mx
+    from mlx_vlm.models.llada2_moe import Model
+    from mlx_vlm.models.llada2_moe.config import ModelConfig
+
+    cfg = {**json.loads((Path(path) / "config.json").read_text()), **config}
+    model = Model(ModelConfig.from_dict(cfg))
+    weights = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()))
+    return model.language_model

@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
+from fixtures import dmax as dmax_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture, serving
@@ -230,6 +231,21 @@ FAMILIES = {
             eos_token_ids=(stable_diffcoder_fixture.EOS,),
         ),
         plain_causal=True,
+    ),
+    "dmax": Family(
+        dmax_fixture.build_converted,
+        "dmax",
+        convert=dict(max_tokens=40),
+        length=40,
+        shard_ids=masked(dmax_fixture.MASK, 3),
+        serve=(CHAT_AT_SEED_3, TOKEN_PROMPT),
+        # No scheduler_prompts: its decoding is greedy only, and test_dmax holds a batch's rows
+        # to their single runs.
+        spec=dict(
+            spec_facts("dmax", BLOCK_CAUSAL, 0, dmax_fixture.MASK),
+            eos_token_ids=(dmax_fixture.EOS,),
+            decoder="dmax",
+        ),
     ),
 }
 

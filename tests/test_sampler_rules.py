@@ -12,6 +12,7 @@ read the setting, and where their rules are:
 * Nemotron's self-speculation (mode="self_spec") reads no sampler: the settings table scopes the
   setting to mode "diffusion";
 * WeDLMDecoder (WeDLM): its one rule, decoding.wedlm.wedlm_commit (`WeDLMDecoder.samplers`).
+* DMaxDecoder (DMax): its one rule, decoding.dmax.prefix_commit (`DMaxDecoder.samplers`).
 
 The specs are those of the fixture checkpoints (tests/fixtures), one per model type, built from
 their config.json as mlx-lm builds a model (ModelArgs, then Model; no weights are read).
@@ -26,6 +27,7 @@ from fixtures import all_checkpoints
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine import DECODERS, MaskedBlockDecoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder
+from mlx_dllm_models.engine.dmax import DMaxDecoder
 from mlx_dllm_models.engine.wedlm import WeDLMDecoder
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.settings import BY_NAME, family_settings
@@ -72,8 +74,8 @@ def rules_of(loop):
         return set(COMMIT_RULES)
     if loop is CanvasDecoder:
         return set(CanvasDecoder.samplers)
-    if loop is WeDLMDecoder:
-        return set(WeDLMDecoder.samplers)
+    if loop in (WeDLMDecoder, DMaxDecoder):
+        return set(loop.samplers)
     raise AssertionError(f"{loop.__name__} reads the sampler setting: state where its rules are")
 
 

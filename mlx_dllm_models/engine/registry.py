@@ -24,6 +24,7 @@ from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 from .contracts import Backend, Decoder, DecoderInputs
+from .dmax import DMaxDecoder
 from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
@@ -64,6 +65,7 @@ DECODERS: Dict[str, Type[Decoder]] = {
     "self_spec": SelfSpeculativeDecoder,
     "canvas": CanvasDecoder,
     "wedlm": WeDLMDecoder,
+    "dmax": DMaxDecoder,
 }
 
 

@@ -40,10 +40,12 @@ def project(h: mx.array, head_span, norm, embed, head=None) -> mx.array:
     return embed.as_linear(h) if head is None else head(h)
 
 
-def masked_forward(model, embed, inputs, cache, mask, head_span) -> mx.array:
+def masked_forward(model, embed, inputs, cache, mask, head_span, input_embeddings=None) -> mx.array:
     """The protocol's forward of a body laid out as mlx-lm's (`model.model.norm`, `model.lm_head`
-    unless `args.tie_word_embeddings`): its layers under the caller's mask, then `project`."""
-    h = run_layers(model.layers, embed(inputs), cache, mask)
+    unless `args.tie_word_embeddings`): its layers under the caller's mask, then `project`.
+    `input_embeddings` (B, L, H), when given, enter the layers in place of `embed(inputs)`."""
+    h = embed(inputs) if input_embeddings is None else input_embeddings
+    h = run_layers(model.layers, h, cache, mask)
     head = None if model.args.tie_word_embeddings else model.lm_head
     return project(h, head_span, model.model.norm, embed, head)
 

@@ -319,13 +319,18 @@ class Model(bailing_moe.Model):
     # mlx-lm's AR tools call make_cache first: they stop there with a pointer to mlx_dllm.
     make_cache = refuse_autoregressive_tools
 
-    def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache=None, mask=None, head_span=None, input_embeddings=None
+    ) -> mx.array:
+        """The protocol's forward; `input_embeddings` (B, L, H) replace the embedding of `inputs`
+        (DMax's soft embeddings, engine/dmax.py)."""
         if self.args.expert_capacity is not None:
             first = first_positions(cache, inputs.shape[0])
             for layer in self.layers:
                 if isinstance(layer.mlp, SparseMoeBlock):
                     layer.mlp.gate.route_from(first)
-        return masked_forward(self, self.model.word_embeddings, inputs, cache, mask, head_span)
+        embed = self.model.word_embeddings
+        return masked_forward(self, embed, inputs, cache, mask, head_span, input_embeddings)
 
     def sanitize(self, weights):
         weights = sanitize_experts(super().sanitize, weights, "llada2_moe", self.args.num_experts)
