@@ -25,6 +25,7 @@ from typing import (
     Protocol,
     Sequence,
     Set,
+    Tuple,
 )
 
 import mlx.core as mx
@@ -153,8 +154,17 @@ class Decoder(Restarts):
     # Whether a restart reproduces a run is the decoder's own judgement (its Restarts methods),
     # not its backend's.
     judges_joins: ClassVar[bool] = False
+    # The `sampler` setting's names this loop implements itself (the masked loop's rules are
+    # decoding.samplers.commit_rule's instead).
+    samplers: ClassVar[Tuple[str, ...]] = ()
     # Model forwards so far.
     nfe: int = 0
+
+    @classmethod
+    def draws(cls, spec: DiffusionSpec, settings: Mapping) -> bool:
+        """Whether a run of these settings draws from the seed's stream beyond the token sampling
+        of temperature > 0 (which every loop does), so that the seed changes its tokens."""
+        return False
 
     @property
     def reused(self) -> int:

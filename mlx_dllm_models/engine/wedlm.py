@@ -159,11 +159,9 @@ class _Window:
 
 
 class WeDLMDecoder(Decoder):
-    """The `wedlm` decoder: the rows of a batch step together, one forward a step (see the module
-    docstring)."""
+    """WeDLM's decoder: the rows of a batch step together, one forward a step (see the module
+    docstring). Its family registers it, and names its one rule, in its model file."""
 
-    # The `sampler` setting's names this loop has a rule for.
-    samplers = ("wedlm",)
     # Structured output: a constrained row fills a grammar-valid prefix of its window
     # (constrained.WindowConstraint).
     takes_constraints = True
