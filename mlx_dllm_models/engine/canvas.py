@@ -153,9 +153,6 @@ class CanvasDecoder(Decoder):
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next denoising step.
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
     # Its encoder reads each row's images (DecoderInputs.pixel_values).
     reads_images = True
 

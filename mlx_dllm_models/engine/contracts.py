@@ -159,6 +159,10 @@ class Decoder(Restarts):
     samplers: ClassVar[Tuple[str, ...]] = ()
     # Model forwards so far.
     nfe: int = 0
+    # The events carry each step's confidence (StepEvent's; self-speculation's BlockEvent's) only
+    # when a consumer asks (trace.py sets it): an unread statistic would hold the step's logits
+    # alive into the next forward (self-speculation: one more read a round).
+    step_confidence: bool = False
 
     @classmethod
     def draws(cls, spec: DiffusionSpec, settings: Mapping) -> bool:

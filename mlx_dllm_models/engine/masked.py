@@ -146,9 +146,6 @@ class MaskedBlockDecoder(Decoder):
     # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
     # joins).
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
     # Every draw (temperature, Dream's alg_temp, random remasking) comes from a stream per row,

@@ -167,9 +167,6 @@ class WeDLMDecoder(Decoder):
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next step.
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
 
     def __init__(self, model, inputs: DecoderInputs, backend: Type[WindowBackend]):
         self.model = model
