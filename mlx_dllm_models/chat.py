@@ -31,12 +31,12 @@ from typing import Callable, List, Optional
 from .cli_common import (
     LiveView,
     Parser,
+    add_live_and_image_flags,
     add_loading_flags,
     add_setting_flags,
     add_template_config_flag,
     chosen_settings,
     load_for_cli,
-    render,
     template_kwargs,
 )
 from .generate import responses, stats_line
@@ -144,15 +144,9 @@ def _parser():
     add_loading_flags(p)
     add_template_config_flag(p)
     p.add_argument("--system-prompt", default=None, help="system prompt of the conversation")
-    p.add_argument(
-        "--no-live", action="store_true", help="no live canvas, print blocks as they come"
-    )
-    p.add_argument(
-        "--image",
-        action="append",
-        default=None,
-        metavar="PATH",
-        help="an image for the first question (repeatable; checkpoints with a vision tower); "
+    add_live_and_image_flags(
+        p,
+        "an image for the first question (repeatable; checkpoints with a vision tower); "
         "later ones with /image PATH",
     )
     add_setting_flags(p)
@@ -198,9 +192,7 @@ def chat_main(argv):
             return 1
 
     def on_step(event, decoder):
-        pending = getattr(event, "pending", None)
-        pending = pending[0].tolist() if pending is not None else None
-        view.draw(render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
+        view.draw_step(tokenizer, event, spec.mask_token_id, decoder.eos)
 
     def on_block(text):
         print(text, end="", flush=True)

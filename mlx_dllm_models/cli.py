@@ -16,12 +16,12 @@ from . import __version__
 from .cli_common import (
     LiveView,
     Parser,
+    add_live_and_image_flags,
     add_loading_flags,
     add_setting_flags,
     add_template_config_flag,
     chosen_settings,
     load_for_cli,
-    render,
     str2bool,
     template_kwargs,
 )
@@ -78,15 +78,9 @@ def generate_parser():
         default=True,
         help="true (default): live canvas and statistics; false: print only the generated text",
     )
-    p.add_argument(
-        "--no-live", action="store_true", help="no live canvas, print blocks as they come"
-    )
-    p.add_argument(
-        "--image",
-        action="append",
-        default=None,
-        metavar="PATH",
-        help="an image for the prompt (repeatable; checkpoints with a vision tower); with "
+    add_live_and_image_flags(
+        p,
+        "an image for the prompt (repeatable; checkpoints with a vision tower); with "
         "--image-out, the image to inpaint",
     )
     p.add_argument(
@@ -182,9 +176,7 @@ def generate_main(argv):
     if view is not None:
 
         def on_step(event):
-            pending = getattr(event, "pending", None)
-            pending = pending[0].tolist() if pending is not None else None
-            view.draw(render(tokenizer, event.canvas[0], spec.mask_token_id, decoder.eos, pending))
+            view.draw_step(tokenizer, event, spec.mask_token_id, decoder.eos)
 
     text, last = "", None
     entries = []

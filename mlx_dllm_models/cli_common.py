@@ -182,6 +182,14 @@ def add_template_config_flag(parser: argparse.ArgumentParser):
     )
 
 
+def add_live_and_image_flags(parser: argparse.ArgumentParser, image_help: str):
+    """`--no-live` and the repeatable `--image PATH` that generate and chat take."""
+    parser.add_argument(
+        "--no-live", action="store_true", help="no live canvas, print blocks as they come"
+    )
+    parser.add_argument("--image", action="append", default=None, metavar="PATH", help=image_help)
+
+
 def template_kwargs(args) -> dict:
     """The `--chat-template-config` JSON object, with a clear error for anything else."""
     if args.chat_template_config is None:
@@ -328,6 +336,12 @@ class LiveView:
         self.stream.write("\x1b[J" + ("\n".join(rows) if not final else text) + "\n")
         self.stream.flush()
         self.lines = len(rows)
+
+    def draw_step(self, tokenizer, event, mask_id, eos):
+        """A step event's first row, its masks (or the positions its `pending` marks) shaded."""
+        pending = getattr(event, "pending", None)
+        pending = pending[0].tolist() if pending is not None else None
+        self.draw(render(tokenizer, event.canvas[0], mask_id, eos, pending))
 
     def reset(self):
         """The next frame starts below whatever is on the screen now (a new chat turn)."""

@@ -252,18 +252,9 @@ def stream_batch(
     if isinstance(prompts, str):
         raise SettingsError("prompts must be a list of strings (generate_image takes one)")
     vq = resolve_vq_model(processor, spec, vq_model)
+    prompts = list(prompts)
     decoder, shape, steps, guidance_scale = decoder_for(
-        model,
-        processor,
-        list(prompts),
-        spec,
-        vq,
-        width,
-        height,
-        steps,
-        guidance_scale,
-        images,
-        masks,
+        model, processor, prompts, spec, vq, width, height, steps, guidance_scale, images, masks
     )
     if draws is None:
         draws = seeded_draws(seeds_of(seed, len(prompts)), decoder.n_tokens)

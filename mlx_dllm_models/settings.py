@@ -117,6 +117,23 @@ SHARED_SETTINGS = tuple(SHARED_BY_NAME)
 PACKAGE_DEFAULTS = {s.name: s.default for s in SHARED_ROWS}
 
 
+def _family_modules():
+    """Every registered family's model module (registry.MODEL_TYPES'), each once, in its order."""
+    for module_name in dict.fromkeys(MODEL_TYPES.values()):
+        yield importlib.import_module(f"{__package__}.models.{module_name}")
+
+
+def _family_samplers() -> Tuple[str, ...]:
+    """The sampler names the model files declare: their own commit rules (SAMPLERS) and the
+    samplers of the loops they register (DECODERS), each once."""
+    names: Dict[str, None] = {}
+    for module in _family_modules():
+        names.update(dict.fromkeys(vars(module).get("SAMPLERS", {})))
+        for decoder in vars(module).get("DECODERS", {}).values():
+            names.update(dict.fromkeys(decoder.samplers))
+    return tuple(names)
+
+
 def _collect() -> Tuple[Setting, ...]:
     """The shared rows, then the rows of every registered family (registry.MODEL_TYPES' modules,
     each declaring FAMILY, SETTINGS and, where it has them, UNUSED_SETTINGS), each row carrying the
@@ -125,8 +142,7 @@ def _collect() -> Tuple[Setting, ...]:
     families: Dict[str, list] = {}
     rows: Dict[str, Setting] = {}
     unused: Dict[str, Dict[str, str]] = {name: {} for name in SHARED_SETTINGS}
-    for module_name in dict.fromkeys(MODEL_TYPES.values()):
-        module = importlib.import_module(f"{__package__}.models.{module_name}")
+    for module in _family_modules():
         for row in module.SETTINGS:
             rows.setdefault(row.name, row)
             declared = families.setdefault(row.name, [])
@@ -140,8 +156,12 @@ def _collect() -> Tuple[Setting, ...]:
 
 def __getattr__(name: str):
     """SETTINGS (the one table: the shared rows, then every registered family's), BY_NAME (its
-    rows by name) and FAMILY_SETTINGS (the families' rows), built on first use: they import every
-    family's model module, which deciding one family's settings never needs."""
+    rows by name), FAMILY_SETTINGS (the families' rows) and FAMILY_SAMPLERS (the sampler names
+    the model files declare), built on first use: they import every family's model module, which
+    deciding one family's settings never needs."""
+    if name == "FAMILY_SAMPLERS":
+        globals()[name] = _family_samplers()
+        return globals()[name]
     if name not in ("SETTINGS", "BY_NAME", "FAMILY_SETTINGS"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     table = _collect()

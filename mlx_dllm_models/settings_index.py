@@ -36,12 +36,13 @@ class FlagRow:
 def build() -> dict:
     """The index of the real table (importing every family's model module and the engine's
     tables): rows in table order, and setting -> the values it can take at all (every sampler:
-    decoding.samplers' commit rules and the samplers decoding loops implement themselves; every
+    decoding.samplers' shared commit rules, the samplers the model files declare and those the
+    engine's decoding loops implement themselves; every
     cache: engine.registry's backends; the rows whose check is a fixed choice). Which of them a
     family takes is checked once the checkpoint is known."""
     from .decoding.samplers import COMMIT_RULES
     from .engine.registry import BACKENDS, DECODERS
-    from .settings import SETTINGS
+    from .settings import FAMILY_SAMPLERS, SETTINGS
     from .validators import CLI_KINDS
 
     kinds = {parse: kind for kind, parse in CLI_KINDS.items()}
@@ -61,9 +62,9 @@ def build() -> dict:
                 samplers=list(s.samplers),
             )
         )
-    loops = [n for decoder in DECODERS.values() for n in getattr(decoder, "samplers", ())]
+    loops = [n for decoder in DECODERS.values() for n in decoder.samplers]
     choices = {
-        "sampler": list(dict.fromkeys([*COMMIT_RULES, *loops])),
+        "sampler": list(dict.fromkeys([*COMMIT_RULES, *FAMILY_SAMPLERS, *loops])),
         "cache": ["auto"] + sorted({name for row in BACKENDS.values() for name in row}),
     }
     for s in SETTINGS:

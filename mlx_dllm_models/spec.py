@@ -76,8 +76,15 @@ class DiffusionSpec:
     # The threshold rule compares with > (LLaDA2) instead of >= (Fast-dLLM).
     strict_threshold: bool = False
     samplers: Tuple[str, ...] = SHARED_SAMPLERS
-    # The decoding loop (engine.DECODERS): "masked" block decoding, or a family's own loop.
+    # The commit rules of the samplers the family declares as its own (sampler name ->
+    # decoding.rule.CommitRule; its model file's SAMPLERS, which the families reusing them import
+    # from the owning model file); the shared ones are decoding.samplers.COMMIT_RULES'.
+    commit_rules: Mapping[str, Any] = field(default_factory=dict)
+    # The decoding loop: "masked" block decoding (engine.registry.DECODERS), or a family's own loop.
     decoder: str = "masked"
+    # Loops the family registers under names of its own (name -> an engine.contracts.Decoder
+    # subclass; its model file's DECODERS), looked up before engine.registry.DECODERS.
+    decoders: Mapping[str, Any] = field(default_factory=dict)
     # Reference defaults of the family, their one home (the settings table's family rows hold
     # none); the checkpoint's config / generation_config override them.
     defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -69,8 +69,7 @@ class TraceRecorder:
             "block_length": settings.get("block_length"),
             "max_tokens": self.max_tokens,
         }
-        if hasattr(decoder, "step_confidence"):
-            decoder.step_confidence = True  # the events then carry each step's confidence
+        decoder.step_confidence = True  # the events then carry each step's confidence
         self.steps: List[TraceStep] = []
         self.tokens: List[int] = []
         self.nfe = 0

@@ -25,7 +25,12 @@ from mlx_dllm_models.cli_common import fixed_values, setting_groups
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine.registry import BACKENDS, DECODERS
 from mlx_dllm_models.request import prepare
-from mlx_dllm_models.settings import SETTINGS, resolve_settings, resolve_with_origins
+from mlx_dllm_models.settings import (
+    FAMILY_SAMPLERS,
+    SETTINGS,
+    resolve_settings,
+    resolve_with_origins,
+)
 from mlx_dllm_models.spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
 from mlx_dllm_models.tiny import build_tiny_llada
 
@@ -126,8 +131,9 @@ def test_on_off_settings_take_flags_and_values():
 
 def test_fixed_values_are_choices_from_their_tables():
     fixed = fixed_values()
-    loops = {n for d in DECODERS.values() for n in getattr(d, "samplers", ())}
-    assert set(fixed["sampler"]) == set(COMMIT_RULES) | loops and "wedlm" in fixed["sampler"]
+    loops = {n for d in DECODERS.values() for n in d.samplers}
+    assert set(fixed["sampler"]) == set(COMMIT_RULES) | set(FAMILY_SAMPLERS) | loops
+    assert {"wedlm", "dream", "dimple", "rnd1", "bd3lm"} <= set(fixed["sampler"])
     assert set(fixed["cache"]) == {"auto"} | {c for row in BACKENDS.values() for c in row}
     assert fixed["editing_mode"] == ("quality", "speed", "off") and "shift" in fixed["schedule"]
     # Without white space: argparse wraps the help at hyphens too (origin-ratio).

@@ -106,10 +106,12 @@ def test_an_undeclared_class_gets_the_defaults():
         Plain().resume(None, None)
     assert not (Loop.drops_cancelled_rows or Loop.row_seeds or Loop.takes_constraints)
     assert not (Loop.reads_images or Loop.judges_joins)
+    assert Loop.samplers == () and not Loop.draws(None, {})
     assert Loop().kv_prefix() is None and Loop().reused == 0 and Loop().nfe == 0
     rule = CommitRule(lambda stats, cand, ctx: cand)
     assert rule.schedule is default_schedule and not rule.exact_floor({})
     assert not rule.reopens and not rule.fills_after_eos({}) and rule.stats_extras == ()
+    assert not rule.draws({})
     assert rule(None, "cand", None) == "cand"
 
 
@@ -131,7 +133,8 @@ def test_join_policy_reads_the_declarations(monkeypatch):
         def kv_kind(cls, settings):
             return "kind"
 
-    spec = type("Spec", (), {"decoder": "masked", "blocks_end_at_prompt": False})()
+    fields = {"decoder": "masked", "decoders": {}, "blocks_end_at_prompt": False}
+    spec = type("Spec", (), fields)()
     monkeypatch.setattr(registry_module, "for_settings", lambda spec, settings: spec)
     for backend, max_tokens, want in (
         (Plain, 8, (False, False, None)),

@@ -101,7 +101,8 @@ def test_schedule_equals_dllms_get_num_transfer_tokens(steps):
     # Not LLaDA's even split: 10 masks over 4 steps is [2, 3, 2, 3] (round half to even), not
     # [3, 3, 2, 2].
     assert linear_alpha_quotas(10, 4) == [2, 3, 2, 3]
-    assert COMMIT_RULES["mdlm"].schedule is COMMIT_RULES["bd3lm"].schedule is dllm_schedule
+    bd3lm = a2d_qwen3.SAMPLERS["bd3lm"]
+    assert COMMIT_RULES["mdlm"].schedule is bd3lm.schedule is dllm_schedule
 
 
 # --------------------------------------------------------------------------------- decoding

@@ -1,11 +1,11 @@
 """A family's facts live in its model file, and shared modules never name a family.
 
 Each model module of registry.MODEL_TYPES declares its settings family (FAMILY) and the rows it
-adds (SETTINGS; UNUSED_SETTINGS where it has shared settings it has no use for), and its spec
+adds (SETTINGS; UNUSED_SETTINGS where it has shared settings it has no use for), the samplers and
+loops it owns under their names (SAMPLERS: commit rules; DECODERS: decoding loops), and its spec
 carries exactly those; the settings table (settings.SETTINGS) is collected from them. The
 package's modules outside models/ (and the registry's one list) hold no family name or model type
-as a string literal, except the names of samplers and decoders, a vocabulary of their own (the
-`sampler` setting's values and DiffusionSpec.decoder) that reuses some references' names.
+as a string literal: a sampler or decoder named after a family is named in its model file.
 
 The specs are those of the fixture checkpoints (tests/fixtures), one per model type, built from
 their config.json as mlx-lm builds a model (ModelArgs, then Model; no weights are read).
@@ -25,16 +25,6 @@ from mlx_dllm_models.registry import MODEL_TYPES
 
 PACKAGE = Path(settings.__file__).parent
 BUILDERS = all_checkpoints()
-
-# String literals outside models/ that spell a family or model type but name a sampler (the
-# `sampler` setting's values: decoding.samplers.COMMIT_RULES, WeDLMDecoder.samplers, the server's
-# draws_noise) or a decoder (engine.registry.DECODERS): module -> those names, each once.
-SAMPLER_AND_DECODER_NAMES = {
-    "decoding/samplers.py": ["bd3lm", "dimple", "dream", "rnd1"],
-    "engine/registry.py": ["dmax", "wedlm"],
-    "engine/wedlm.py": ["wedlm"],
-    "server/fields.py": ["dream"],
-}
 
 
 def _module(config):
@@ -59,6 +49,8 @@ def test_a_spec_carries_its_model_files_declarations(declared, name):
     assert spec.family == module.FAMILY
     assert spec.settings == module.SETTINGS
     assert dict(spec.unused_settings) == vars(module).get("UNUSED_SETTINGS", {})
+    assert dict(spec.commit_rules) == vars(module).get("SAMPLERS", {})
+    assert dict(spec.decoders) == vars(module).get("DECODERS", {})
     shared = set(settings.SHARED_SETTINGS)
     assert not shared & {row.name for row in spec.settings}, "a family row shadows a shared one"
     assert set(spec.unused_settings) <= shared and set(spec.own_readings) <= shared
@@ -116,4 +108,6 @@ def test_no_shared_module_names_a_family(declared):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 if node.value in names:
                     found.setdefault(rel, []).append(node.value)
-    assert {rel: sorted(values) for rel, values in found.items()} == SAMPLER_AND_DECODER_NAMES
+    # The samplers and loops named after a family are declared in its model file (SAMPLERS,
+    # DECODERS), so no module -> names entry is expected here.
+    assert {rel: sorted(values) for rel, values in found.items()} == {}

@@ -6,13 +6,14 @@ to a rule, so a family could list one that decoding would only refuse at run tim
 read the setting, and where their rules are:
 
 * MaskedBlockDecoder (LLaDA, LLaDA-MoE, Dream, SDAR, SDAR-MoE, LLaDA2.x, Nemotron's diffusion mode):
-  the table decoding.samplers.COMMIT_RULES;
+  the family's own rules (`spec.commit_rules`, its model file's SAMPLERS), then the shared table
+  decoding.samplers.COMMIT_RULES (decoding.samplers.commit_rule);
 * CanvasDecoder (DiffusionGemma): its own two rules over the canvas, `CanvasDecoder.samplers`
   ("entropy", "threshold"), not the table;
 * Nemotron's self-speculation (mode="self_spec") reads no sampler: the settings table scopes the
   setting to mode "diffusion";
-* WeDLMDecoder (WeDLM): its one rule, decoding.wedlm.wedlm_commit (`WeDLMDecoder.samplers`).
-* DMaxDecoder (DMax): its one rule, decoding.dmax.prefix_commit (`DMaxDecoder.samplers`).
+* WeDLM's loop (its spec's `decoders`: models.wedlm.Decoder, an engine.wedlm.WeDLMDecoder): its
+  one rule, decoding.wedlm.wedlm_commit, under the name its model file gives it (`samplers`).
 
 The specs are those of the fixture checkpoints (tests/fixtures), one per model type, built from
 their config.json as mlx-lm builds a model (ModelArgs, then Model; no weights are read).
@@ -27,8 +28,6 @@ from fixtures import all_checkpoints
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine import DECODERS, MaskedBlockDecoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder
-from mlx_dllm_models.engine.dmax import DMaxDecoder
-from mlx_dllm_models.engine.wedlm import WeDLMDecoder
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.settings import BY_NAME, family_settings
 
@@ -65,16 +64,16 @@ def sampler_loops(spec):
     names = {spec.decoder}
     if "mode" in family_settings(spec.family):
         names |= set(BY_NAME["sampler"].modes)
-    return [DECODERS[name] for name in sorted(names)]
+    table = {**DECODERS, **spec.decoders}
+    return [table[name] for name in sorted(names)]
 
 
-def rules_of(loop):
-    """The sampler names a loop has a rule for."""
+def rules_of(loop, spec):
+    """The sampler names a loop has a rule for, in this family."""
     if loop is MaskedBlockDecoder:
-        return set(COMMIT_RULES)
-    if loop is CanvasDecoder:
-        return set(CanvasDecoder.samplers)
-    if loop in (WeDLMDecoder, DMaxDecoder):
+        return set(COMMIT_RULES) | set(spec.commit_rules)
+    if loop is CanvasDecoder or loop in spec.decoders.values():
+        assert loop.samplers, f"{loop.__name__} names no sampler"
         return set(loop.samplers)
     raise AssertionError(f"{loop.__name__} reads the sampler setting: state where its rules are")
 
@@ -90,19 +89,20 @@ def test_every_listed_sampler_has_a_rule(specs, name):
     spec = specs[name]
     assert spec.samplers, f"{name} lists no sampler"
     for loop in sampler_loops(spec):
-        missing = [s for s in spec.samplers if s not in rules_of(loop)]
+        missing = [s for s in spec.samplers if s not in rules_of(loop, spec)]
         assert not missing, f"{name}: {loop.__name__} has no rule for sampler(s) {missing}"
 
 
 def test_every_rule_of_the_table_is_a_family_sampler(specs):
-    """A row no family lists is dead: a sampler removed from its family, or a misspelt name."""
-    listed = {
-        s
-        for spec in specs.values()
-        if MaskedBlockDecoder in sampler_loops(spec)
-        for s in spec.samplers
-    }
-    assert set(COMMIT_RULES) == listed
+    """A row no family lists is dead: a sampler removed from its family, or a misspelt name; a
+    family's own rule is one it lists, and never shadows a shared one."""
+    masked = [spec for spec in specs.values() if MaskedBlockDecoder in sampler_loops(spec)]
+    listed = {s for spec in masked for s in spec.samplers}
+    own = {s for spec in masked for s in spec.commit_rules}
+    assert set(COMMIT_RULES) | own == listed
+    for spec in specs.values():
+        assert set(spec.commit_rules) <= set(spec.samplers), spec.family
+        assert not set(spec.commit_rules) & set(COMMIT_RULES), spec.family
 
 
 def test_a_missing_rule_is_caught(specs, monkeypatch):

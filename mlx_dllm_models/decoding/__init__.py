@@ -2,8 +2,9 @@
 
 The split every engine in the field shares: statistics of the logits (stats.py), a commit rule that
 ranks candidate positions and commits a prefix of the ranking (rules.py), a schedule of per-step
-quotas and block boundaries (schedule.py). The `sampler` setting's names map onto the rules in one
-table (samplers.py); the families' own rules sit in block.py, dream.py, llada.py and canvas.py. No
+quotas and block boundaries (schedule.py). The `sampler` setting's shared names map onto the rules
+in one table (samplers.py; a family's own samplers are named in its model file); the families' own
+rules sit in block.py, dream.py, dimple.py, rnd1.py, llada.py and canvas.py. No
 function here owns state or calls a model.
 """
 

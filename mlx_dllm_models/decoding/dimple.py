@@ -110,4 +110,13 @@ def _score(stats, cand, ctx):
     return ranked_score(DIMPLE_SCORES, "Dimple", stats, ctx)
 
 
-dimple_commit = CommitRule(dimple_commit, schedule=dimple_schedule)
+def _draws(settings) -> bool:
+    # origin's subset and origin-ratio's transfers are random; the ranked algorithms draw their
+    # positions under alg_temp > 0 (autoregressive ranks by column alone).
+    alg = settings["alg"]
+    return alg in ("origin", "origin-ratio") or (
+        alg in DIMPLE_SCORES and bool(settings.get("alg_temp"))
+    )
+
+
+dimple_commit = CommitRule(dimple_commit, schedule=dimple_schedule, draws=_draws)

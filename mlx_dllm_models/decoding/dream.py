@@ -206,9 +206,15 @@ def _exact_floor(settings) -> bool:
     return settings["alg"] != "origin"
 
 
+def _draws(settings) -> bool:
+    # origin's transfers are random; the ranked algorithms draw their positions under alg_temp > 0.
+    return settings["alg"] == "origin" or bool(settings.get("alg_temp"))
+
+
 dream_commit = CommitRule(
     dream_commit,
     schedule=dream_schedule,
     exact_floor=_exact_floor,
+    draws=_draws,
     stats_extras=("margin", "processed_entropy"),
 )

@@ -69,4 +69,4 @@ def random_commit(stats, cand, ctx):
 
 
 # It commits exactly the schedule's floor: a step whose floor is 0 changes nothing.
-random_commit = CommitRule(random_commit, exact_floor=always)
+random_commit = CommitRule(random_commit, exact_floor=always, draws=always)

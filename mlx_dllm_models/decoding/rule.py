@@ -48,6 +48,10 @@ class CommitRule:
     fills_after_eos: Callable[[Mapping], bool] = never
     # Optional token statistics the rule reads (decoding.stats.TokenStats).
     stats_extras: Tuple[str, ...] = ()
+    # (settings) -> whether the rule draws from the row's seeded stream under these settings
+    # (beyond the token sampling of temperature > 0), so that the seed changes its commits: a
+    # request that names no seed then gets a fresh one (engine.registry.draws_noise).
+    draws: Callable[[Mapping], bool] = never
 
     def __call__(self, stats, cand, ctx):
         return self.commit(stats, cand, ctx)

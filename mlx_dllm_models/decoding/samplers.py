@@ -1,13 +1,15 @@
 """The samplers of masked block decoding: the `sampler` setting's names -> commit rules.
 
 A family lists the samplers it honours in its DiffusionSpec (`samplers`); the masked block engine
-(engine.masked) looks the setting up in COMMIT_RULES, the one table of them, next to the rules it
-names. Adding a sampler is a rule and a row here (and the family's `samplers`): every sampler a
-family lists must have a row. DiffusionGemma's
-samplers are not here: its canvas loop implements its own two (engine.canvas.CanvasDecoder).
+(engine.masked) looks the setting up with commit_rule: first the rules the family declares as its
+own (`DiffusionSpec.commit_rules`, from its model file's SAMPLERS: Dream's, Dimple's, RND1's,
+dllm's block sampler), then COMMIT_RULES, the shared ones, next to the rules they name. Adding a
+shared sampler is a rule and a row here (and the families' `samplers`); every sampler a family
+lists must have a rule. DiffusionGemma's samplers are not here: its canvas loop implements its own
+two (engine.canvas.CanvasDecoder).
 
-Each row is a decoding.rule.CommitRule: the function and what it declares (its schedule,
-exact_floor, reopens, fills_after_eos, stats_extras), with the defaults there; a family's own
+Each rule is a decoding.rule.CommitRule: the function and what it declares (its schedule,
+exact_floor, reopens, fills_after_eos, stats_extras, draws), with the defaults there; a family's own
 sampler (e.g. Dream's) declares them where its rule is written.
 """
 
@@ -18,13 +20,10 @@ import mlx.core as mx
 
 from .block import entropy_bounded_commit, sequential_commit
 from .d3llm import d3llm_commit
-from .dimple import dimple_commit
 from .dllm import dllm_commit
-from .dream import dream_commit
 from .lavida import lavida_commit
 from .llada import random_commit
 from .p2 import p2_commit
-from .rnd1 import rnd1_commit
 from .rule import CommitRule, always
 from .rules import entropy_commit, factor_commit, quota_commit, threshold_commit
 from .sub_block import sub_block_commit
@@ -44,7 +43,7 @@ class StepContext:
     generated: Optional[mx.array] = None
 
 
-# The shared samplers: rules.py's rules, each with the step's quota floor unioned in.
+# The plain samplers: rules.py's rules, each with the step's quota floor unioned in.
 
 
 def _quota(stats, cand, ctx):
@@ -72,8 +71,6 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "threshold": CommitRule(_threshold),
     "factor": CommitRule(_factor),
     "entropy": CommitRule(_entropy),
-    "dream": dream_commit,  # Dream's diffusion_generate; the `alg` setting picks the algorithm
-    "dimple": dimple_commit,  # Dimple's "dim" pipeline: confident decoding, alg's fallback count
     "sequential": sequential_commit,  # SDAR: the leftmost masks, per the schedule
     "entropy_bounded": CommitRule(
         entropy_bounded_commit
@@ -82,10 +79,14 @@ COMMIT_RULES: Dict[str, CommitRule] = {
     "sub_block": CommitRule(
         sub_block_commit
     ),  # Fast-dLLM v2's threshold over sub-blocks, sub_block_length
-    "rnd1": rnd1_commit,  # RND1 sampling.py's diffusion_sample: lowest-entropy masks per step
     "d3llm": d3llm_commit,  # d3LLM's multi-block entropy threshold (LLaDA and Dream)
     "mdlm": dllm_commit,  # dllm's MDLMSampler: low_confidence on its linear-alpha schedule
-    "bd3lm": dllm_commit,  # dllm's BD3LMSampler: the same rule; its spec brings block-causal blocks
     "lavida": lavida_commit,  # LaViDa's generate: low_confidence on a noise schedule's quotas
     "p2": p2_commit,  # Open-dCoder's _mdm_sample alg="p2": re-masks the least confident positions
 }
+
+
+def commit_rule(spec, name: str) -> Optional[CommitRule]:
+    """The rule of sampler `name` for a family: its own (`spec.commit_rules`), else the shared
+    table's; None when neither has one."""
+    return spec.commit_rules.get(name) or COMMIT_RULES.get(name)

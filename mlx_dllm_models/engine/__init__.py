@@ -17,7 +17,7 @@ self_spec.py       lossless self-speculation (Nemotron mode="self_spec")
 canvas.py          uniform-noise canvas decoding (DiffusionGemma)
 registry.py        the backend and decoder tables, make_decoder / build_decoder, join_policy
 
-The sampler -> commit rule table is decoding.samplers.COMMIT_RULES (StepContext re-exported here).
+The sampler -> commit rule lookup is decoding.samplers.commit_rule (StepContext re-exported here).
 """
 
 from ..decoding.samplers import StepContext

@@ -144,7 +144,7 @@ class CanvasDecoder(Decoder):
     """Canvas decoding for a batch of prompts (B >= 1, left-padded; rows stop at their own EOS)."""
 
     # The samplers this loop implements itself, as the reference's acceptance rules over the whole
-    # canvas (see _denoise), not through the masked engine's decoding.samplers.COMMIT_RULES: the
+    # canvas (see _denoise), not through the masked engine's decoding.samplers.commit_rule: the
     # entropy bound over every position, and the confidence threshold over the unaccepted ones.
     samplers = ("entropy", "threshold")
     # Each row draws from its own stream: rows with different seeds share a run exactly.
@@ -153,11 +153,13 @@ class CanvasDecoder(Decoder):
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next denoising step.
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
     # Its encoder reads each row's images (DecoderInputs.pixel_values).
     reads_images = True
+
+    @classmethod
+    def draws(cls, spec, settings) -> bool:
+        """Every canvas starts from uniform noise drawn from the row's stream."""
+        return True
 
     def __init__(self, model, inputs: DecoderInputs, backend: None = None):
         self.model = model

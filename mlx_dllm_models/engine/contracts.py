@@ -25,6 +25,7 @@ from typing import (
     Protocol,
     Sequence,
     Set,
+    Tuple,
 )
 
 import mlx.core as mx
@@ -153,8 +154,21 @@ class Decoder(Restarts):
     # Whether a restart reproduces a run is the decoder's own judgement (its Restarts methods),
     # not its backend's.
     judges_joins: ClassVar[bool] = False
+    # The `sampler` setting's names this loop implements itself (the masked loop's rules are
+    # decoding.samplers.commit_rule's instead).
+    samplers: ClassVar[Tuple[str, ...]] = ()
     # Model forwards so far.
     nfe: int = 0
+    # The events carry each step's confidence (StepEvent's; self-speculation's BlockEvent's) only
+    # when a consumer asks (trace.py sets it): an unread statistic would hold the step's logits
+    # alive into the next forward (self-speculation: one more read a round).
+    step_confidence: bool = False
+
+    @classmethod
+    def draws(cls, spec: DiffusionSpec, settings: Mapping) -> bool:
+        """Whether a run of these settings draws from the seed's stream beyond the token sampling
+        of temperature > 0 (which every loop does), so that the seed changes its tokens."""
+        return False
 
     @property
     def reused(self) -> int:

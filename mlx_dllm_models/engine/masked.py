@@ -1,8 +1,8 @@
 """Masked block decoding, the engine's main loop. The loop owns state; rules (decoding/) are pure;
 families differ only through their DiffusionSpec and the backend the registry picks for their
 attention layout and `cache` setting (full_recompute.py documents a backend's interface). The
-sampler setting names the commit rule (decoding.samplers.COMMIT_RULES); the row layout is
-layout.py's, token editing editing.py's.
+sampler setting names the commit rule (decoding.samplers.commit_rule: the family's own, else the
+shared table's); the row layout is layout.py's, token editing editing.py's.
 
 Masked block decoding (LLaDA, LLaDA-MoE, Dream, and the block-causal families through their
 backend): the generated region starts as mask tokens and is decoded block by block; each step
@@ -38,7 +38,7 @@ import mlx.core as mx
 from ..decoding import token_stats
 from ..decoding.d3llm import fill_after_eos
 from ..decoding.llada import confidence_suppressed_ids, suppress_logits
-from ..decoding.samplers import COMMIT_RULES, StepContext
+from ..decoding.samplers import StepContext, commit_rule
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL
 from .base import BlockEvent, StepEvent, block_event, check_finite, placed, split_rows
@@ -146,15 +146,18 @@ class MaskedBlockDecoder(Decoder):
     # restarts rows over [prompt ; committed] with what is left of their max_tokens (the server's
     # joins).
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
     # Structured output: rows may carry grammar constraints (engine/constrained.py).
     takes_constraints = True
     # Every draw (temperature, Dream's alg_temp, random remasking) comes from a stream per row,
     # seeded by the row's seed (`row_seeds`, default the seed setting): a row samples as it would
     # alone, whatever its batch-mates, and rows of different seeds may share a run.
     row_seeds = True
+
+    @classmethod
+    def draws(cls, spec, settings) -> bool:
+        """The commit rule's draws (random remasking, Dream's origin or alg_temp, ...)."""
+        rule = commit_rule(spec, settings["sampler"])
+        return rule is not None and bool(rule.draws(settings))
 
     def __init__(self, model, inputs: DecoderInputs, backend: Type[Backend]):
         self.model = model
@@ -188,7 +191,7 @@ class MaskedBlockDecoder(Decoder):
         self.backend_cls = backend
         self.backend: Optional[BlockBackend] = None
         self.tokens = None  # the last run's (B, W) tokens, for kv_prefix
-        rule = COMMIT_RULES.get(settings["sampler"])
+        rule = commit_rule(self.spec, settings["sampler"])
         if rule is None:
             raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
         self.rule = rule

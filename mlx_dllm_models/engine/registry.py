@@ -24,7 +24,6 @@ from .block_cache import PrefixCache
 from .canvas import CanvasDecoder
 from .causal_prefix import CausalPrefixCache, CausalPrefixRecompute
 from .contracts import Backend, Decoder, DecoderInputs
-from .dmax import DMaxDecoder
 from .fast_dllm import ApproxPrefixCache, DualCache
 from .full_recompute import FullRecompute
 from .masked import MaskedBlockDecoder
@@ -32,7 +31,7 @@ from .prefill import PrefillCache
 from .prefix_dlm import PrefixDLMCache
 from .self_spec import SelfSpeculativeDecoder
 from .sub_block_cache import SubBlockCache
-from .wedlm import WeDLMDecoder, WindowKV, WindowRecompute
+from .wedlm import WindowKV, WindowRecompute
 
 # attention layout -> {cache setting: backend class}, the layout's default ("auto") first.
 BACKENDS: Dict[str, Dict[str, Type[Backend]]] = {
@@ -58,14 +57,13 @@ BACKENDS: Dict[str, Dict[str, Type[Backend]]] = {
 }
 
 # Decoding loops by name: a family's spec names its default (`DiffusionSpec.decoder`); its `mode`
-# setting, where it has one, can pick another (Nemotron's self-speculation).
+# setting, where it has one, can pick another (Nemotron's self-speculation). A family's own loop is
+# registered by its spec (`DiffusionSpec.decoders`: WeDLM's engine.wedlm.WeDLMDecoder).
 DECODERS: Dict[str, Type[Decoder]] = {
     "masked": MaskedBlockDecoder,
     "diffusion": MaskedBlockDecoder,
     "self_spec": SelfSpeculativeDecoder,
     "canvas": CanvasDecoder,
-    "wedlm": WeDLMDecoder,
-    "dmax": DMaxDecoder,
 }
 
 
@@ -133,13 +131,25 @@ def join_policy(spec: DiffusionSpec, settings) -> Batching:
 
 
 def select_decoder(spec: DiffusionSpec, settings) -> Type[Decoder]:
+    """The loop of the `mode` setting or the spec's `decoder`: the family's own (`spec.decoders`),
+    else the shared table's."""
     name = settings.get("mode") or spec.decoder
-    if name not in DECODERS:
+    table = {**DECODERS, **spec.decoders}
+    if name not in table:
         raise SettingsError(
             f"mode {name!r} is not available for the {spec.family} family; "
-            f"choose one of: {', '.join(sorted(DECODERS))}"
+            f"choose one of: {', '.join(sorted(table))}"
         )
-    return DECODERS[name]
+    return table[name]
+
+
+def draws_noise(spec: DiffusionSpec, settings) -> bool:
+    """Whether a run of these (resolved) settings draws from the seed's stream, so that its seed
+    changes its tokens: sampling at temperature > 0, or what its loop declares (`Decoder.draws`:
+    the masked loop's commit rule, e.g. random remasking or Dream's and Dimple's random orders,
+    and the canvas's noise)."""
+    spec = for_settings(spec, settings)
+    return settings["temperature"] > 0 or select_decoder(spec, settings).draws(spec, settings)
 
 
 def check_constraints(spec: DiffusionSpec, settings) -> None:

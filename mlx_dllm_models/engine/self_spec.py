@@ -139,8 +139,6 @@ class SelfSpeculativeDecoder(Decoder):
     # over [prompt ; returned tokens] with what is left of their max_tokens (the server's joins).
     drops_cancelled_rows = True
     join_reencodes = True  # a restart runs the rows' prefill again
-    # BlockEvent.confidence only when a consumer asks (trace.py sets it): one more read a round.
-    step_confidence = False
     judges_joins = True
 
     @classmethod

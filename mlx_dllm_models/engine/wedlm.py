@@ -159,19 +159,14 @@ class _Window:
 
 
 class WeDLMDecoder(Decoder):
-    """The `wedlm` decoder: the rows of a batch step together, one forward a step (see the module
-    docstring)."""
+    """WeDLM's decoder: the rows of a batch step together, one forward a step (see the module
+    docstring). Its family registers it, and names its one rule, in its model file."""
 
-    # The `sampler` setting's names this loop has a rule for.
-    samplers = ("wedlm",)
     # Structured output: a constrained row fills a grammar-valid prefix of its window
     # (constrained.WindowConstraint).
     takes_constraints = True
     # `run(cancelled=)` drops a cancelled row before the next step.
     drops_cancelled_rows = True
-    # StepEvent.confidence is kept only when a consumer asks (trace.py sets it): an unread
-    # statistic would hold the step's logits alive into the next forward.
-    step_confidence = False
 
     def __init__(self, model, inputs: DecoderInputs, backend: Type[WindowBackend]):
         self.model = model

@@ -16,9 +16,10 @@ from . import a2d_qwen3
 from .a2d_qwen3 import QWEN3_EOS_TOKEN_ID, A2DBody
 from .common import check_special_ids
 
-# dllm's A2D settings family and rows.
+# dllm's A2D settings family, rows and samplers.
 FAMILY = a2d_qwen3.FAMILY
 SETTINGS = a2d_qwen3.SETTINGS
+SAMPLERS = a2d_qwen3.SAMPLERS
 
 # dllm's get_tokenizer adds "<|mask|>" to Qwen2.5's tokenizer: the next id after its last added
 # token (<|file_sep|>, 151664).

@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 
 from mlx_lm.models import qwen3
 
+from ..decoding.dllm import dllm_commit
 from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS
 from .common import check_special_ids
 from .mlx_lm_body import MaskedBody
@@ -31,6 +32,9 @@ from .mlx_lm_body import MaskedBody
 # The settings family of dllm's A2D specs (Qwen3 and Qwen2 bodies); it adds no setting of its own.
 FAMILY = "a2d"
 SETTINGS = ()
+# BD3LMSampler: MDLMSampler's rule (the shared "mdlm") run over block-causal blocks, which the
+# spec's sampler_spec brings.
+SAMPLERS = {"bd3lm": dllm_commit}
 
 # dllm's get_tokenizer adds "<|mask|>" to Qwen3's tokenizer as a new special token: it takes the
 # next id after Qwen3's last added token (</think>, 151668). config.json does not name it.
@@ -87,6 +91,7 @@ class A2DBody(MaskedBody):
             # "mdlm" is MDLMSampler's low_confidence remasking on dllm's schedule, "bd3lm" the
             # same rule as BD3LMSampler runs it; the shared samplers read the MDLM way.
             samplers=("mdlm", "bd3lm") + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             # config.json is the same for dllm's MDLM and BD3LM conversions: the sampler says
             # which it is. BD3LMSampler attends block-causally, blocks ending at the prompt.
             sampler_spec={"bd3lm": {"attention": BLOCK_CAUSAL, "blocks_end_at_prompt": True}},

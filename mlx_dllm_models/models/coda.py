@@ -27,6 +27,7 @@ from .mlx_lm_body import MaskedBody
 # diffusion_generate's (CoDA's "dream" sampler is a copy of it).
 FAMILY = "coda"
 SETTINGS = dream.DIFFUSION_GENERATE_SETTINGS
+SAMPLERS = dream.SAMPLERS
 
 CODA_MASK_TOKEN_ID = 151669  # <|mask|>
 CODA_EOS_TOKEN_ID = 151645  # <|im_end|>
@@ -89,6 +90,7 @@ class Model(MaskedBody, qwen3.Model):
             # "dream" is CoDA's diffusion_generate (a copy of Dream's; `alg` picks the
             # algorithm); the shared samplers run block-wise.
             samplers=("dream",) + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             sampling_order=("temperature", "top_p", "top_k"),  # sample_tokens' order

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..spec import DiffusionSpec
+from ..spec import BLOCK_CAUSAL, DiffusionSpec
 
 # -------------------------------------------------------------------------------------- forward
 
@@ -341,6 +341,24 @@ def build_spec(
 # token's probability is its confidence, quotas count over the block, and a threshold keeps the
 # tokens strictly above it (x1_p > threshold).
 BLOCK_READING = dict(confidence="sampled", quota_base="block", strict_threshold=True)
+
+
+def trained_blocks_spec(args, family: str, block: int, defaults: dict, **fields) -> DiffusionSpec:
+    """The spec of a block-causal family trained on blocks of `block` positions, its default
+    block_length, whose reference generate reads a step as BLOCK_READING says, samples with
+    temperature, then top-k, then top-p, and takes them as its own arguments (a
+    generation_config.json's AR sampling values are never read): SDAR's and Fast-dLLM v2's."""
+    return build_spec(
+        args,
+        family,
+        BLOCK_CAUSAL,
+        **BLOCK_READING,
+        sampling_order=("temperature", "top_k", "top_p"),
+        ignored_generation_config_keys=("temperature", "top_k", "top_p"),
+        defaults={"block_length": block, **defaults},
+        trained_block_length=block,
+        **fields,
+    )
 
 
 class cached_spec:

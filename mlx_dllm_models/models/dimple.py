@@ -46,6 +46,7 @@ import numpy as np
 from mlx_lm.models import qwen2
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 
+from ..decoding.dimple import dimple_commit
 from ..spec import BIDIRECTIONAL, SHARED_SAMPLERS, TIMESTEP_ELBO
 from . import dream, sharding
 from .common import (
@@ -66,6 +67,8 @@ NAME = "dimple"
 # Dream's settings family and rows (Dimple's own sampler, "dimple", reads alg_p_threshold).
 FAMILY = dream.FAMILY
 SETTINGS = dream.SETTINGS
+# Its own sampler, the "dim" pipeline (decoding/dimple.py), and Dream's (decoding_pipeline="dream").
+SAMPLERS = {"dimple": dimple_commit, **dream.SAMPLERS}
 
 # The README's inference example (yu-rp/Dimple ReadMe.md, the model card's): diffusion_generate(
 # max_new_tokens=64, steps=64, temperature=0.2, top_p=0.95, alg="origin", use_cache=True,
@@ -394,6 +397,7 @@ class Model(ImageTextModel, nn.Module):
             confidence="raw",
             quota_base="masks",
             samplers=("dimple", "dream") + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             sampler_spec={"dream": {"confidence": "sampled"}},
             defaults=dict(REFERENCE_DEFAULTS),
             sampling_order=("temperature", "top_p", "top_k"),  # sample_tokens' order

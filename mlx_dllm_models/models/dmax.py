@@ -15,9 +15,13 @@ writes this model_type, after which `mlx_lm.load` and `mlx_dllm generate` decode
 
 import mlx.core as mx
 
+from ..engine.dmax import DMaxDecoder
 from ..spec import BLOCK_CAUSAL, DiffusionSpec
 from . import llada2_moe
 from .common import build_spec, cached_spec
+
+# The loop this family registers (its spec's `decoder` names it): dInfer's soft parallel decoding.
+DECODERS = {"dmax": DMaxDecoder}
 
 FAMILY = "dmax"
 SETTINGS = ()
@@ -65,6 +69,7 @@ class Model(llada2_moe.Model):
             unused_settings=UNUSED_SETTINGS,
             samplers=("threshold",),
             decoder="dmax",
+            decoders=DECODERS,
             defaults=dict(REFERENCE_DEFAULTS),
             trained_block_length=DMAX_BLOCK_LENGTH,
             vocab_size=self.args.vocab_size,

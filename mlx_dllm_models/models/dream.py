@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models import qwen2
 
+from ..decoding.dream import dream_commit
 from ..settings_families import D3LLM_DEFAULTS, D3LLM_SETTINGS, Relation, Setting
 from ..spec import SHARED_SAMPLERS, TIMESTEP_ELBO
 from ..validators import choice, cli_optional_float, number, optional
@@ -25,6 +26,9 @@ from .mlx_lm_body import MaskedBody
 
 # The settings family this module's spec belongs to (the settings table groups rows by it).
 FAMILY = "dream"
+# The sampler this family owns: diffusion_generate (decoding/dream.py), which the families that
+# adapt it (CoDA, Open-dCoder, LaViDa-Dream, Dimple) take from here.
+SAMPLERS = {"dream": dream_commit}
 
 # Dream's algorithms (decoding/dream.py) and those only Dimple's "dim" pipeline has
 # (decoding/dimple.py, which has no topk_margin).
@@ -166,6 +170,7 @@ class Model(MaskedBody, qwen2.Model):
             # "dream" is diffusion_generate (its `alg` picks origin / maskgit_plus / topk_margin /
             # entropy); the shared samplers run block-wise, as Fast-dLLM's Dream path does.
             samplers=("dream", "d3llm") + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,

@@ -23,14 +23,9 @@ from mlx_lm.models import qwen2
 
 from ..masks import block_causal_mask
 from ..settings_families import Relation, Setting
-from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import SHARED_SAMPLERS, DiffusionSpec
 from ..validators import positive_int
-from .common import (
-    BLOCK_READING,
-    build_spec,
-    cached_spec,
-    check_special_ids,
-)
+from .common import cached_spec, check_special_ids, trained_blocks_spec
 from .mlx_lm_body import MaskedBody
 
 # The settings family of Fast-dLLM v2's spec, and the row it adds: generate's small_block_size, the
@@ -75,37 +70,31 @@ FAST_DLLM_CONFIG_KEYS = (
 
 
 def fast_dllm_v2_spec(args) -> DiffusionSpec:
-    block = int(args.bd_size)
-    return build_spec(
+    # sample_with_top_p: the probability of the chosen token under softmax(logits / T) after
+    # top-p (at temperature 0 the plain softmax); unmask_idx = x1_p > threshold (BLOCK_READING).
+    # The generate call takes its sampling values as arguments; a generation_config.json's AR
+    # sampling values (Qwen2.5's) are never read by it.
+    return trained_blocks_spec(
         args,
         FAMILY,
-        BLOCK_CAUSAL,
+        int(args.bd_size),
         settings=SETTINGS,
         relations=RELATIONS,
         # generate: logits = cat([logits[:, :1], logits[:, :-1]]), position i read at i - 1.
         logit_shift=1,
         # ... and a block's first token is the argmax after the previous block is whole.
         seeds_block_start=True,
-        # sample_with_top_p: the probability of the chosen token under softmax(logits / T) after
-        # top-p (at temperature 0 the plain softmax); unmask_idx = x1_p > threshold.
-        **BLOCK_READING,
-        sampling_order=("temperature", "top_k", "top_p"),
         samplers=SHARED_SAMPLERS + ("sub_block",),
         sampler_defaults={"sub_block": {"sub_block_length": FAST_DLLM_SUB_BLOCK}},
         # generate stops a block once an EOS has no mask before it (`stop_token` checks).
         eos_ends_block=True,
         defaults={
-            "block_length": block,
             "sampler": "sub_block",
             "threshold": FAST_DLLM_THRESHOLD,
             # generate's temperature=0: greedy.
             "temperature": 0.0,
             "max_tokens": FAST_DLLM_MAX_TOKENS,
         },
-        # The generate call takes its sampling values as arguments; a generation_config.json's
-        # AR sampling values (Qwen2.5's) are never read by it.
-        ignored_generation_config_keys=("temperature", "top_k", "top_p"),
-        trained_block_length=block,
         vocab_size=args.vocab_size,
     )
 

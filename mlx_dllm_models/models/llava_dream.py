@@ -35,9 +35,10 @@ from .common import build_spec, cached_spec
 from .image_slots import SlotStore
 
 NAME = "llava_dream"
-# Dream's settings family and rows.
+# Dream's settings family, rows and sampler.
 FAMILY = dream.FAMILY
 SETTINGS = dream.SETTINGS
+SAMPLERS = dream.SAMPLERS
 
 REFERENCE_DEFAULTS = {
     "sampler": "dream",
@@ -107,6 +108,7 @@ class Model(llava_llada.Model):
             confidence="sampled",
             quota_base="masks",
             samplers=("dream",) + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
             ignored_generation_config_keys=dream.IGNORED_GENERATION_CONFIG_KEYS,

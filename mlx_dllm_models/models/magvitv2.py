@@ -22,24 +22,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-ENCODER_DEFAULTS = {
-    "ch": 128,
-    "ch_mult": [1, 2, 2, 4, 4],
-    "num_res_blocks": [4, 3, 4, 3, 4],
-    "attn_resolutions": [5],
-    "in_ch": 3,
-    "resolution": 256,
-    "z_channels": 13,
-}
-DECODER_DEFAULTS = {
-    "ch": 128,
-    "ch_mult": [1, 1, 2, 2, 4],
-    "num_res_blocks": [4, 4, 3, 4, 3],
-    "attn_resolutions": [5],
-    "out_ch": 3,
-    "resolution": 256,
-    "z_channels": 13,
-}
+# The defaults the encoder's and the decoder's configs share, then each one's own.
+TOWER_DEFAULTS = {"ch": 128, "attn_resolutions": [5], "resolution": 256, "z_channels": 13}
+ENCODER_DEFAULTS = dict(
+    TOWER_DEFAULTS, ch_mult=[1, 2, 2, 4, 4], num_res_blocks=[4, 3, 4, 3, 4], in_ch=3
+)
+DECODER_DEFAULTS = dict(
+    TOWER_DEFAULTS, ch_mult=[1, 1, 2, 2, 4], num_res_blocks=[4, 4, 3, 4, 3], out_ch=3
+)
 CODEBOOK_DIM = 13
 # The reference's file names (its modeling_utils: SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME).
 WEIGHT_FILES = ("pytorch_model.safetensors", "model.safetensors", "pytorch_model.bin")

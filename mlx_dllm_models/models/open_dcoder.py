@@ -40,6 +40,7 @@ from .dream import Model as DreamModel
 # diffusion_generate's (its "dream" sampler).
 FAMILY = "open_dcoder"
 SETTINGS = dream.DIFFUSION_GENERATE_SETTINGS
+SAMPLERS = dream.SAMPLERS
 
 OPEN_DCODER_MASK_TOKEN_ID = 151665
 
@@ -93,6 +94,7 @@ class Model(DreamModel):
             # sample_tokens: the probability of x0 after temperature and top-k is the confidence.
             **dream.DREAM_READING,
             samplers=("p2", "dream") + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             generation_config_keys={"alg_temp": "alg_temp", "eps": "eps"},
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,

@@ -20,6 +20,7 @@ from typing import List, Optional, Union
 
 from mlx_lm.models import qwen3_moe
 
+from ..decoding.rnd1 import rnd1_commit
 from ..settings_families import Setting
 from ..spec import SHARED_SAMPLERS
 from ..validators import cli_optional_float, number, optional
@@ -32,6 +33,8 @@ from .mlx_lm_body import MaskedBody
 # The settings family of RND1's spec, and the row it adds: sampling.py's entropy-bounded variant of
 # its sampler.
 FAMILY = "rnd1"
+# Its sampler: sampling.py's diffusion_sample (decoding/rnd1.py).
+SAMPLERS = {"rnd1": rnd1_commit}
 SETTINGS = (
     Setting(
         "eb_gamma",
@@ -105,6 +108,7 @@ class Model(MaskedBody, qwen3_moe.Model):
             # "rnd1" is rnd/sampling.py's diffusion_sample (decoding/rnd1.py); the shared
             # samplers run block-wise.
             samplers=("rnd1",) + SHARED_SAMPLERS,
+            commit_rules=SAMPLERS,
             defaults=dict(REFERENCE_DEFAULTS),
             ignored_generation_config_keys=IGNORED_GENERATION_CONFIG_KEYS,
             # forward_scores: logits / temperature, then top-k, then top-p.

@@ -12,14 +12,9 @@ from typing import List, Optional, Union
 from mlx_lm.models import qwen3
 
 from ..settings_families import Setting
-from ..spec import BLOCK_CAUSAL, SHARED_SAMPLERS, DiffusionSpec
+from ..spec import SHARED_SAMPLERS, DiffusionSpec
 from ..validators import number
-from .common import (
-    BLOCK_READING,
-    build_spec,
-    cached_spec,
-    check_special_ids,
-)
+from .common import cached_spec, check_special_ids, trained_blocks_spec
 from .mlx_lm_body import MaskedBody
 
 # The settings family of SDAR's specs (SDAR, SDAR-MoE), and the row it adds: generate.py's
@@ -54,22 +49,20 @@ SDAR_CONFIG_KEYS = (
 
 
 def sdar_spec(args) -> DiffusionSpec:
-    block = int(args.block_size)
-    return build_spec(
+    # generate.py: low_confidence_dynamic keeps tokens with probability > threshold (BLOCK_READING);
+    # sample_with_temperature_topk_topp: temperature, then top-k, then top-p. Its
+    # generation_config.json holds Qwen3's AR sampling defaults (temperature 0.6, top_k 20, top_p
+    # 0.95) that SDAR's diffusion generate.py never reads.
+    return trained_blocks_spec(
         args,
         FAMILY,
-        BLOCK_CAUSAL,
+        int(args.block_size),
         settings=SETTINGS,
-        # generate.py: low_confidence_dynamic keeps tokens with probability > threshold.
-        **BLOCK_READING,
-        # sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
-        sampling_order=("temperature", "top_k", "top_p"),
         # low_confidence_static = "quota", low_confidence_dynamic = "threshold", sequential,
         # entropy_bounded (its own rule: decoding.block.entropy_bounded_commit).
         samplers=SHARED_SAMPLERS + ("sequential", "entropy_bounded"),
         sampler_defaults={"entropy_bounded": {"eb_threshold": SDAR_EB_THRESHOLD}},
         defaults={
-            "block_length": block,
             # The reference splits a block over `denoising_steps`; README/TraDo use steps == block.
             # generate.py's `low_confidence_dynamic` = threshold with the per-step quota as fallback.
             "sampler": "threshold",
@@ -79,10 +72,6 @@ def sdar_spec(args) -> DiffusionSpec:
             "temperature": 0.0,
             "max_tokens": 128,
         },
-        # generation_config.json holds Qwen3's AR sampling defaults (temperature 0.6, top_k 20,
-        # top_p 0.95) that SDAR's diffusion generate.py never reads.
-        ignored_generation_config_keys=("temperature", "top_k", "top_p"),
-        trained_block_length=block,
     )
 
 

@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen2, qwen3
 from mlx_lm.models.base import BaseModelArgs
 
+from ..engine.wedlm import WeDLMDecoder
 from ..settings_families import Setting
 from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
 from ..validators import cli_optional_float, number, optional
@@ -39,6 +40,17 @@ from .common import (
     config_fields,
 )
 from .mlx_lm_body import MaskedBody
+
+
+class Decoder(WeDLMDecoder):
+    """WeDLM's window decoding (engine.wedlm) under this family's names: the loop and its one rule
+    (decoding.wedlm.wedlm_commit), the `sampler` setting's "wedlm"."""
+
+    samplers = ("wedlm",)
+
+
+# The loop this family registers (its spec's `decoder` names it).
+DECODERS = {"wedlm": Decoder}
 
 # The settings family of WeDLM's spec, and the rows it adds: its SamplingParams
 # (wedlm/sampling_params.py); its window is block_length.
@@ -164,6 +176,7 @@ def wedlm_spec(args: ModelArgs) -> DiffusionSpec:
         logit_shift=0,
         samplers=("wedlm",),
         decoder="wedlm",
+        decoders=DECODERS,
         defaults=dict(WEDLM_DEFAULTS),
         # The reference engine takes its sampling values from SamplingParams alone: it never
         # reads generation_config.json.

@@ -4,6 +4,7 @@ OpenAI's error objects; whether a request draws noise (and so gets a fresh seed 
 none).
 """
 
+from ..engine import registry
 from ..request import Request
 
 # Body fields of the OpenAI API that the handler reads itself; every other field is a setting.
@@ -116,10 +117,8 @@ def neutral(name, value) -> bool:
 
 def draws_noise(request: Request) -> bool:
     """Whether a request's decoding draws from its seed's stream (else the seed changes nothing,
-    and requests that name none keep sharing a batch): sampling at temperature > 0, LLaDA's random
-    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
-    which start from noise."""
-    s = request.settings
-    dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
-    canvas = request.spec.decoder == "canvas"
-    return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
+    and requests that name none keep sharing a batch): sampling at temperature > 0, or what its
+    loop and commit rule declare (engine.registry.draws_noise: LLaDA's random remasking, Dream's and
+    Dimple's random orders or ranking temperature, DiffusionGemma's canvases, which start from
+    noise)."""
+    return registry.draws_noise(request.spec, request.settings)
