@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional
 
 import pytest
 import torch
+from published_text import Outcome
 from test_block_decoding import mlx_vlm_forward, transformers_forward
 
 from fixtures import build_once
@@ -37,14 +38,6 @@ from reference.llada2_generate import llada20_generate
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 QUESTION = "What is two plus two?"
-
-
-@dataclass
-class Outcome:
-    tokens: list  # generated, cut before the first EOS
-    forwards: int
-    window: int  # positions after the prompt that the canvas spans
-    repeats: int = 0  # forwards over the same canvas as the forward before (nothing committed)
 
 
 @dataclass(frozen=True)
@@ -77,6 +70,7 @@ def _templated(hf, messages, **kw):
 
 
 def _llada(path, model, spec, prompt):
+    """LLaDA's generate.py main(), and LLaDA-MoE's model card, which copies it with its own ids."""
     x, nfe = llada_torch.llada_generate(
         torch_logits_fn(model),
         torch.tensor([prompt]),
@@ -207,6 +201,13 @@ CALLS = {
         published=_llada,
         package=dict(max_tokens=128),
     ),
+    "llada_moe": Call(
+        source="inclusionAI/LLaDA-MoE-7B-A1B-Instruct README.md (model card)",
+        build=LLADA_CHECKPOINTS["llada_moe"],
+        tokenize=lambda hf, m: hf(_templated(hf, m))["input_ids"],
+        published=_llada,
+        package=dict(max_tokens=128),
+    ),
     "dream": Call(
         source="DreamLM/Dream README.md",
         build=dream_fixture.build,
@@ -239,6 +240,17 @@ CALLS = {
         package=dict(max_tokens=128, threshold=0.85),
         # The reference's cache costs one store forward per finished block; the package folds
         # that commit into the next block's first forward.
+        forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
+        differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
+        documented=(("sdar.md", "one store forward per finished block fewer"),),
+    ),
+    "sdar_moe": Call(
+        source="JetAstra/SDAR generate.py (its one script for every SDAR checkpoint, MoE included)",
+        build=sdar_fixture.build_sdar_moe,
+        tokenize=lambda hf, m: hf([_templated(hf, m)], add_special_tokens=False)["input_ids"][0],
+        published=lambda path, model, spec, p: _sdar_run(path, spec, p, 1.0),
+        greedy=lambda path, model, spec, p: _sdar_run(path, spec, p, 0.0),
+        package=dict(max_tokens=128, threshold=0.85),
         forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
         differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
         documented=(("sdar.md", "one store forward per finished block fewer"),),
