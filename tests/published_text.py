@@ -3,6 +3,10 @@ package: what each returns (Outcome), and the text families' runs at their publi
 
 from dataclasses import dataclass
 
+import torch
+
+from helpers import cut_at_eos
+
 
 @dataclass
 class Outcome:
@@ -10,3 +14,73 @@ class Outcome:
     forwards: int
     window: int  # positions after the prompt that the canvas spans
     repeats: int = 0  # forwards over the same canvas as the forward before (nothing committed)
+
+
+def spans(forward, span):
+    """`forward` wrapped so that each call's reach (`span(*args, **kw)`: the position after the
+    last one it covers) is recorded; (the wrapper, the list of reaches)."""
+    seen = []
+
+    def wrapped(*args, **kw):
+        seen.append(span(*args, **kw))
+        return forward(*args, **kw)
+
+    return wrapped, seen
+
+
+# ------------------------------------------------------------------------ Nemotron-Labs-Diffusion
+# The model card's snippet (huggingface.co/nvidia/Nemotron-Labs-Diffusion-8B, as mirrored by its
+# chat.py "dlm" mode): apply_chat_template(tokenize=False, add_generation_prompt=True), then
+# tokenizer(prompt).input_ids; model.generate(prompt_ids, max_new_tokens=512, block_length=32,
+# threshold=0.9, eos_token_id=tokenizer.eos_token_id). block_length is the fixture's block_size.
+
+
+def nemotron_run(vlm, spec, prompt, block_length, max_new_tokens=512):
+    from reference.nemotron_reference import VlmForward, hf_generate
+
+    def reach(ids, past_key_values=None, **kw):
+        return (past_key_values[0].offset if past_key_values else 0) + ids.shape[1]
+
+    forward, seen = spans(VlmForward(vlm), reach)
+    x, nfe = hf_generate(
+        forward,
+        [prompt],
+        max_new_tokens,
+        block_length,
+        spec.mask_token_id,
+        spec.eos_token_ids[0],
+        threshold=0.9,
+    )
+    tokens = cut_at_eos(x[0, len(prompt) :], set(spec.eos_token_ids))
+    return Outcome(tokens, nfe, max(seen) - len(prompt))
+
+
+# ------------------------------------------------------------------------------------ Fast-dLLM v2
+# Efficient-Large-Model/Fast_dLLM_v2_7B README.md (model card): apply_chat_template(messages,
+# tokenize=False, add_generation_prompt=True), tokenizer([text], return_tensors="pt");
+# model.generate(input_ids, tokenizer=tokenizer, max_new_tokens=512, small_block_size=8,
+# threshold=0.9): block_size the remote default 32, the stop token the tokenizer's EOS, no
+# use_block_cache, greedy.
+
+
+def fast_dllm_v2_run(path, spec, prompt):
+    from reference.fast_dllm_v2_torch import Reference, generate
+
+    ref = Reference(path)
+
+    def reach(ids, past=None, *args, **kw):
+        return (past[0][0].shape[2] if past else 0) + ids.shape[1]
+
+    ref.forward, seen = spans(ref.forward, reach)
+    stop = spec.eos_token_ids[0]
+    x, nfe = generate(
+        ref,
+        torch.tensor([prompt]),
+        512,
+        spec.mask_token_id,
+        threshold=0.9,
+        small_block_size=8,
+        block_size=32,
+        stop_token=stop,
+    )
+    return Outcome(cut_at_eos(x[0, len(prompt) :], {stop}), nfe, max(seen) - len(prompt))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+import published_text as text
 import pytest
 import torch
 from published_text import Outcome
@@ -24,7 +25,9 @@ from test_block_decoding import mlx_vlm_forward, transformers_forward
 
 from fixtures import build_once
 from fixtures import dream as dream_fixture
+from fixtures import fast_dllm_v2 as fast_dllm_v2_fixture
 from fixtures import llada2 as llada2_fixture
+from fixtures import nemotron as nemotron_fixture
 from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
@@ -265,6 +268,24 @@ CALLS = {
         # spans one); the reference recomputes the window at every step instead.
         forwards=lambda ours, theirs: ours.forwards == theirs.forwards + 1,
         documented=(("llada2.md", "one prefill forward more than the reference's count"),),
+    ),
+    "nemotron": Call(
+        source="nvidia/Nemotron-Labs-Diffusion-8B README.md (model card; its chat.py's dlm mode)",
+        build=nemotron_fixture.build,
+        tokenize=lambda hf, m: hf(_templated(hf, m)).input_ids,
+        # max_new_tokens 512 is past the fixture's context of 64: 40, whole blocks of its 8.
+        published=lambda path, model, spec, p: text.nemotron_run(
+            nemotron_fixture.mlx_vlm_model(path), spec, p, nemotron_fixture.BLOCK_SIZE, 40
+        ),
+        package=dict(max_tokens=40),
+    ),
+    "fast_dllm_v2": Call(
+        source="Efficient-Large-Model/Fast_dLLM_v2_7B README.md (model card)",
+        build=fast_dllm_v2_fixture.build,
+        tokenize=lambda hf, m: hf([_templated(hf, m)], return_tensors="pt")["input_ids"][
+            0
+        ].tolist(),
+        published=lambda path, model, spec, p: text.fast_dllm_v2_run(path, spec, p),
     ),
 }
 
