@@ -84,3 +84,47 @@ def fast_dllm_v2_run(path, spec, prompt):
         stop_token=stop,
     )
     return Outcome(cut_at_eos(x[0, len(prompt) :], {stop}), nfe, max(seen) - len(prompt))
+
+
+# ------------------------------------------------------------------------------------------ WeDLM
+# Tencent/WeDLM README.md, "Python API": tokenizer.apply_chat_template(messages, tokenize=False,
+# add_generation_prompt=True); llm.generate([text], SamplingParams(temperature=0.0,
+# max_tokens=512)), the engine's defaults otherwise (window 16, entropy threshold 0.4, position
+# penalty 0.02); the engine encodes the text with tokenizer.encode and stops at the EOS.
+
+
+def wedlm_run(path, spec, prompt, max_tokens=512):
+    from reference import wedlm_torch
+
+    reach = []
+    eos = spec.eos_token_ids[0]
+    completion, forwards = wedlm_torch.generate(
+        path, prompt, max_tokens, spec.mask_token_id, stop_token_ids=(eos,), reach=reach
+    )
+    return Outcome(cut_at_eos(completion, {eos}), forwards, max(reach) - len(prompt))
+
+
+# ------------------------------------------------------------------------------------------- CoDA
+# SalesforceAIResearch/CoDA @ d7241fc serving/fast-api (app/core/service.py with config.py's
+# defaults, the repository's deployment): apply_chat_template(messages, return_tensors="pt",
+# return_dict=True, add_generation_prompt=True); diffusion_generate(max_new_tokens=256, steps=128,
+# temperature=0.0, top_p=None, top_k=None, alg="entropy", alg_temp=0.1). alg_temp 0.1 draws the
+# positions (torch.multinomial), so the tokens are held at alg_temp 0.
+
+
+def coda_run(path, spec, prompt, alg_temp):
+    from reference.coda_torch import coda_generate, reference_forward
+
+    forward, seen = spans(reference_forward(path), lambda x: x.shape[1])
+    seq = coda_generate(
+        forward,
+        [prompt],
+        256,
+        128,
+        alg="entropy",
+        alg_temp=alg_temp,
+        temperature=0.0,
+        mask_token_id=spec.mask_token_id,
+    )
+    tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
+    return Outcome(tokens, len(seen), max(seen) - len(prompt))

@@ -24,12 +24,14 @@ from published_text import Outcome
 from test_block_decoding import mlx_vlm_forward, transformers_forward
 
 from fixtures import build_once
+from fixtures import coda as coda_fixture
 from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_v2_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import nemotron as nemotron_fixture
 from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
+from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from helpers import cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
 from mlx_dllm_models import stream_generate_diffusion
@@ -50,11 +52,16 @@ class Call:
     tokenize: Callable  # (HF tokenizer, messages) -> ids, as the published call tokenizes
     published: Callable  # (path, model, spec, prompt ids) -> Outcome at the published arguments
     greedy: Optional[Callable] = None  # the same at temperature 0, when the published call samples
+    # What the package's call sets for that greedy reading.
+    greedy_settings: Dict = field(default_factory=lambda: {"temperature": 0.0})
     package: Dict = field(default_factory=dict)  # the package's call: what it sets beyond defaults
     # The package's forwards against the published call's, and why they may differ.
     forwards: Callable = lambda ours, theirs: ours.forwards == theirs.forwards
     differs: Dict = field(default_factory=dict)  # resolved default -> (published value, docs page)
     documented: tuple = ()  # (docs page, phrase): where a deliberate difference is stated
+    # The chat template's arguments mlx-lm's tokenizer wrapper gives the real checkpoint's
+    # vocabulary, where the fixture's small one reads otherwise.
+    template: Dict = field(default_factory=dict)
 
 
 def _ids(encoded):
@@ -287,6 +294,25 @@ CALLS = {
         ].tolist(),
         published=lambda path, model, spec, p: text.fast_dllm_v2_run(path, spec, p),
     ),
+    "wedlm": Call(
+        source="Tencent/WeDLM README.md (Python API)",
+        build=wedlm_fixture.build,
+        tokenize=lambda hf, m: hf.encode(_templated(hf, m)),
+        published=lambda path, model, spec, p: text.wedlm_run(path, spec, p),
+    ),
+    "coda": Call(
+        source="SalesforceAIResearch/CoDA serving/fast-api/app/core/service.py, config.py",
+        build=coda_fixture.build,
+        tokenize=lambda hf, m: hf.apply_chat_template(
+            m, return_tensors="pt", return_dict=True, add_generation_prompt=True
+        )["input_ids"][0].tolist(),
+        published=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.1),
+        greedy=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.0),
+        greedy_settings=dict(alg_temp=0.0),
+        # CoDA's Qwen3 vocabulary holds <think>: mlx-lm passes enable_thinking=True, as the
+        # template's own default reads (the fixture's has no <think>, so the wrapper says False).
+        template=dict(enable_thinking=True),
+    ),
 }
 
 
@@ -329,7 +355,7 @@ def test_published_call(family, name):
     messages = user_turn(QUESTION)
     prompt = list(call.tokenize(AutoTokenizer.from_pretrained(str(path)), messages))
     # The package's chat prompt is the published call's ids.
-    assert encode(tok, render_chat(tok, messages), spec.prompt_prefix) == prompt
+    assert encode(tok, render_chat(tok, messages, call.template), spec.prompt_prefix) == prompt
 
     theirs = call.published(path, model, spec, prompt)
     ours = _package(model, tok, prompt, call.package)
@@ -339,7 +365,7 @@ def test_published_call(family, name):
         assert call.forwards(ours, theirs), (ours.forwards, theirs.forwards)
     else:
         greedy = call.greedy(path, model, spec, prompt)
-        mine = _package(model, tok, prompt, dict(call.package, temperature=0.0))
+        mine = _package(model, tok, prompt, dict(call.package, **call.greedy_settings))
         assert mine.tokens == greedy.tokens
         assert call.forwards(mine, greedy), (mine.forwards, greedy.forwards, greedy.repeats)
 
