@@ -69,6 +69,13 @@ def _ids(encoded):
     return encoded if isinstance(encoded, list) else encoded["input_ids"]
 
 
+def _dict_ids(hf, messages):
+    """apply_chat_template(return_tensors="pt", return_dict=True, add_generation_prompt=True)."""
+    return hf.apply_chat_template(
+        messages, return_tensors="pt", return_dict=True, add_generation_prompt=True
+    )["input_ids"][0].tolist()
+
+
 def _templated(hf, messages, **kw):
     return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
 
@@ -221,9 +228,7 @@ CALLS = {
     "dream": Call(
         source="DreamLM/Dream README.md",
         build=dream_fixture.build,
-        tokenize=lambda hf, m: hf.apply_chat_template(
-            m, return_tensors="pt", return_dict=True, add_generation_prompt=True
-        )["input_ids"][0].tolist(),
+        tokenize=_dict_ids,
         published=lambda path, model, spec, p: _dream_run(model, spec, p, 0.2),
         greedy=lambda path, model, spec, p: _dream_run(model, spec, p, 0.0),
         package=dict(max_tokens=128),
@@ -303,9 +308,7 @@ CALLS = {
     "coda": Call(
         source="SalesforceAIResearch/CoDA serving/fast-api/app/core/service.py, config.py",
         build=coda_fixture.build,
-        tokenize=lambda hf, m: hf.apply_chat_template(
-            m, return_tensors="pt", return_dict=True, add_generation_prompt=True
-        )["input_ids"][0].tolist(),
+        tokenize=_dict_ids,
         published=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.1),
         greedy=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.0),
         greedy_settings=dict(alg_temp=0.0),
