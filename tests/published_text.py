@@ -128,3 +128,20 @@ def coda_run(path, spec, prompt, alg_temp):
     )
     tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
     return Outcome(tokens, len(seen), max(seen) - len(prompt))
+
+
+# --------------------------------------------------------------------------------------- dllm A2D
+# ZHZisZZ/dllm @ ca17675 examples/a2d/mdlm/sample.py: apply_chat_template(messages,
+# add_generation_prompt=True, tokenize=True); MDLMSampler.sample with its SamplerConfig: steps=128,
+# max_new_tokens=128, block_size=32, temperature=0.0, remasking="low_confidence",
+# right_shift_logits=False. The sampler runs every block's steps: it has no stop on EOS.
+
+
+def a2d_run(path, spec, prompt):
+    from reference.dllm_a2d import mdlm_sample, reference_forward
+
+    forward, seen = spans(reference_forward(path), lambda x, attention_mask: x.shape[1])
+    eos = spec.eos_token_ids[0]
+    seq = mdlm_sample(forward, [prompt], 128, 32, 128, mask_id=spec.mask_token_id, eos_id=eos)
+    tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
+    return Outcome(tokens, len(seen), max(seen) - len(prompt))

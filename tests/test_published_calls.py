@@ -25,6 +25,8 @@ from test_block_decoding import mlx_vlm_forward, transformers_forward
 
 from fixtures import build_once
 from fixtures import coda as coda_fixture
+from fixtures import dllm as a2d_fixture
+from fixtures import dllm_qwen2 as a2d_qwen2_fixture
 from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_v2_fixture
 from fixtures import llada2 as llada2_fixture
@@ -316,6 +318,21 @@ CALLS = {
         # template's own default reads (the fixture's has no <think>, so the wrapper says False).
         template=dict(enable_thinking=True),
     ),
+    # The Qwen3 vocabulary holds <think> (mlx-lm passes enable_thinking=True); Qwen2.5-Coder's
+    # template has no thinking switch. The fixtures share a Qwen3 template and no <think>.
+    **{
+        name: Call(
+            source="ZHZisZZ/dllm @ ca17675 examples/a2d/mdlm/sample.py",
+            build=build,
+            tokenize=lambda hf, m: _ids(hf.apply_chat_template(m, add_generation_prompt=True)),
+            published=lambda path, model, spec, p: text.a2d_run(path, spec, p),
+            template=dict(enable_thinking=True),
+        )
+        for name, build in (
+            ("a2d_qwen3", a2d_fixture.build),
+            ("a2d_qwen2", a2d_qwen2_fixture.build),
+        )
+    },
 }
 
 
