@@ -145,3 +145,35 @@ def a2d_run(path, spec, prompt):
     seq = mdlm_sample(forward, [prompt], 128, 32, 128, mask_id=spec.mask_token_id, eos_id=eos)
     tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
     return Outcome(tokens, len(seen), max(seen) - len(prompt))
+
+
+# ------------------------------------------------------------------------------------ Open-dCoder
+# pengzhangzhi/Open-dLLM @ ea477d6 sample.py: no chat template, tokenizer(prompt).input_ids of
+# "\nWrite a quick sort algorithm in Python.\n"; MDMGenerationConfig(max_new_tokens=128,
+# steps=128, temperature=0.5, top_k=200, alg="p2", alg_temp=0.5) through diffusion_generate (p2
+# reads no alg_temp). Temperature 0.5 samples x0, so the tokens are held at temperature 0.
+SAMPLE_PY_PROMPT = "\nWrite a quick sort algorithm in Python.\n"
+
+
+def open_dcoder_run(path, spec, prompt, temperature):
+    from reference.open_dcoder_torch import mdm_sample, reference_logits
+
+    seen = []
+
+    def forward(x):
+        seen.append(x.shape[1])
+        return reference_logits(path, x)
+
+    seq, nfe = mdm_sample(
+        forward,
+        [prompt],
+        128,
+        128,
+        mask_token_id=spec.mask_token_id,
+        alg="p2",
+        alg_temp=0.5,
+        temperature=temperature,
+        top_k=200,
+    )
+    tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
+    return Outcome(tokens, nfe, max(seen) - len(prompt))

@@ -31,6 +31,7 @@ from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_v2_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import nemotron as nemotron_fixture
+from fixtures import open_dcoder as open_dcoder_fixture
 from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
 from fixtures import wedlm as wedlm_fixture
@@ -64,6 +65,7 @@ class Call:
     # The chat template's arguments mlx-lm's tokenizer wrapper gives the real checkpoint's
     # vocabulary, where the fixture's small one reads otherwise.
     template: Dict = field(default_factory=dict)
+    text: Optional[str] = None  # a call without a chat template: the prompt text it tokenizes
 
 
 def _ids(encoded):
@@ -333,6 +335,14 @@ CALLS = {
             ("a2d_qwen2", a2d_qwen2_fixture.build),
         )
     },
+    "open_dcoder": Call(
+        source="pengzhangzhi/Open-dLLM @ ea477d6 sample.py",
+        build=open_dcoder_fixture.build_converted,
+        tokenize=lambda hf, t: hf(t).input_ids,
+        text=text.SAMPLE_PY_PROMPT,
+        published=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.5),
+        greedy=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.0),
+    ),
 }
 
 
@@ -372,10 +382,11 @@ def test_published_call(family, name):
     spec = model.diffusion_spec
     from transformers import AutoTokenizer
 
-    messages = user_turn(QUESTION)
+    messages = user_turn(QUESTION) if call.text is None else call.text
     prompt = list(call.tokenize(AutoTokenizer.from_pretrained(str(path)), messages))
-    # The package's chat prompt is the published call's ids.
-    assert encode(tok, render_chat(tok, messages, call.template), spec.prompt_prefix) == prompt
+    # The package's prompt (its chat prompt, or the text as given) is the published call's ids.
+    rendered = render_chat(tok, messages, call.template) if call.text is None else call.text
+    assert encode(tok, rendered, spec.prompt_prefix) == prompt
 
     theirs = call.published(path, model, spec, prompt)
     ours = _package(model, tok, prompt, call.package)
