@@ -177,3 +177,24 @@ def open_dcoder_run(path, spec, prompt, temperature):
     )
     tokens = cut_at_eos(seq[0, len(prompt) :], set(spec.eos_token_ids))
     return Outcome(tokens, nfe, max(seen) - len(prompt))
+
+
+# ---------------------------------------------------------------------------------------- BD3-LM
+# kuleshov-group/bd3lms README.md, "Generate Arbitrary-Length Sequences" (HuggingFace model):
+# main.py mode=sample_eval algo=bd3lm algo.T=5000 model.length=$LENGTH block_size=$BLOCK_SIZE
+# sampling.nucleus_p=0.9 sampling.kv_cache=true (first_hitting's default: one mask a step),
+# unconditional: [BOS] then LENGTH - 1 masks. LENGTH is the fixture's model length (64) here.
+
+
+def bd3lm_run(path, bos, length, draws):
+    """The reference's sample with the draws `draws` recorded from the package's run."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from reference.bd3lm_torch import BD3LMReference
+
+    cfg = json.loads((path / "config.json").read_text())
+    ref = BD3LMReference(load_file(str(path / "model.safetensors")), cfg)
+    seq, nfe = ref.sample([[bos]], length - 1, 0.9, draws.ref_tokens, draws.ref_position)
+    return Outcome(cut_at_eos(seq[0, 1:], {bos}), nfe, seq.shape[1] - 1)

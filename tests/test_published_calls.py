@@ -23,6 +23,7 @@ import torch
 from published_text import Outcome
 from test_block_decoding import mlx_vlm_forward, transformers_forward
 
+from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
 from fixtures import coda as coda_fixture
 from fixtures import dllm as a2d_fixture
@@ -36,8 +37,10 @@ from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
-from helpers import cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
+from helpers import RecordedDraws, cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
 from mlx_dllm_models import stream_generate_diffusion
+from mlx_dllm_models.decoding import llada as llada_rules
+from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.settings import resolve_settings
@@ -407,3 +410,22 @@ def test_published_call(family, name):
         assert f"{setting} {published}" in text or f"{setting}={published}" in text, setting
     for page, phrase in call.documented:
         assert phrase in " ".join((DOCS / page).read_text().split()), (page, phrase)
+
+
+@pytest.mark.slow
+def test_bd3lms_published_sampling(fixture_dir, monkeypatch):
+    """BD3-LM's README call (published_text.bd3lm_run) samples every token and position: the
+    package's draws are recorded and replayed to the reference. Unconditional generation is the
+    package's empty prompt, read as the BOS; model.length L is max_tokens L - 1 after it."""
+    path = build_once(fixture_dir / "published_bd3lm", bd3lm_fixture.build)
+    model, tok = load_fixture(path)
+    bos, length = bd3lm_fixture.ENDOFTEXT, bd3lm_fixture.LENGTH
+    assert encode(tok, "", model.diffusion_spec.prompt_prefix) == [bos]
+    draws = RecordedDraws(seed=43)
+    monkeypatch.setattr(stats_module, "uniform", draws.ours_tokens)
+    monkeypatch.setattr(llada_rules, "random_confidence", draws.ours_positions)
+    ours = _package(model, tok, [bos], dict(max_tokens=length - 1))
+    theirs = text.bd3lm_run(path, bos, length, draws)
+    assert (ours.tokens, ours.window) == (theirs.tokens, theirs.window)
+    assert len(ours.tokens) > length // 2 and draws.made == ours.forwards
+    assert ours.forwards == theirs.forwards, (ours.forwards, theirs.forwards)
