@@ -10,8 +10,11 @@ forwards at the published arguments and the tokens at temperature 0 with the oth
 published. Where the package deliberately differs, the row asserts the difference and the family's
 page (docs/families/*.md) says so with the reason (the phrase a row quotes is looked up there).
 
-Covered: LLaDA, Dream, SDAR, LLaDA2.0, RND1. Not yet: Nemotron, CoDA, WeDLM, Fast-dLLM v2, A2D,
-BD3-LM, Open-dCoder, DiffusionGemma, LLaDA-MoE and the vision families."""
+Covered: LLaDA, LLaDA-MoE, Dream, SDAR, SDAR-MoE, LLaDA2.0, RND1, Nemotron-Labs-Diffusion,
+Fast-dLLM v2, WeDLM, CoDA, dllm's A2D (Qwen3, Qwen2), Open-dCoder, BD3-LM (its own test: every
+draw replayed). Stable-DiffCoder's model card call is tests/test_stable_diffcoder.py's. Elsewhere:
+DiffusionGemma and the vision families. The transcriptions of the newer rows are in
+tests/published_text.py."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
