@@ -14,6 +14,7 @@ class Outcome:
     forwards: int
     window: int  # positions after the prompt that the canvas spans
     repeats: int = 0  # forwards over the same canvas as the forward before (nothing committed)
+    stores: int = 0  # forwards that only store a finished block's K/V
 
 
 def spans(forward, span):
@@ -198,3 +199,21 @@ def bd3lm_run(path, bos, length, draws):
     ref = BD3LMReference(load_file(str(path / "model.safetensors")), cfg)
     seq, nfe = ref.sample([[bos]], length - 1, 0.9, draws.ref_tokens, draws.ref_position)
     return Outcome(cut_at_eos(seq[0, 1:], {bos}), nfe, seq.shape[1] - 1)
+
+
+# ------------------------------------------------------------------------------- Stable-DiffCoder
+# ByteDance-Seed/Stable-DiffCoder README.md: apply_chat_template(m, add_generation_prompt=True,
+# tokenize=False), tokenizer(prompt)["input_ids"]; model.generate(input_ids, steps=512,
+# gen_length=512, block_length=4, temperature=0., remasking="low_confidence", shift=False,
+# threshold=None, eos_id=tokenizer.eos_token_id): one token a step. 512 positions are past the
+# fixture's context (512 with the prompt): gen_length = steps = 128 here.
+
+
+def stable_diffcoder_run(path, spec, prompt, gen_length=128):
+    from reference.stable_diffcoder_torch import generate_block
+
+    eos, stores = spec.eos_token_ids[0], []
+    x, nfe = generate_block(
+        path, prompt, gen_length, gen_length, 4, spec.mask_token_id, eos_id=eos, stores=stores
+    )
+    return Outcome(cut_at_eos(x[len(prompt) :], {eos}), nfe, len(x) - len(prompt), 0, len(stores))

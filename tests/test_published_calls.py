@@ -12,8 +12,8 @@ page (docs/families/*.md) says so with the reason (the phrase a row quotes is lo
 
 Covered: LLaDA, LLaDA-MoE, Dream, SDAR, SDAR-MoE, LLaDA2.0, RND1, Nemotron-Labs-Diffusion,
 Fast-dLLM v2, WeDLM, CoDA, dllm's A2D (Qwen3, Qwen2), Open-dCoder, BD3-LM (its own test: every
-draw replayed). Stable-DiffCoder's model card call is tests/test_stable_diffcoder.py's. Elsewhere:
-DiffusionGemma and the vision families. The transcriptions of the newer rows are in
+draw replayed), Stable-DiffCoder (tests/test_stable_diffcoder.py holds its call's shape on more
+prompts). Elsewhere: DiffusionGemma and the vision families. The transcriptions of the newer rows are in
 tests/published_text.py."""
 
 from dataclasses import dataclass, field
@@ -38,6 +38,7 @@ from fixtures import nemotron as nemotron_fixture
 from fixtures import open_dcoder as open_dcoder_fixture
 from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
+from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from helpers import RecordedDraws, cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
@@ -348,6 +349,18 @@ CALLS = {
         text=text.SAMPLE_PY_PROMPT,
         published=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.5),
         greedy=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.0),
+    ),
+    "stable_diffcoder": Call(
+        source="ByteDance-Seed/Stable-DiffCoder README.md",
+        build=stable_diffcoder_fixture.build_converted,
+        tokenize=lambda hf, m: hf(_templated(hf, m))["input_ids"],
+        published=lambda path, model, spec, p: text.stable_diffcoder_run(path, spec, p),
+        package=dict(max_tokens=128),
+        # generate_block counts a store forward per finished block and no prefill; the package
+        # folds each store into the next block's first forward and encodes the prompt's whole
+        # blocks once.
+        forwards=lambda ours, theirs: ours.forwards == theirs.forwards - theirs.stores + 1,
+        documented=(("stable-diffcoder.md", "folds each finished block's store forward"),),
     ),
 }
 
