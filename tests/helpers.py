@@ -443,3 +443,43 @@ def mlx_vlm_llada2(path, **config):
         weights.update(mx.load(str(f)))
     model.load_weights(list(model.sanitize(weights).items()))
     return model.language_model
+
+
+class RecordedDraws:
+    """The engine's uniform draws, recorded and replayed to a reference (BD3-LM's sampler): the
+    token draws of each step (stats.uniform over the step's window) and the position draws
+    (sampler "random"); draws the engine never made come from the same generator.
+    The reference's block starts at the block's first column; the engine's window at the
+    prompt's end in the first block, so the reference's extra columns (committed prompt tokens)
+    get filler draws."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.tokens, self.positions = [], []
+        self.made = 0
+
+    def ours_tokens(self, key, shape, low=0.0):
+        import mlx.core as mx
+
+        u = np.maximum(self.rng.random(shape), 1e-12).astype(np.float32)
+        self.tokens.append(u)
+        self.made += 1
+        return mx.array(u)
+
+    def ours_positions(self, key, shape):
+        import mlx.core as mx
+
+        u = self.rng.random(shape).astype(np.float32)
+        self.positions.append(u)
+        return mx.array(u)
+
+    def ref_tokens(self, shape):
+        u = self.tokens.pop(0) if self.tokens else self.rng.random(shape)
+        pad = shape[1] - u.shape[1]
+        return np.concatenate([np.full((shape[0], pad, shape[2]), 0.5), u], axis=1)
+
+    def ref_position(self, masked):
+        masked = masked.numpy()
+        u = self.positions.pop(0) if self.positions else self.rng.random(masked.shape)
+        u = np.concatenate([np.zeros((u.shape[0], masked.shape[1] - u.shape[1])), u], axis=1)
+        return np.where(masked, u, -1.0).argmax(axis=1)

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
-from helpers import ROOT, assert_close, far, load_fixture
+from helpers import ROOT, RecordedDraws, assert_close, far, load_fixture
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,
@@ -96,41 +96,6 @@ def test_nucleus_keeps_the_tokens_within_p(ref):
 # ----------------------------------------------------------------------------------- sampler
 
 
-class _Draws:
-    """The engine's uniform draws, recorded and replayed to the reference: the token draws of
-    each step (stats.uniform over the step's window) and the position draws (sampler "random").
-    The reference's block starts at the block's first column; the engine's window at the
-    prompt's end in the first block, so the reference's extra columns (committed prompt tokens)
-    get filler draws."""
-
-    def __init__(self, seed):
-        self.rng = np.random.default_rng(seed)
-        self.tokens, self.positions = [], []
-        self.made = 0
-
-    def ours_tokens(self, key, shape, low=0.0):
-        u = np.maximum(self.rng.random(shape), 1e-12).astype(np.float32)
-        self.tokens.append(u)
-        self.made += 1
-        return mx.array(u)
-
-    def ours_positions(self, key, shape):
-        u = self.rng.random(shape).astype(np.float32)
-        self.positions.append(u)
-        return mx.array(u)
-
-    def ref_tokens(self, shape):
-        u = self.tokens.pop(0) if self.tokens else self.rng.random(shape)
-        pad = shape[1] - u.shape[1]
-        return np.concatenate([np.full((shape[0], pad, shape[2]), 0.5), u], axis=1)
-
-    def ref_position(self, masked):
-        masked = masked.numpy()
-        u = self.positions.pop(0) if self.positions else self.rng.random(masked.shape)
-        u = np.concatenate([np.zeros((u.shape[0], masked.shape[1] - u.shape[1])), u], axis=1)
-        return np.where(masked, u, -1.0).argmax(axis=1)
-
-
 def _until_eos(tokens):
     return tokens[: tokens.index(ENDOFTEXT)] if ENDOFTEXT in tokens else tokens
 
@@ -152,7 +117,7 @@ def test_sampler_matches_the_reference_with_the_same_draws(
     """_semi_ar_sampler (first_hitting, nucleus) from the BOS (upstream's unconditional start) or
     after a prompt that crosses a block boundary; at top_p 1e-6 the nucleus is the argmax."""
     model, tok = loaded
-    draws = _Draws(seed=len(prompt_ids) + int(top_p * 10))
+    draws = RecordedDraws(seed=len(prompt_ids) + int(top_p * 10))
     monkeypatch.setattr(stats_module, "uniform", draws.ours_tokens)
     monkeypatch.setattr(llada_rules, "random_confidence", draws.ours_positions)
     max_tokens = 18

@@ -10,25 +10,41 @@ forwards at the published arguments and the tokens at temperature 0 with the oth
 published. Where the package deliberately differs, the row asserts the difference and the family's
 page (docs/families/*.md) says so with the reason (the phrase a row quotes is looked up there).
 
-Covered: LLaDA, Dream, SDAR, LLaDA2.0, RND1. Not yet: Nemotron, CoDA, WeDLM, Fast-dLLM v2, A2D,
-BD3-LM, Open-dCoder, DiffusionGemma, LLaDA-MoE and the vision families."""
+Covered: LLaDA, LLaDA-MoE, Dream, SDAR, SDAR-MoE, LLaDA2.0, RND1, Nemotron-Labs-Diffusion,
+Fast-dLLM v2, WeDLM, CoDA, dllm's A2D (Qwen3, Qwen2), Open-dCoder, BD3-LM (its own test: every
+draw replayed), Stable-DiffCoder (tests/test_stable_diffcoder.py holds its call's shape on more
+prompts). Elsewhere: DiffusionGemma and the vision families. The transcriptions of the newer rows are in
+tests/published_text.py."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+import published_text as text
 import pytest
 import torch
+from published_text import Outcome
 from test_block_decoding import mlx_vlm_forward, transformers_forward
 
+from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
+from fixtures import coda as coda_fixture
+from fixtures import dllm as a2d_fixture
+from fixtures import dllm_qwen2 as a2d_qwen2_fixture
 from fixtures import dream as dream_fixture
+from fixtures import fast_dllm_v2 as fast_dllm_v2_fixture
 from fixtures import llada2 as llada2_fixture
+from fixtures import nemotron as nemotron_fixture
+from fixtures import open_dcoder as open_dcoder_fixture
 from fixtures import rnd1 as rnd1_fixture
 from fixtures import sdar as sdar_fixture
+from fixtures import stable_diffcoder as stable_diffcoder_fixture
+from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
-from helpers import cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
+from helpers import RecordedDraws, cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
 from mlx_dllm_models import stream_generate_diffusion
+from mlx_dllm_models.decoding import llada as llada_rules
+from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.settings import resolve_settings
@@ -39,14 +55,6 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 QUESTION = "What is two plus two?"
 
 
-@dataclass
-class Outcome:
-    tokens: list  # generated, cut before the first EOS
-    forwards: int
-    window: int  # positions after the prompt that the canvas spans
-    repeats: int = 0  # forwards over the same canvas as the forward before (nothing committed)
-
-
 @dataclass(frozen=True)
 class Call:
     source: str  # repo, file
@@ -54,16 +62,29 @@ class Call:
     tokenize: Callable  # (HF tokenizer, messages) -> ids, as the published call tokenizes
     published: Callable  # (path, model, spec, prompt ids) -> Outcome at the published arguments
     greedy: Optional[Callable] = None  # the same at temperature 0, when the published call samples
+    # What the package's call sets for that greedy reading.
+    greedy_settings: Dict = field(default_factory=lambda: {"temperature": 0.0})
     package: Dict = field(default_factory=dict)  # the package's call: what it sets beyond defaults
     # The package's forwards against the published call's, and why they may differ.
     forwards: Callable = lambda ours, theirs: ours.forwards == theirs.forwards
     differs: Dict = field(default_factory=dict)  # resolved default -> (published value, docs page)
     documented: tuple = ()  # (docs page, phrase): where a deliberate difference is stated
+    # The chat template's arguments mlx-lm's tokenizer wrapper gives the real checkpoint's
+    # vocabulary, where the fixture's small one reads otherwise.
+    template: Dict = field(default_factory=dict)
+    text: Optional[str] = None  # a call without a chat template: the prompt text it tokenizes
 
 
 def _ids(encoded):
     """apply_chat_template(tokenize=True)'s ids: a list, or a BatchEncoding in newer transformers."""
     return encoded if isinstance(encoded, list) else encoded["input_ids"]
+
+
+def _dict_ids(hf, messages):
+    """apply_chat_template(return_tensors="pt", return_dict=True, add_generation_prompt=True)."""
+    return hf.apply_chat_template(
+        messages, return_tensors="pt", return_dict=True, add_generation_prompt=True
+    )["input_ids"][0].tolist()
 
 
 def _templated(hf, messages, **kw):
@@ -77,6 +98,7 @@ def _templated(hf, messages, **kw):
 
 
 def _llada(path, model, spec, prompt):
+    """LLaDA's generate.py main(), and LLaDA-MoE's model card, which copies it with its own ids."""
     x, nfe = llada_torch.llada_generate(
         torch_logits_fn(model),
         torch.tensor([prompt]),
@@ -207,12 +229,17 @@ CALLS = {
         published=_llada,
         package=dict(max_tokens=128),
     ),
+    "llada_moe": Call(
+        source="inclusionAI/LLaDA-MoE-7B-A1B-Instruct README.md (model card)",
+        build=LLADA_CHECKPOINTS["llada_moe"],
+        tokenize=lambda hf, m: hf(_templated(hf, m))["input_ids"],
+        published=_llada,
+        package=dict(max_tokens=128),
+    ),
     "dream": Call(
         source="DreamLM/Dream README.md",
         build=dream_fixture.build,
-        tokenize=lambda hf, m: hf.apply_chat_template(
-            m, return_tensors="pt", return_dict=True, add_generation_prompt=True
-        )["input_ids"][0].tolist(),
+        tokenize=_dict_ids,
         published=lambda path, model, spec, p: _dream_run(model, spec, p, 0.2),
         greedy=lambda path, model, spec, p: _dream_run(model, spec, p, 0.0),
         package=dict(max_tokens=128),
@@ -243,6 +270,17 @@ CALLS = {
         differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
         documented=(("sdar.md", "one store forward per finished block fewer"),),
     ),
+    "sdar_moe": Call(
+        source="JetAstra/SDAR generate.py (its one script for every SDAR checkpoint, MoE included)",
+        build=sdar_fixture.build_sdar_moe,
+        tokenize=lambda hf, m: hf([_templated(hf, m)], add_special_tokens=False)["input_ids"][0],
+        published=lambda path, model, spec, p: _sdar_run(path, spec, p, 1.0),
+        greedy=lambda path, model, spec, p: _sdar_run(path, spec, p, 0.0),
+        package=dict(max_tokens=128, threshold=0.85),
+        forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
+        differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
+        documented=(("sdar.md", "one store forward per finished block fewer"),),
+    ),
     "llada2": Call(
         source="inclusionAI/LLaDA2.0-mini README.md (model card)",
         build=llada2_fixture.build,
@@ -253,6 +291,76 @@ CALLS = {
         # spans one); the reference recomputes the window at every step instead.
         forwards=lambda ours, theirs: ours.forwards == theirs.forwards + 1,
         documented=(("llada2.md", "one prefill forward more than the reference's count"),),
+    ),
+    "nemotron": Call(
+        source="nvidia/Nemotron-Labs-Diffusion-8B README.md (model card; its chat.py's dlm mode)",
+        build=nemotron_fixture.build,
+        tokenize=lambda hf, m: hf(_templated(hf, m)).input_ids,
+        # max_new_tokens 512 is past the fixture's context of 64: 40, whole blocks of its 8.
+        published=lambda path, model, spec, p: text.nemotron_run(
+            nemotron_fixture.mlx_vlm_model(path), spec, p, nemotron_fixture.BLOCK_SIZE, 40
+        ),
+        package=dict(max_tokens=40),
+    ),
+    "fast_dllm_v2": Call(
+        source="Efficient-Large-Model/Fast_dLLM_v2_7B README.md (model card)",
+        build=fast_dllm_v2_fixture.build,
+        tokenize=lambda hf, m: hf([_templated(hf, m)], return_tensors="pt")["input_ids"][
+            0
+        ].tolist(),
+        published=lambda path, model, spec, p: text.fast_dllm_v2_run(path, spec, p),
+    ),
+    "wedlm": Call(
+        source="Tencent/WeDLM README.md (Python API)",
+        build=wedlm_fixture.build,
+        tokenize=lambda hf, m: hf.encode(_templated(hf, m)),
+        published=lambda path, model, spec, p: text.wedlm_run(path, spec, p),
+    ),
+    "coda": Call(
+        source="SalesforceAIResearch/CoDA serving/fast-api/app/core/service.py, config.py",
+        build=coda_fixture.build,
+        tokenize=_dict_ids,
+        published=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.1),
+        greedy=lambda path, model, spec, p: text.coda_run(path, spec, p, 0.0),
+        greedy_settings=dict(alg_temp=0.0),
+        # CoDA's Qwen3 vocabulary holds <think>: mlx-lm passes enable_thinking=True, as the
+        # template's own default reads (the fixture's has no <think>, so the wrapper says False).
+        template=dict(enable_thinking=True),
+    ),
+    # The Qwen3 vocabulary holds <think> (mlx-lm passes enable_thinking=True); Qwen2.5-Coder's
+    # template has no thinking switch. The fixtures share a Qwen3 template and no <think>.
+    **{
+        name: Call(
+            source="ZHZisZZ/dllm @ ca17675 examples/a2d/mdlm/sample.py",
+            build=build,
+            tokenize=lambda hf, m: _ids(hf.apply_chat_template(m, add_generation_prompt=True)),
+            published=lambda path, model, spec, p: text.a2d_run(path, spec, p),
+            template=dict(enable_thinking=True),
+        )
+        for name, build in (
+            ("a2d_qwen3", a2d_fixture.build),
+            ("a2d_qwen2", a2d_qwen2_fixture.build),
+        )
+    },
+    "open_dcoder": Call(
+        source="pengzhangzhi/Open-dLLM @ ea477d6 sample.py",
+        build=open_dcoder_fixture.build_converted,
+        tokenize=lambda hf, t: hf(t).input_ids,
+        text=text.SAMPLE_PY_PROMPT,
+        published=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.5),
+        greedy=lambda path, model, spec, p: text.open_dcoder_run(path, spec, p, 0.0),
+    ),
+    "stable_diffcoder": Call(
+        source="ByteDance-Seed/Stable-DiffCoder README.md",
+        build=stable_diffcoder_fixture.build_converted,
+        tokenize=lambda hf, m: hf(_templated(hf, m))["input_ids"],
+        published=lambda path, model, spec, p: text.stable_diffcoder_run(path, spec, p),
+        package=dict(max_tokens=128),
+        # generate_block counts a store forward per finished block and no prefill; the package
+        # folds each store into the next block's first forward and encodes the prompt's whole
+        # blocks once.
+        forwards=lambda ours, theirs: ours.forwards == theirs.forwards - theirs.stores + 1,
+        documented=(("stable-diffcoder.md", "folds each finished block's store forward"),),
     ),
 }
 
@@ -293,10 +401,11 @@ def test_published_call(family, name):
     spec = model.diffusion_spec
     from transformers import AutoTokenizer
 
-    messages = user_turn(QUESTION)
+    messages = user_turn(QUESTION) if call.text is None else call.text
     prompt = list(call.tokenize(AutoTokenizer.from_pretrained(str(path)), messages))
-    # The package's chat prompt is the published call's ids.
-    assert encode(tok, render_chat(tok, messages), spec.prompt_prefix) == prompt
+    # The package's prompt (its chat prompt, or the text as given) is the published call's ids.
+    rendered = render_chat(tok, messages, call.template) if call.text is None else call.text
+    assert encode(tok, rendered, spec.prompt_prefix) == prompt
 
     theirs = call.published(path, model, spec, prompt)
     ours = _package(model, tok, prompt, call.package)
@@ -306,7 +415,7 @@ def test_published_call(family, name):
         assert call.forwards(ours, theirs), (ours.forwards, theirs.forwards)
     else:
         greedy = call.greedy(path, model, spec, prompt)
-        mine = _package(model, tok, prompt, dict(call.package, temperature=0.0))
+        mine = _package(model, tok, prompt, dict(call.package, **call.greedy_settings))
         assert mine.tokens == greedy.tokens
         assert call.forwards(mine, greedy), (mine.forwards, greedy.forwards, greedy.repeats)
 
@@ -317,3 +426,22 @@ def test_published_call(family, name):
         assert f"{setting} {published}" in text or f"{setting}={published}" in text, setting
     for page, phrase in call.documented:
         assert phrase in " ".join((DOCS / page).read_text().split()), (page, phrase)
+
+
+@pytest.mark.slow
+def test_bd3lms_published_sampling(fixture_dir, monkeypatch):
+    """BD3-LM's README call (published_text.bd3lm_run) samples every token and position: the
+    package's draws are recorded and replayed to the reference. Unconditional generation is the
+    package's empty prompt, read as the BOS; model.length L is max_tokens L - 1 after it."""
+    path = build_once(fixture_dir / "published_bd3lm", bd3lm_fixture.build)
+    model, tok = load_fixture(path)
+    bos, length = bd3lm_fixture.ENDOFTEXT, bd3lm_fixture.LENGTH
+    assert encode(tok, "", model.diffusion_spec.prompt_prefix) == [bos]
+    draws = RecordedDraws(seed=43)
+    monkeypatch.setattr(stats_module, "uniform", draws.ours_tokens)
+    monkeypatch.setattr(llada_rules, "random_confidence", draws.ours_positions)
+    ours = _package(model, tok, [bos], dict(max_tokens=length - 1))
+    theirs = text.bd3lm_run(path, bos, length, draws)
+    assert (ours.tokens, ours.window) == (theirs.tokens, theirs.window)
+    assert len(ours.tokens) > length // 2 and draws.made == ours.forwards
+    assert ours.forwards == theirs.forwards, (ours.forwards, theirs.forwards)

@@ -51,9 +51,15 @@ def dllm_schedule(masks: mx.array, steps: int, settings=None) -> mx.array:
 
 def dllm_commit(stats, cand, ctx):
     """Samplers "mdlm" / "bd3lm" (remasking="low_confidence"): the schedule's quota of the block's
-    most confident masks."""
-    return quota_commit(stats.confidence, cand, ctx.floor)
+    most confident masks, ranked by F.softmax(logits) at x0 as the samplers compute it (torch's
+    form keeps apart the masks within 1e-6 of certain that exp(logit - logsumexp) makes equal)."""
+    return quota_commit(stats.raw_softmax_confidence, cand, ctx.floor)
 
 
 # It commits exactly the schedule's floor: a step whose floor is 0 changes nothing.
-dllm_commit = CommitRule(dllm_commit, schedule=dllm_schedule, exact_floor=always)
+dllm_commit = CommitRule(
+    dllm_commit,
+    schedule=dllm_schedule,
+    exact_floor=always,
+    stats_extras=("raw_softmax_confidence",),
+)

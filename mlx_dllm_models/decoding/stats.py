@@ -31,11 +31,14 @@ class TokenStats(_Stats):
     softmax does, exp(s - max) / sum(exp(s - max)): near 1 it keeps the gap that exp(s - lse)
     loses once the gap is below the rounding of a large logsumexp (Open-dCoder's p2 ranks
     committed tokens whose probabilities all sit within 1e-6 of 1).
+    raw_softmax_confidence: the same form over the model's own (unprocessed) logits (dllm's
+    samplers rank F.softmax(logits) at x0, where several masks sit within 1e-6 of 1).
     """
 
     margin = None
     processed_entropy = None
     softmax_confidence = None
+    raw_softmax_confidence = None
 
 
 def filter_logits(logits: mx.array, top_k: Optional[int] = None, top_p: Optional[float] = None):
@@ -130,7 +133,12 @@ def token_stats(
         proposal = proposal - mx.log(-mx.log(u))
     x0 = mx.argmax(proposal, axis=-1)
 
-    unknown = set(extras) - {"margin", "processed_entropy", "softmax_confidence"}
+    unknown = set(extras) - {
+        "margin",
+        "processed_entropy",
+        "softmax_confidence",
+        "raw_softmax_confidence",
+    }
     if unknown:
         raise ValueError(f"unknown token statistic(s) {sorted(unknown)}")
     if confidence not in ("raw", "sampled"):
@@ -164,10 +172,9 @@ def token_stats(
         out.margin = mx.where(base.finite[..., 0], margin, 0.0)
     if "processed_entropy" in extras:
         out.processed_entropy = proc.entropy()
-    if "softmax_confidence" in extras:
-        shifted = mx.exp(proc.safe - proc.safe.max(axis=-1, keepdims=True))
-        at = mx.take_along_axis(shifted, x0[..., None], axis=-1)[..., 0]
-        out.softmax_confidence = mx.where(base.finite[..., 0], at / shifted.sum(axis=-1), 0.0)
+    for name, norm in (("softmax_confidence", proc), ("raw_softmax_confidence", base)):
+        if name in extras:
+            setattr(out, name, mx.where(base.finite[..., 0], norm.softmax_at(x0), 0.0))
     return out
 
 
@@ -183,6 +190,12 @@ class _Normaliser:
 
     def at(self, ids):
         return mx.exp(mx.take_along_axis(self.safe, ids[..., None], axis=-1) - self.lse)[..., 0]
+
+    def softmax_at(self, ids):
+        """The probability at `ids` in torch's softmax form, exp(s - max) / sum(exp(s - max))."""
+        shifted = mx.exp(self.safe - self.safe.max(axis=-1, keepdims=True))
+        at = mx.take_along_axis(shifted, ids[..., None], axis=-1)[..., 0]
+        return at / shifted.sum(axis=-1)
 
     def probabilities(self):
         if self._p is None:

@@ -71,9 +71,18 @@ def transfer_index(logits, mask_index, x, count, threshold):
 
 
 def generate_block(
-    ckpt, prompt, steps, gen_length, block_length=4, mask_id=5, threshold=None, eos_id=None
+    ckpt,
+    prompt,
+    steps,
+    gen_length,
+    block_length=4,
+    mask_id=5,
+    threshold=None,
+    eos_id=None,
+    stores=None,
 ):
-    """generate_block at temperature 0: (the sequence it returns, as a list; its nfe)."""
+    """generate_block at temperature 0: (the sequence it returns, as a list; its nfe). `stores`,
+    a list, receives one entry per store forward (a finished block's, counted in the nfe)."""
     model = load_reference(str(ckpt))
     n = len(prompt)
     x = torch.tensor([list(prompt) + [mask_id] * gen_length])
@@ -112,5 +121,7 @@ def generate_block(
                     x[0, gen_start + int(hits[0]) :] = eos_id
                     return x[0].tolist(), nfe
                 nfe += 1  # the store forward of the finished block
+                if stores is not None:
+                    stores.append(stop)
                 break
     return x[0].tolist(), nfe

@@ -170,8 +170,10 @@ def generate(
     top_p=1.0,
     top_k=0,
     stop_token_ids=(),
+    reach=None,
 ):
-    """The completion token ids of one prompt, and the number of decode forwards."""
+    """The completion token ids of one prompt, and the number of decode forwards. `reach`, a
+    list, receives each decode forward's end: the position after the last one it covers."""
     from transformers import DynamicCache
 
     model = load_reference(str(ckpt))
@@ -199,6 +201,8 @@ def generate(
         start = state["len"]
         logits = _forward(model, cache, ids, positions, start)
         forwards += 1
+        if reach is not None:
+            reach.append(start + len(ids))
         # process_decode_outputs
         mask_idx = [i for i, f in enumerate(state["flags"]) if f]
         prune_count = mask_idx[0] if mask_idx else len(state["tokens"])
