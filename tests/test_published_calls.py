@@ -270,7 +270,7 @@ def family(fixture_dir):
     return get
 
 
-def _package(model, tok, prompt, settings):
+def package_outcome(model, tok, prompt, settings):
     """The package's call on a prompt's ids: its tokens, forwards and window (the widest span a
     forward covers, cache included, past the prompt)."""
     spans, tokens, last = [], [], None
@@ -299,14 +299,14 @@ def test_published_call(family, name):
     assert encode(tok, render_chat(tok, messages), spec.prompt_prefix) == prompt
 
     theirs = call.published(path, model, spec, prompt)
-    ours = _package(model, tok, prompt, call.package)
+    ours = package_outcome(model, tok, prompt, call.package)
     assert ours.window == theirs.window
     if call.greedy is None:
         assert ours.tokens == theirs.tokens
         assert call.forwards(ours, theirs), (ours.forwards, theirs.forwards)
     else:
         greedy = call.greedy(path, model, spec, prompt)
-        mine = _package(model, tok, prompt, dict(call.package, temperature=0.0))
+        mine = package_outcome(model, tok, prompt, dict(call.package, temperature=0.0))
         assert mine.tokens == greedy.tokens
         assert call.forwards(mine, greedy), (mine.forwards, greedy.forwards, greedy.repeats)
 

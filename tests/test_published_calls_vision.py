@@ -1,0 +1,135 @@
+"""The published calls of the vision families and of MMaDA's text generation (issue 43 item 1), as
+tests/test_published_calls.py holds them for the text families: the reference's own demo call (its
+arguments as written, its conversation template and tokenizer call, its image through its own
+preprocessing) transcribed on the fixture with the torch transcriptions of tests/reference, against
+the package's defaults-equivalent call on the same question and image: the prompt ids, the window,
+the tokens, the number of forwards and where it stops.
+
+Sources (each file read at the commit named):
+* LLaDA-V: ML-GSAI/LLaDA-V @ 22527697b9c7de0ea2ac16ca95b632cc1bc84966, train/generate_demo.py.
+* LaViDa: jacklishufan/LaViDa @ 284ef5c4538069d65bb03bd39c3fd0ccdc2d9682, predict.py.
+* MMaDA: Gen-Verse/MMaDA @ 3cdb8709635beb29f66e4e23cd66060872ac3996, generate.py main().
+
+Deliberate differences (asserted here, stated on the family's page): the LLaVA conversations of
+LLaDA-V and LaViDa open with a system turn that is the demo's, not the checkpoint's template's, so
+the package's chat prompt takes it only when given (`system_prompt`); generate_demo.py's dLLM-Cache
+(use_cache=True, approximate) is not implemented: its use_cache=False run is the one reproduced;
+MMaDA's generate.py replaces the tokenizer's chat template with its own.
+"""
+
+from pathlib import Path
+
+import pytest
+from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
+from test_published_calls import Outcome, package_outcome
+
+from fixtures import build_once
+from fixtures.llada import LLADA_TOKENS
+from fixtures.llada_v import SUPPRESSED, build_llada_v
+from fixtures.llada_v import TILE as LLADA_V_TILE
+from helpers import load_fixture, random_picture
+from mlx_dllm_models.prompts import render_chat, user_turn
+from mlx_dllm_models.request import prepare
+from reference import llada_v_torch
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
+# conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
+LLAVA_SYSTEM = (
+    "You are a helpful language and vision assistant. You are able to understand the visual "
+    "content that the user provides, and assist the user with a variety of tasks using natural "
+    "language."
+)
+MASK = LLADA_TOKENS["<|mdm_mask|>"]
+EOT = LLADA_TOKENS["<|eot_id|>"]
+
+
+def documented(page, phrase):
+    return phrase in " ".join((DOCS / page).read_text().split())
+
+
+def llava_prompt(hf, question):
+    """conv.get_prompt() of a LLAMA_3-style conversation: the tokenizer's chat template over the
+    system turn, the user's question, and the assistant's turn opened."""
+    messages = [{"role": "system", "content": LLAVA_SYSTEM}, {"role": "user", "content": question}]
+    return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def split_at_image(ids):
+    at = ids.index(IMAGE_TOKEN_INDEX)
+    return ids[:at], ids[at + 1 :]
+
+
+def counting(monkeypatch, module, name):
+    """Counts the calls of `module.name` (a reference's forward) in the returned list."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def package_prompt(model, processor, hf, question, image, system=None):
+    """The package's chat prompt of one question and image (its image slots in place of <image>),
+    rendered with the checkpoint's template as every surface renders it."""
+    text = render_chat(hf, user_turn(question, system))
+    return prepare(model, processor, [text], {}, images=[image]).ids[0]
+
+
+# ----------------------------------------------------------------------------------- LLaDA-V
+# generate_demo.py: conv_templates["llava_llada"] with DEFAULT_IMAGE_TOKEN + "\nPlease describe
+# the image in detail.", tokenizer_image_token, process_images (anyres), model.generate(steps=128,
+# gen_length=128, block_length=128, stopping_criteria=['<|eot_id|>']), greedy low_confidence.
+
+
+# The fixture as built, and with <|eot_id|> winning where token 257 would (the answer stops early).
+EOT_LIKE = {"llada_v": None, "llada_v_eot257": 257}
+
+
+@pytest.fixture(scope="module", params=sorted(EOT_LIKE))
+def llada_v(request, fixture_dir):
+    from transformers import AutoTokenizer
+
+    name = request.param
+    ckpt = build_once(fixture_dir / name, build_llada_v, eot_like=EOT_LIKE[name])
+    model, processor = load_fixture(ckpt)
+    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt))
+
+
+@pytest.mark.slow
+def test_llada_v_generate_demo(llada_v, monkeypatch):
+    ckpt, model, processor, hf = llada_v
+    question = "<image>\nPlease describe the image in detail."
+    image = random_picture(11, (50, 90))
+    published = tokenizer_image_token(llava_prompt(hf, question), hf)
+    # The package's chat prompt is the demo's ids with the demo's system turn given; without it
+    # (the checkpoint's template alone) the system turn is missing.
+    ours = package_prompt(model, processor, hf, question, image, LLAVA_SYSTEM)
+    assert with_image_markers(model, ours) == published
+    plain = package_prompt(model, processor, hf, question, image)
+    assert len(with_image_markers(model, plain)) < len(published)
+
+    pixels = llada_v_torch.process_anyres_image(image, LLADA_V_TILE, _pinpoints(ckpt))
+    features = llada_v_torch.anyres_image_features(ckpt, pixels, image.size)
+    before, after = split_at_image(published)
+    embeds = llada_v_torch.embed_prompt(ckpt, before, features, after)
+    forwards = counting(monkeypatch, llada_v_torch, "logits")
+    want = llada_v_torch.generate_with_embeds(
+        ckpt, embeds, steps=128, gen_length=128, block_length=128, mask_id=MASK,
+        suppressed=SUPPRESSED, stop_ids={EOT},
+    )  # fmt: skip
+    theirs = Outcome(want, len(forwards), 128)
+    got = package_outcome(model, processor, ours, {})
+    assert got.tokens == theirs.tokens and len(got.tokens) > 2
+    assert got.window == theirs.window
+    assert got.forwards == theirs.forwards, (got.forwards, theirs.forwards)
+    assert documented("llada-v.md", "the demo's system turn")
+    assert documented("llada-v.md", "dLLM-Cache")
+
+
+def _pinpoints(ckpt):
+    import json
+
+    return json.loads((Path(ckpt) / "config.json").read_text())["image_grid_pinpoints"]
