@@ -24,13 +24,15 @@ from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, wi
 from test_published_calls import Outcome, package_outcome
 
 from fixtures import build_once
+from fixtures.lavida import TILE as LAVIDA_TILE
+from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
-from helpers import load_fixture, random_picture
+from helpers import cut_at_eos, load_fixture, random_picture
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import prepare
-from reference import llada_v_torch
+from reference import lavida_torch, llada_v_torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
@@ -133,3 +135,56 @@ def _pinpoints(ckpt):
     import json
 
     return json.loads((Path(ckpt) / "config.json").read_text())["image_grid_pinpoints"]
+
+
+# ------------------------------------------------------------------------------------ LaViDa
+# predict.py: conv_templates["llada"] with DEFAULT_IMAGE_TOKEN + "\nDescribe the image in
+# detail.", tokenizer_image_token (mm_utils.py, as LLaDA-V's), process_images (anyres); its first
+# call generate(do_sample=False, temperature=0, max_new_tokens=64, block_length=64,
+# step_ratio=1.0, prefix_lm=True) and its timed call (temperature=0.1, step_ratio=0.5,
+# schedule='shift': the shift of 3 its schedule_kwargs default to). The timed call samples: its
+# window and forwards are the greedy run's (the schedule does not depend on the draws), its tokens
+# held at temperature 0.
+LAVIDA_CALLS = {
+    "first": (dict(step_ratio=1.0), {}),
+    "timed": (
+        dict(step_ratio=0.5, schedule="shift"),
+        dict(sampler="lavida", schedule="shift", steps=32),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def lavida(fixture_dir):
+    from transformers import AutoTokenizer
+
+    ckpt = build_once(fixture_dir / "lavida", build_lavida)
+    model, processor = load_fixture(ckpt)
+    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", sorted(LAVIDA_CALLS))
+def test_lavida_predict(lavida, call):
+    ckpt, model, processor, hf = lavida
+    question = "<image>\nDescribe the image in detail."
+    image = random_picture(13, (90, 150))
+    published = tokenizer_image_token(llava_prompt(hf, question), hf)
+    ours = package_prompt(model, processor, hf, question, image, LLAVA_SYSTEM)
+    assert with_image_markers(model, ours) == published
+
+    pixels = llada_v_torch.process_anyres_image(image, LAVIDA_TILE, _pinpoints(ckpt))
+    features = lavida_torch.image_features(ckpt, pixels, image.size)[2]
+    before, after = split_at_image(published)
+    embeds = lavida_torch.embed_prompt(ckpt, before, features, after)
+    arguments, settings = LAVIDA_CALLS[call]
+    x, nfe = lavida_torch.generate(
+        ckpt, embeds, max_new_tokens=64, block_length=64, mask_id=MASK, **arguments
+    )
+    # prefix_lm=True: one forward of the prompt alone (its K/V), then nfe over the answer.
+    theirs = Outcome(cut_at_eos(x[0], {EOT, LLADA_TOKENS["<|endoftext|>"]}), nfe + 1, 64)
+    got = package_outcome(model, processor, ours, dict(settings, temperature=0.0))
+    assert got.tokens == theirs.tokens and len(got.tokens) > 2
+    assert got.window == theirs.window
+    assert got.forwards == theirs.forwards
+    assert documented("lavida.md", "the demo's system turn")
