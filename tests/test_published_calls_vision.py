@@ -80,6 +80,21 @@ def package_prompt(model, processor, hf, question, image, system=None):
     return prepare(model, processor, [text], {}, images=[image]).ids[0]
 
 
+def llava_demo(loaded, question, image, tile, reference, features_of):
+    """(the package's prompt ids, the demo's inputs_embeds) of a LLaVA demo: the question in the
+    demo's conversation through tokenizer_image_token, which the package's chat prompt with the
+    demo's system turn given equals; the image through the reference's anyres preprocessing and
+    `features_of(ckpt, pixels, (width, height))`, spliced at IMAGE_TOKEN_INDEX by `reference`."""
+    ckpt, model, processor, hf = loaded
+    published = tokenizer_image_token(llava_prompt(hf, question), hf)
+    ours = package_prompt(model, processor, hf, question, image, LLAVA_SYSTEM)
+    assert with_image_markers(model, ours) == published
+    pixels = llada_v_torch.process_anyres_image(image, tile, _pinpoints(ckpt))
+    before, after = split_at_image(published)
+    features = features_of(ckpt, pixels, image.size)
+    return ours, reference.embed_prompt(ckpt, before, features, after)
+
+
 # ----------------------------------------------------------------------------------- LLaDA-V
 # generate_demo.py: conv_templates["llava_llada"] with DEFAULT_IMAGE_TOKEN + "\nPlease describe
 # the image in detail.", tokenizer_image_token, process_images (anyres), model.generate(steps=128,
@@ -105,18 +120,11 @@ def test_llada_v_generate_demo(llada_v, monkeypatch):
     ckpt, model, processor, hf = llada_v
     question = "<image>\nPlease describe the image in detail."
     image = random_picture(11, (50, 90))
-    published = tokenizer_image_token(llava_prompt(hf, question), hf)
-    # The package's chat prompt is the demo's ids with the demo's system turn given; without it
-    # (the checkpoint's template alone) the system turn is missing.
-    ours = package_prompt(model, processor, hf, question, image, LLAVA_SYSTEM)
-    assert with_image_markers(model, ours) == published
+    reference = llada_v_torch.anyres_image_features
+    ours, embeds = llava_demo(llada_v, question, image, LLADA_V_TILE, llada_v_torch, reference)
+    # Without the demo's system turn (the checkpoint's template alone) the prompt is shorter.
     plain = package_prompt(model, processor, hf, question, image)
-    assert len(with_image_markers(model, plain)) < len(published)
-
-    pixels = llada_v_torch.process_anyres_image(image, LLADA_V_TILE, _pinpoints(ckpt))
-    features = llada_v_torch.anyres_image_features(ckpt, pixels, image.size)
-    before, after = split_at_image(published)
-    embeds = llada_v_torch.embed_prompt(ckpt, before, features, after)
+    assert len(with_image_markers(model, plain)) < len(with_image_markers(model, ours))
     forwards = counting(monkeypatch, llada_v_torch, "logits")
     want = llada_v_torch.generate_with_embeds(
         ckpt, embeds, steps=128, gen_length=128, block_length=128, mask_id=MASK,
@@ -169,14 +177,10 @@ def test_lavida_predict(lavida, call):
     ckpt, model, processor, hf = lavida
     question = "<image>\nDescribe the image in detail."
     image = random_picture(13, (90, 150))
-    published = tokenizer_image_token(llava_prompt(hf, question), hf)
-    ours = package_prompt(model, processor, hf, question, image, LLAVA_SYSTEM)
-    assert with_image_markers(model, ours) == published
-
-    pixels = llada_v_torch.process_anyres_image(image, LAVIDA_TILE, _pinpoints(ckpt))
-    features = lavida_torch.image_features(ckpt, pixels, image.size)[2]
-    before, after = split_at_image(published)
-    embeds = lavida_torch.embed_prompt(ckpt, before, features, after)
+    ours, embeds = llava_demo(
+        lavida, question, image, LAVIDA_TILE, lavida_torch,
+        lambda *a: lavida_torch.image_features(*a)[2],
+    )  # fmt: skip
     arguments, settings = LAVIDA_CALLS[call]
     x, nfe = lavida_torch.generate(
         ckpt, embeds, max_new_tokens=64, block_length=64, mask_id=MASK, **arguments
