@@ -20,6 +20,7 @@ MMaDA's generate.py replaces the tokenizer's chat template with its own.
 from pathlib import Path
 
 import pytest
+import torch
 from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
 from test_published_calls import Outcome, package_outcome
 
@@ -29,10 +30,11 @@ from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
-from helpers import cut_at_eos, load_fixture, random_picture
+from fixtures.mmada import build_mmada
+from helpers import cut_at_eos, load_fixture, random_picture, torch_logits_fn
 from mlx_dllm_models.prompts import render_chat, user_turn
-from mlx_dllm_models.request import prepare
-from reference import lavida_torch, llada_v_torch
+from mlx_dllm_models.request import encode, prepare
+from reference import lavida_torch, llada_torch, llada_v_torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
@@ -192,3 +194,59 @@ def test_lavida_predict(lavida, call):
     assert got.window == theirs.window
     assert got.forwards == theirs.forwards
     assert documented("lavida.md", "the demo's system turn")
+
+
+# ------------------------------------------------------------------------------------- MMaDA
+# generate.py main(): its own chat template set on the tokenizer, apply_chat_template(m,
+# add_generation_prompt=True, tokenize=False), tokenizer(text=prompt, padding=True,
+# padding_side="left"), generate(steps=128, gen_length=128, block_length=128, temperature=1,
+# cfg_scale=0., remasking='low_confidence'). Its temperature samples (Gumbel noise from torch's
+# generator): the window and forwards are the sampled call's, the tokens held at temperature 0.
+MMADA_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n'+ message['content'] | trim "
+    "+ '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n' }}"
+)
+
+
+def _mmada_generate(model, spec, prompt, temperature):
+    x, nfe = llada_torch.llada_generate(
+        torch_logits_fn(model), torch.tensor([prompt]), steps=128, gen_length=128,
+        block_length=128, temperature=temperature, cfg_scale=0.0, remasking="low_confidence",
+        mask_id=spec.mask_token_id, return_nfe=True,
+    )  # fmt: skip
+    tokens = cut_at_eos(x[0, len(prompt) :], set(spec.eos_token_ids))
+    return Outcome(tokens, nfe, x.shape[1] - len(prompt))
+
+
+@pytest.mark.slow
+def test_mmada_generate_py(fixture_dir):
+    from transformers import AutoTokenizer
+
+    ckpt = build_once(fixture_dir / "mmada", build_mmada)
+    model, tok = load_fixture(ckpt)
+    spec = model.diffusion_spec
+    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    messages = user_turn(
+        "Lily can run 12 kilometers per hour for 4 hours. After that, she runs 6 kilometers per "
+        "hour. How many kilometers can she run in 8 hours?"
+    )
+    hf.chat_template = MMADA_TEMPLATE
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = hf(text=text, padding=True, padding_side="left")["input_ids"]
+    # The package renders the checkpoint's own template; generate.py's replaces it (one newline
+    # after each header, the content trimmed): the same conversation gives other ids.
+    ours = encode(tok, render_chat(tok, messages), spec.prompt_prefix)
+    assert ours != prompt
+    assert encode(tok, text, spec.prompt_prefix) == prompt
+    assert documented("mmada.md", "generate.py replaces the tokenizer's chat template")
+
+    torch.manual_seed(0)
+    sampled = _mmada_generate(model, spec, prompt, 1.0)
+    greedy = _mmada_generate(model, spec, prompt, 0.0)
+    got = package_outcome(model, tok, prompt, {})
+    assert (got.window, got.forwards) == (sampled.window, sampled.forwards) == (128, 128)
+    mine = package_outcome(model, tok, prompt, dict(temperature=0.0))
+    assert mine.tokens == greedy.tokens and len(mine.tokens) > 2
+    assert mine.forwards == greedy.forwards
