@@ -25,6 +25,11 @@ from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, wi
 from test_published_calls import Outcome, package_outcome
 
 from fixtures import build_once
+from fixtures.dimple import ENDOFTEXT as DIMPLE_ENDOFTEXT
+from fixtures.dimple import IM_END as DIMPLE_IM_END
+from fixtures.dimple import IMAGE as DIMPLE_IMAGE
+from fixtures.dimple import MASK as DIMPLE_MASK
+from fixtures.dimple import build as build_dimple
 from fixtures.lavida import TILE as LAVIDA_TILE
 from fixtures.lavida import build_lavida
 from fixtures.llada import LLADA_TOKENS
@@ -32,9 +37,10 @@ from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
 from fixtures.mmada import build_mmada
 from helpers import cut_at_eos, load_fixture, random_picture, torch_logits_fn
+from mlx_dllm_models import load
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
-from reference import lavida_torch, llada_torch, llada_v_torch
+from reference import dimple_torch, lavida_torch, llada_torch, llada_v_torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
@@ -113,8 +119,8 @@ def llada_v(request, fixture_dir):
 
     name = request.param
     ckpt = build_once(fixture_dir / name, build_llada_v, eot_like=EOT_LIKE[name])
-    model, processor = load_fixture(ckpt)
-    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt))
+    model, processor = load(ckpt)
+    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
 
 
 @pytest.mark.slow
@@ -169,8 +175,8 @@ def lavida(fixture_dir):
     from transformers import AutoTokenizer
 
     ckpt = build_once(fixture_dir / "lavida", build_lavida)
-    model, processor = load_fixture(ckpt)
-    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt))
+    model, processor = load(ckpt)
+    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
 
 
 @pytest.mark.slow
@@ -227,7 +233,7 @@ def test_mmada_generate_py(fixture_dir):
     ckpt = build_once(fixture_dir / "mmada", build_mmada)
     model, tok = load_fixture(ckpt)
     spec = model.diffusion_spec
-    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
     messages = user_turn(
         "Lily can run 12 kilometers per hour for 4 hours. After that, she runs 6 kilometers per "
         "hour. How many kilometers can she run in 8 hours?"
@@ -248,5 +254,64 @@ def test_mmada_generate_py(fixture_dir):
     got = package_outcome(model, tok, prompt, {})
     assert (got.window, got.forwards) == (sampled.window, sampled.forwards) == (128, 128)
     mine = package_outcome(model, tok, prompt, dict(temperature=0.0))
+    assert mine.tokens == greedy.tokens and len(mine.tokens) > 2
+    assert mine.forwards == greedy.forwards
+
+
+# ------------------------------------------------------------------------------------ Dimple
+# yu-rp/Dimple @ 848f13285eb1528bb0fbf5c40f441077c29cd588, ReadMe.md's inference example (the
+# model card's): processor.apply_chat_template(messages with an image part and "Describe this
+# image.", add_generation_prompt=True, add_vision_id=False), processor(text, images), then
+# diffusion_generate(max_new_tokens=64, steps=64, temperature=0.2, top_p=0.95, alg="origin",
+# use_cache=True, alg_p_threshold=0.95, use_original_confidence=True, decoding_pipeline="dim").
+# alg "origin" orders the fallback by torch's draws and the temperature samples: the window is
+# the published call's, the tokens and forwards those of the same call greedy (temperature 0,
+# alg maskgit_plus: the confidence's order), its other arguments as published.
+
+
+def _qwen2vl_processor(processor, hf, messages, image):
+    """(ids, pixel values, grid) as the README's processor builds them: the chat template's text,
+    each <|image_pad|> expanded to the image's merged patches (grid.prod() // 4), tokenized; the
+    pixels from transformers' Qwen2-VL image processor at the checkpoint's pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    vision = Qwen2VLImageProcessorPil(
+        min_pixels=processor.min_pixels, max_pixels=processor.max_pixels
+    )
+    out = vision(images=[image], return_tensors="np")
+    grid = out["image_grid_thw"][0]
+    text = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, add_vision_id=False
+    )
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(grid.prod()) // 4))
+    return hf(text)["input_ids"], out["pixel_values"], grid
+
+
+@pytest.mark.slow
+def test_dimple_readme(fixture_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    ckpt = build_once(fixture_dir / "dimple", build_dimple)
+    model, processor = load(ckpt)
+    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    question, image = "Describe this image.", random_picture(17, (90, 117))
+    content = [{"type": "image", "image": "demo.jpeg"}, {"type": "text", "text": question}]
+    theirs_ids, pixels, grid = _qwen2vl_processor(
+        processor, hf, [{"role": "user", "content": content}], image
+    )
+    text = render_chat(processor, user_turn(processor.image_token + question))
+    ours = prepare(model, processor, [text], {}, images=[image]).ids[0]
+    assert [DIMPLE_IMAGE if model.is_image_id(t) else t for t in ours] == theirs_ids
+
+    forwards = counting(monkeypatch, dimple_torch, "_step_logits")
+    want = dimple_torch.generate(
+        ckpt, theirs_ids, pixels, grid, DIMPLE_MASK, 64, 64, "maskgit_plus", 0.95, use_cache=True
+    )
+    greedy = Outcome(cut_at_eos(want, {DIMPLE_IM_END, DIMPLE_ENDOFTEXT}), len(forwards), len(want))
+    published = package_outcome(model, processor, ours, {})
+    assert published.window == greedy.window == 64
+    mine = package_outcome(model, processor, ours, dict(alg="maskgit_plus", temperature=0.0))
     assert mine.tokens == greedy.tokens and len(mine.tokens) > 2
     assert mine.forwards == greedy.forwards
