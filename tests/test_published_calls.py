@@ -10,8 +10,9 @@ forwards at the published arguments and the tokens at temperature 0 with the oth
 published. Where the package deliberately differs, the row asserts the difference and the family's
 page (docs/families/*.md) says so with the reason (the phrase a row quotes is looked up there).
 
-Covered: LLaDA, Dream, SDAR, LLaDA2.0, RND1. Not yet: Nemotron, CoDA, WeDLM, Fast-dLLM v2, A2D,
-BD3-LM, Open-dCoder, DiffusionGemma, LLaDA-MoE and the vision families."""
+Covered: LLaDA, Dream, SDAR, LLaDA2.0, RND1; DiffusionGemma, MMaDA and the vision families in
+tests/test_published_calls_vision.py. Not yet: Nemotron, CoDA, WeDLM, Fast-dLLM v2, A2D, BD3-LM,
+Open-dCoder, LLaDA-MoE."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ class Call:
     documented: tuple = ()  # (docs page, phrase): where a deliberate difference is stated
 
 
-def _ids(encoded):
+def ids_of(encoded):
     """apply_chat_template(tokenize=True)'s ids: a list, or a BatchEncoding in newer transformers."""
     return encoded if isinstance(encoded, list) else encoded["input_ids"]
 
@@ -246,7 +247,7 @@ CALLS = {
     "llada2": Call(
         source="inclusionAI/LLaDA2.0-mini README.md (model card)",
         build=llada2_fixture.build,
-        tokenize=lambda hf, m: _ids(hf.apply_chat_template(m, add_generation_prompt=True)),
+        tokenize=lambda hf, m: ids_of(hf.apply_chat_template(m, add_generation_prompt=True)),
         published=_llada2,
         package=dict(max_tokens=128),
         # The package's prefix cache encodes the prompt's whole blocks once (the prompt here

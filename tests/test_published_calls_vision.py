@@ -9,12 +9,18 @@ Sources (each file read at the commit named):
 * LLaDA-V: ML-GSAI/LLaDA-V @ 22527697b9c7de0ea2ac16ca95b632cc1bc84966, train/generate_demo.py.
 * LaViDa: jacklishufan/LaViDa @ 284ef5c4538069d65bb03bd39c3fd0ccdc2d9682, predict.py.
 * MMaDA: Gen-Verse/MMaDA @ 3cdb8709635beb29f66e4e23cd66060872ac3996, generate.py main().
+* Dimple: yu-rp/Dimple @ 848f13285eb1528bb0fbf5c40f441077c29cd588, ReadMe.md.
+* DiffusionGemma: transformers 5.25.0, models/diffusion_gemma/generation_diffusion_gemma.py
+  (generate's docstring example).
+Nemotron-VLM has no published call to transcribe: its remote code and model card's call were not
+found (docs/families/nemotron-vlm.md).
 
 Deliberate differences (asserted here, stated on the family's page): the LLaVA conversations of
 LLaDA-V and LaViDa open with a system turn that is the demo's, not the checkpoint's template's, so
 the package's chat prompt takes it only when given (`system_prompt`); generate_demo.py's dLLM-Cache
 (use_cache=True, approximate) is not implemented: its use_cache=False run is the one reproduced;
-MMaDA's generate.py replaces the tokenizer's chat template with its own.
+MMaDA's generate.py replaces the tokenizer's chat template with its own; DiffusionGemma's example
+opens no model turn.
 """
 
 from pathlib import Path
@@ -22,9 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
-from test_published_calls import Outcome, package_outcome
+from test_published_calls import Outcome, ids_of, package_outcome
 
 from fixtures import build_once
+from fixtures import diffusion_gemma as gemma_fixture
 from fixtures.dimple import ENDOFTEXT as DIMPLE_ENDOFTEXT
 from fixtures.dimple import IM_END as DIMPLE_IM_END
 from fixtures.dimple import IMAGE as DIMPLE_IMAGE
@@ -37,7 +44,7 @@ from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
 from fixtures.mmada import build_mmada
 from helpers import cut_at_eos, load_fixture, random_picture, torch_logits_fn
-from mlx_dllm_models import load
+from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
 from reference import dimple_torch, lavida_torch, llada_torch, llada_v_torch
@@ -315,3 +322,56 @@ def test_dimple_readme(fixture_dir, monkeypatch):
     mine = package_outcome(model, processor, ours, dict(alg="maskgit_plus", temperature=0.0))
     assert mine.tokens == greedy.tokens and len(mine.tokens) > 2
     assert mine.forwards == greedy.forwards
+
+
+# ---------------------------------------------------------------------------- DiffusionGemma
+# transformers 5.25.0, models/diffusion_gemma/generation_diffusion_gemma.py, generate's example:
+# processor.apply_chat_template(chat, tokenize=True, return_tensors="pt") (no generation prompt),
+# model.generate(input_ids, max_new_tokens=512, streamer=streamer), the rest from the checkpoint's
+# generation_config. Its canvases and re-noising draw from torch's generator: both sides read one
+# pre-drawn sequence (test_diffusion_gemma_decoding.Draws), so everything is compared exactly.
+
+
+@pytest.mark.slow
+def test_diffusion_gemma_generate_example(fixture_dir, monkeypatch):
+    from test_diffusion_gemma_decoding import Draws
+    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
+
+    import mlx_dllm_models.engine.canvas as canvas_mod
+
+    ckpt = build_once(fixture_dir / "diffusion_gemma", gemma_fixture.CHECKPOINTS["diffusion_gemma"])
+    model, processor = load(ckpt)
+    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    chat = [{"role": "user", "content": "Why is the sky blue?"}]
+    prompt = ids_of(hf.apply_chat_template(chat, tokenize=True))
+    # The example opens no model turn; the package's chat prompt does, as every surface of it
+    # (and mlx-lm) renders a question: the example's ids are its prompt without that opening.
+    ours = encode(processor, render_chat(processor, chat), model.diffusion_spec.prompt_prefix)
+    opening = hf("<|turn>model\n", add_special_tokens=False)["input_ids"]
+    assert ours == prompt + opening
+    assert documented("diffusion-gemma.md", "opens no model turn")
+
+    C, steps = gemma_fixture.CANVAS_LENGTH, 48
+    draws = Draws(5, -(-512 // C), steps)
+    reference = DiffusionGemmaForBlockDiffusion.from_pretrained(str(ckpt), dtype=torch.float32)
+    calls, accept = [], gdg.EntropyBoundSampler.accept_canvas
+
+    def counted(self, *args):
+        calls.append(1)
+        return accept(self, *args)
+
+    draws.patch_torch(monkeypatch)
+    monkeypatch.setattr(gdg.EntropyBoundSampler, "accept_canvas", counted)
+    out = reference.eval().generate(torch.tensor([prompt]), max_new_tokens=512)
+    monkeypatch.undo()
+    generated = out.sequences[0, len(prompt) :].tolist()
+    eos = set(gemma_fixture.EOS_IDS)
+    theirs = Outcome(cut_at_eos(generated, eos), len(calls), len(generated))
+
+    monkeypatch.setattr(canvas_mod, "CanvasNoise", lambda *a: draws.engine_noise())
+    tokens, last = [], None
+    for last in stream_generate_diffusion(model, processor, prompt, max_tokens=512):
+        tokens.extend(last.tokens)
+    assert tokens == theirs.tokens and len(tokens) > 2
+    assert last.nfe == theirs.forwards  # the denoising steps: the decoder's forwards
