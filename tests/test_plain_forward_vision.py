@@ -14,10 +14,11 @@ a fixture and against another reading (so that the comparison can fail):
   `model(None, input_embeddings=...)`, Dream's forward_dream with no cache) attends to every key;
   Dream's logits unshifted (the shift is generate's, not the forward's).
 * Nemotron-VLM: the remote code's language model defaults to use_causal_mask=False.
-* Dimple: its text forward is held in tests/test_plain_forward.py and its image forward in
-  tests/test_dimple.py (test_logits_over_an_image_prompt_match_reference, a plain call); the image
-  forwards of LLaDA-V and Nemotron-VLM are likewise plain calls in their families' files, and are
-  repeated here only where the reading differs (LaViDa's image prompt without the prefix layout).
+* Dimple (DimpleModel.forward: Dream's bidirectional body with M-RoPE): every key.
+The text forwards are held through the package's load, mlx_lm.load and mlx_vlm.load. The image
+forwards of LLaDA-V, Nemotron-VLM and Dimple are plain calls in their families' files
+(test_logits_over_an_image_prompt_match_reference); LaViDa's is here, its reading differing (the
+image prompt without the prefix layout).
 """
 
 import mlx.core as mx
@@ -27,13 +28,14 @@ import torch
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as gemma_fixture
+from fixtures import dimple as dimple_fixture
 from fixtures import nemotron as nemotron_text_fixture
 from fixtures import nemotron_vlm as nemotron_vlm_fixture
 from fixtures.lavida import build_lavida, build_lavida_dream
 from fixtures.llada_v import build_llada_v
 from helpers import assert_close, far, load_fixture, random_picture
 from mlx_dllm_models.masks import causal_mask
-from reference import lavida_torch, llada_v_torch
+from reference import dimple_torch, lavida_torch, llada_v_torch
 from reference import nemotron_vlm_torch as nemotron_vlm_ref
 
 
@@ -87,19 +89,61 @@ def test_diffusion_gemma_plain_call_is_its_decoder_forward(fixture_dir):
     assert_close(np.array(model(mx.array(x), head_span=(3, 9))), want[:, 3:9])
 
 
-@pytest.fixture(scope="module")
-def llada_v(fixture_dir):
-    ckpt = build_once(fixture_dir / "llada_v", build_llada_v)
-    return ckpt, load_fixture(ckpt)[0]
-
-
-def test_llada_v_plain_call_over_text_attends_to_every_key(llada_v):
-    ckpt, model = llada_v
-    x = ids(12, 29)
+def _llada_v_text(ckpt, x):
     embeds = llada_v_torch.embed_prompt(ckpt, x[0].tolist(), np.zeros((0, 64)), [])
-    want = llada_v_torch.logits(ckpt, embeds).numpy()
+    return llada_v_torch.logits(ckpt, embeds).numpy()
+
+
+def _lavida_text(ckpt, x):
+    """full_logits after a prompt of nothing: the forward without prefix_lm over the ids alone."""
+    nothing = lavida_torch.load(ckpt)[4].model.embed_tokens(torch.zeros(1, 0, dtype=torch.long))
+    return lavida_torch.full_logits(ckpt, nothing, x).numpy()
+
+
+def _nemotron_vlm_text(ckpt, x):
+    text = nemotron_vlm_ref.text_model(ckpt)
+    embeds = nemotron_vlm_ref.embed_prompt(text, x, np.zeros((0, 1)), -1)
+    return nemotron_vlm_ref.logits(text, x, embeds)
+
+
+def _dimple_text(ckpt, x):
+    with torch.no_grad():
+        return dimple_torch.logits(ckpt, x).float().numpy()
+
+
+# Fixture name -> (builder, the reference's plain forward over text ids (ckpt, ids) -> logits).
+TEXT = {
+    "llada_v": (build_llada_v, _llada_v_text),
+    "lavida": (build_lavida, _lavida_text),
+    "lavida_dream": (build_lavida_dream, _lavida_text),
+    "nemotron_vlm": (nemotron_vlm_fixture.build, _nemotron_vlm_text),
+    "dimple": (dimple_fixture.build, _dimple_text),
+}
+
+
+def _load(loader, ckpt):
+    if loader == "mlx_vlm":
+        import mlx_vlm
+
+        return mlx_vlm.load(str(ckpt))[0]
+    if loader == "mlx_lm":
+        return load_fixture(ckpt)[0]
+    from mlx_dllm_models import load
+
+    return load(ckpt)[0]
+
+
+@pytest.mark.parametrize("loader", ["package", "mlx_lm", "mlx_vlm"])
+@pytest.mark.parametrize("name", sorted(TEXT))
+def test_plain_call_over_text_is_the_references_forward(fixture_dir, name, loader):
+    """Over text ids (across Nemotron's blocks of 8), through the package's load, mlx_lm.load and
+    mlx_vlm.load (each builds the package's model): every key, as each upstream forward."""
+    builder, reference = TEXT[name]
+    ckpt = build_once(fixture_dir / name, builder)
+    model = _load(loader, ckpt)
+    x = ids(2 * nemotron_text_fixture.BLOCK_SIZE + 3, 29)
     got = plain(model, x)
-    assert_close(got, want)
+    assert_close(got, reference(ckpt, x))
     assert far(got, causal(model, x))
 
 
@@ -112,20 +156,6 @@ def lavida(request, fixture_dir):
 
     ckpt = build_once(fixture_dir / request.param, LAVIDA[request.param])
     return ckpt, *load(ckpt)
-
-
-def _no_embeds(ckpt):
-    """(1, 0, hidden): a prompt of nothing, so that full_logits reads the ids alone."""
-    return lavida_torch.load(ckpt)[4].model.embed_tokens(torch.zeros(1, 0, dtype=torch.long))
-
-
-def test_lavida_plain_call_over_text_attends_to_every_key(lavida):
-    ckpt, model, _ = lavida
-    x = ids(12, 31)
-    want = lavida_torch.full_logits(ckpt, _no_embeds(ckpt), x).numpy()
-    got = plain(model, x)
-    assert_close(got, want)
-    assert far(got, causal(model, x))
 
 
 def test_lavida_plain_call_over_an_image_prompt_is_the_forward_without_prefix_lm(lavida):
@@ -141,14 +171,3 @@ def test_lavida_plain_call_over_an_image_prompt_is_the_forward_without_prefix_lm
     got = plain(model, x)[:, -len(answer) :]
     assert_close(got, want)
     assert far(got, causal(model, x)[:, -len(answer) :])
-
-
-def test_nemotron_vlm_plain_call_over_text_is_its_default_bidirectional_forward(fixture_dir):
-    ckpt = build_once(fixture_dir / "nemotron_vlm", nemotron_vlm_fixture.build)
-    model = load_fixture(ckpt)[0]
-    text = nemotron_vlm_ref.text_model(ckpt)
-    x = ids(2 * nemotron_text_fixture.BLOCK_SIZE + 3, 41)
-    embeds = nemotron_vlm_ref.embed_prompt(text, x, np.zeros((0, 1)), -1)
-    got = plain(model, x)
-    assert_close(got, nemotron_vlm_ref.logits(text, x, embeds))
-    assert far(got, nemotron_vlm_ref.logits(text, x, embeds, causal=True))
