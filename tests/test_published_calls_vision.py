@@ -7,7 +7,8 @@ the tokens, the number of forwards and where it stops.
 
 Sources (each file read at the commit named):
 * LLaDA-V: ML-GSAI/LLaDA-V @ 22527697b9c7de0ea2ac16ca95b632cc1bc84966, train/generate_demo.py.
-* LaViDa: jacklishufan/LaViDa @ 284ef5c4538069d65bb03bd39c3fd0ccdc2d9682, predict.py.
+* LaViDa: jacklishufan/LaViDa @ 284ef5c4538069d65bb03bd39c3fd0ccdc2d9682, predict.py (LaViDa-LLaDA),
+  eval/run_dream.sh and eval/lmms_eval/models/llava_dream.py (LaViDa-Dream).
 * MMaDA: Gen-Verse/MMaDA @ 3cdb8709635beb29f66e4e23cd66060872ac3996, generate.py main().
 * Dimple: yu-rp/Dimple @ 848f13285eb1528bb0fbf5c40f441077c29cd588, ReadMe.md.
 * DiffusionGemma: transformers 5.25.0, models/diffusion_gemma/generation_diffusion_gemma.py
@@ -37,13 +38,16 @@ from fixtures.dimple import IM_END as DIMPLE_IM_END
 from fixtures.dimple import IMAGE as DIMPLE_IMAGE
 from fixtures.dimple import MASK as DIMPLE_MASK
 from fixtures.dimple import build as build_dimple
+from fixtures.dream import ENDOFTEXT as DREAM_ENDOFTEXT
+from fixtures.dream import IM_END as DREAM_IM_END
+from fixtures.dream import MASK as DREAM_MASK
 from fixtures.lavida import TILE as LAVIDA_TILE
-from fixtures.lavida import build_lavida
+from fixtures.lavida import build_lavida, build_lavida_dream
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
 from fixtures.mmada import build_mmada
-from helpers import cut_at_eos, load_fixture, random_picture, torch_logits_fn
+from helpers import cut_at_eos, random_picture, torch_logits_fn
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
@@ -110,6 +114,21 @@ def llava_demo(loaded, question, image, tile, reference, features_of):
     return ours, reference.embed_prompt(ckpt, before, features, after)
 
 
+def checkpoint(fixture_dir, name, builder, **kw):
+    """(path, model, processor, transformers' tokenizer) of a fixture, loaded by the package."""
+    from transformers import AutoTokenizer
+
+    ckpt = build_once(fixture_dir / name, builder, **kw)
+    model, processor = load(ckpt)
+    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+
+
+def lavida_demo(loaded, question, image):
+    """llava_demo with LaViDa's features (each tile pooled before the packing)."""
+    features = lambda *a: lavida_torch.image_features(*a)[2]  # noqa: E731
+    return llava_demo(loaded, question, image, LAVIDA_TILE, lavida_torch, features)
+
+
 # ----------------------------------------------------------------------------------- LLaDA-V
 # generate_demo.py: conv_templates["llava_llada"] with DEFAULT_IMAGE_TOKEN + "\nPlease describe
 # the image in detail.", tokenizer_image_token, process_images (anyres), model.generate(steps=128,
@@ -122,12 +141,8 @@ EOT_LIKE = {"llada_v": None, "llada_v_eot257": 257}
 
 @pytest.fixture(scope="module", params=sorted(EOT_LIKE))
 def llada_v(request, fixture_dir):
-    from transformers import AutoTokenizer
-
     name = request.param
-    ckpt = build_once(fixture_dir / name, build_llada_v, eot_like=EOT_LIKE[name])
-    model, processor = load(ckpt)
-    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    return checkpoint(fixture_dir, name, build_llada_v, eot_like=EOT_LIKE[name])
 
 
 @pytest.mark.slow
@@ -179,11 +194,7 @@ LAVIDA_CALLS = {
 
 @pytest.fixture(scope="module")
 def lavida(fixture_dir):
-    from transformers import AutoTokenizer
-
-    ckpt = build_once(fixture_dir / "lavida", build_lavida)
-    model, processor = load(ckpt)
-    return ckpt, model, processor, AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    return checkpoint(fixture_dir, "lavida", build_lavida)
 
 
 @pytest.mark.slow
@@ -192,10 +203,7 @@ def test_lavida_predict(lavida, call):
     ckpt, model, processor, hf = lavida
     question = "<image>\nDescribe the image in detail."
     image = random_picture(13, (90, 150))
-    ours, embeds = llava_demo(
-        lavida, question, image, LAVIDA_TILE, lavida_torch,
-        lambda *a: lavida_torch.image_features(*a)[2],
-    )  # fmt: skip
+    ours, embeds = lavida_demo(lavida, question, image)
     arguments, settings = LAVIDA_CALLS[call]
     x, nfe = lavida_torch.generate(
         ckpt, embeds, max_new_tokens=64, block_length=64, mask_id=MASK, **arguments
@@ -207,6 +215,40 @@ def test_lavida_predict(lavida, call):
     assert got.window == theirs.window
     assert got.forwards == theirs.forwards
     assert documented("lavida.md", "the demo's system turn")
+
+
+# LaViDa-Dream: eval/run_dream.sh (--gen_kwargs alg=topk_margin,prefix_lm=True) through the
+# lmms-eval wrapper eval/lmms_eval/models/llava_dream.py: conv_templates["dream"] (the same system
+# turn, Dream's tokenizer's template), DEFAULT_IMAGE_TOKEN + "\n" + the question,
+# tokenizer_image_token, max_new_tokens=256, temperature 0, top_p None; generate's steps (512)
+# capped at max_new_tokens. Dream's loop runs a forward at every step, also where the step commits
+# nothing; the package reuses that forward's logits (docs/families/dream.md).
+
+
+@pytest.mark.slow
+def test_lavida_dream_eval_call(fixture_dir, monkeypatch):
+    loaded = checkpoint(fixture_dir, "lavida_dream", build_lavida_dream)
+    ckpt, model, processor, _ = loaded
+    image = random_picture(19, (90, 150))
+    ours, embeds = lavida_demo(loaded, "<image>\nWhat is in the image?", image)
+    canvases, answer_logits = [], lavida_torch.answer_logits
+
+    def counted(ckpt, cache, ids):
+        canvases.append(ids.clone())
+        return answer_logits(ckpt, cache, ids)
+
+    monkeypatch.setattr(lavida_torch, "answer_logits", counted)
+    x = lavida_torch.dream_generate(
+        ckpt, embeds, max_new_tokens=256, steps=256, mask_id=DREAM_MASK, alg="topk_margin"
+    )
+    repeats = sum(bool(a.equal(b)) for a, b in zip(canvases, canvases[1:]))
+    # The prompt's forward (its K/V and the seed), then one a step.
+    theirs = Outcome(cut_at_eos(x[0], {DREAM_IM_END, DREAM_ENDOFTEXT}), 1 + len(canvases), 256)
+    got = package_outcome(model, processor, ours, {})
+    assert got.tokens == theirs.tokens and len(got.tokens) > 2
+    assert got.window == theirs.window
+    assert got.forwards == theirs.forwards - repeats
+    assert documented("dream.md", "a step that commits nothing costs no forward")
 
 
 # ------------------------------------------------------------------------------------- MMaDA
@@ -235,12 +277,8 @@ def _mmada_generate(model, spec, prompt, temperature):
 
 @pytest.mark.slow
 def test_mmada_generate_py(fixture_dir):
-    from transformers import AutoTokenizer
-
-    ckpt = build_once(fixture_dir / "mmada", build_mmada)
-    model, tok = load_fixture(ckpt)
+    ckpt, model, tok, hf = checkpoint(fixture_dir, "mmada", build_mmada)
     spec = model.diffusion_spec
-    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
     messages = user_turn(
         "Lily can run 12 kilometers per hour for 4 hours. After that, she runs 6 kilometers per "
         "hour. How many kilometers can she run in 8 hours?"
@@ -298,11 +336,7 @@ def _qwen2vl_processor(processor, hf, messages, image):
 
 @pytest.mark.slow
 def test_dimple_readme(fixture_dir, monkeypatch):
-    from transformers import AutoTokenizer
-
-    ckpt = build_once(fixture_dir / "dimple", build_dimple)
-    model, processor = load(ckpt)
-    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    ckpt, model, processor, hf = checkpoint(fixture_dir, "dimple", build_dimple)
     question, image = "Describe this image.", random_picture(17, (90, 117))
     content = [{"type": "image", "image": "demo.jpeg"}, {"type": "text", "text": question}]
     theirs_ids, pixels, grid = _qwen2vl_processor(
@@ -335,14 +369,13 @@ def test_dimple_readme(fixture_dir, monkeypatch):
 @pytest.mark.slow
 def test_diffusion_gemma_generate_example(fixture_dir, monkeypatch):
     from test_diffusion_gemma_decoding import Draws
-    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
 
     import mlx_dllm_models.engine.canvas as canvas_mod
 
-    ckpt = build_once(fixture_dir / "diffusion_gemma", gemma_fixture.CHECKPOINTS["diffusion_gemma"])
-    model, processor = load(ckpt)
-    hf = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
+    build = gemma_fixture.CHECKPOINTS["diffusion_gemma"]
+    ckpt, model, processor, hf = checkpoint(fixture_dir, "diffusion_gemma", build)
     chat = [{"role": "user", "content": "Why is the sky blue?"}]
     prompt = ids_of(hf.apply_chat_template(chat, tokenize=True))
     # The example opens no model turn; the package's chat prompt does, as every surface of it
