@@ -108,6 +108,9 @@ class DiffusionSpec:
     # A row's block stops denoising once it holds an EOS with no mask before it (the positions
     # after it are never returned), as Nemotron-Labs-Diffusion's generate breaks its step loop.
     eos_ends_block: bool = False
+    # Once a row's block holds an EOS, only the masks before it stay candidates (LLaDA-V's
+    # generate_with_embeds sets the confidence at and after its stop position to -inf).
+    eos_bounds_candidates: bool = False
     # Token ids after every row's canvas when the caller gives no suffix (request.prepare): RND1's
     # generate reserves the last of its max_new_tokens positions for the pad token, which the
     # model sees at every step. They take their positions from max_tokens (the canvas is

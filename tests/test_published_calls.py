@@ -13,8 +13,8 @@ page (docs/families/*.md) says so with the reason (the phrase a row quotes is lo
 Covered: LLaDA, LLaDA-MoE, Dream, SDAR, SDAR-MoE, LLaDA2.0, RND1, Nemotron-Labs-Diffusion,
 Fast-dLLM v2, WeDLM, CoDA, dllm's A2D (Qwen3, Qwen2), Open-dCoder, BD3-LM (its own test: every
 draw replayed), Stable-DiffCoder (tests/test_stable_diffcoder.py holds its call's shape on more
-prompts). Elsewhere: DiffusionGemma and the vision families. The transcriptions of the newer rows are in
-tests/published_text.py."""
+prompts). The transcriptions of the newer rows are in tests/published_text.py; DiffusionGemma,
+MMaDA and the vision families are in tests/test_published_calls_vision.py."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +75,7 @@ class Call:
     text: Optional[str] = None  # a call without a chat template: the prompt text it tokenizes
 
 
-def _ids(encoded):
+def ids_of(encoded):
     """apply_chat_template(tokenize=True)'s ids: a list, or a BatchEncoding in newer transformers."""
     return encoded if isinstance(encoded, list) else encoded["input_ids"]
 
@@ -284,7 +284,7 @@ CALLS = {
     "llada2": Call(
         source="inclusionAI/LLaDA2.0-mini README.md (model card)",
         build=llada2_fixture.build,
-        tokenize=lambda hf, m: _ids(hf.apply_chat_template(m, add_generation_prompt=True)),
+        tokenize=lambda hf, m: ids_of(hf.apply_chat_template(m, add_generation_prompt=True)),
         published=_llada2,
         package=dict(max_tokens=128),
         # The package's prefix cache encodes the prompt's whole blocks once (the prompt here
@@ -333,7 +333,7 @@ CALLS = {
         name: Call(
             source="ZHZisZZ/dllm @ ca17675 examples/a2d/mdlm/sample.py",
             build=build,
-            tokenize=lambda hf, m: _ids(hf.apply_chat_template(m, add_generation_prompt=True)),
+            tokenize=lambda hf, m: ids_of(hf.apply_chat_template(m, add_generation_prompt=True)),
             published=lambda path, model, spec, p: text.a2d_run(path, spec, p),
             template=dict(enable_thinking=True),
         )
@@ -378,7 +378,7 @@ def family(fixture_dir):
     return get
 
 
-def _package(model, tok, prompt, settings):
+def package_outcome(model, tok, prompt, settings):
     """The package's call on a prompt's ids: its tokens, forwards and window (the widest span a
     forward covers, cache included, past the prompt)."""
     spans, tokens, last = [], [], None
@@ -408,14 +408,14 @@ def test_published_call(family, name):
     assert encode(tok, rendered, spec.prompt_prefix) == prompt
 
     theirs = call.published(path, model, spec, prompt)
-    ours = _package(model, tok, prompt, call.package)
+    ours = package_outcome(model, tok, prompt, call.package)
     assert ours.window == theirs.window
     if call.greedy is None:
         assert ours.tokens == theirs.tokens
         assert call.forwards(ours, theirs), (ours.forwards, theirs.forwards)
     else:
         greedy = call.greedy(path, model, spec, prompt)
-        mine = _package(model, tok, prompt, dict(call.package, **call.greedy_settings))
+        mine = package_outcome(model, tok, prompt, dict(call.package, **call.greedy_settings))
         assert mine.tokens == greedy.tokens
         assert call.forwards(mine, greedy), (mine.forwards, greedy.forwards, greedy.repeats)
 
@@ -440,7 +440,7 @@ def test_bd3lms_published_sampling(fixture_dir, monkeypatch):
     draws = RecordedDraws(seed=43)
     monkeypatch.setattr(stats_module, "uniform", draws.ours_tokens)
     monkeypatch.setattr(llada_rules, "random_confidence", draws.ours_positions)
-    ours = _package(model, tok, [bos], dict(max_tokens=length - 1))
+    ours = package_outcome(model, tok, [bos], dict(max_tokens=length - 1))
     theirs = text.bd3lm_run(path, bos, length, draws)
     assert (ours.tokens, ours.window) == (theirs.tokens, theirs.window)
     assert len(ours.tokens) > length // 2 and draws.made == ours.forwards

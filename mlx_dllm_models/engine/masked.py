@@ -69,15 +69,20 @@ def _warn_untrained_block_length(spec, settings):
     )
 
 
-def _settled_by_eos(block, cand, gen, eos) -> mx.array:
-    """(B,) rows whose block holds an EOS among its decoded positions with no mask before it:
-    nothing after that EOS is ever returned, so the row's block is done (Nemotron's generate)."""
+def _past_eos(block, cand, gen, eos) -> mx.array:
+    """(B, L) the positions at or after the first EOS among a block's decoded positions."""
     is_eos = mx.zeros(block.shape, dtype=mx.bool_)
     for e in eos:
         is_eos = is_eos | (block == e)
     is_eos = is_eos & gen & ~cand
-    seen = mx.cumsum(is_eos.astype(mx.int32), axis=-1) > 0  # at or after the first EOS
-    return is_eos.any(axis=-1) & ~(cand & ~seen).any(axis=-1)
+    return mx.cumsum(is_eos.astype(mx.int32), axis=-1) > 0
+
+
+def _settled_by_eos(block, cand, gen, eos) -> mx.array:
+    """(B,) rows whose block holds an EOS among its decoded positions with no mask before it:
+    nothing after that EOS is ever returned, so the row's block is done (Nemotron's generate)."""
+    seen = _past_eos(block, cand, gen, eos)
+    return seen.any(axis=-1) & ~(cand & ~seen).any(axis=-1)
 
 
 def _seeded_block_candidates(window, cand, gen, layout, lo: int, stop: int, decoder) -> mx.array:
@@ -485,6 +490,8 @@ class MaskedBlockDecoder(Decoder):
         """The block's candidates after a step's commit; without editing, the step's one host read
         of which rows have masks left."""
         cand = (block == self.spec.mask_token_id) & blk.gen
+        if self.spec.eos_bounds_candidates and self.eos:
+            cand = cand & ~_past_eos(block, cand, blk.gen, self.eos)
         if self.spec.eos_ends_block and self.eos:
             cand = cand & ~_settled_by_eos(block, cand, blk.gen, self.eos)[:, None]
         if blk.editing is not None:

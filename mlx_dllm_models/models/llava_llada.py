@@ -25,7 +25,8 @@ Decoding: LLaDA's engine with the reference's `generate_with_embeds` recipe (gen
 tokens in one block of 128, 128 steps, greedy, low-confidence remasking); the logits of
 <|endoftext|>, <|startoftext|>, <|start_header_id|> and <|end_header_id|> are -inf at masked
 positions (never proposed, their probability mass removed: the spec's logit_suppressed_token_ids),
-and the answer ends at <|eot_id|> (its stopping_criteria).
+and the answer ends at <|eot_id|> (its stopping_criteria), where the steps end too once no mask is
+left before it, the masks after it never committed (spec.eos_ends_block, eos_bounds_candidates).
 
 LaViDa-LLaDA's checkpoints (jacklishufan/LaViDa) share this model_type: their config.json is an
 LLaDAConfig (OLMo names, `d_model`), which ModelArgs.from_dict reads through models/lavida.py; their
@@ -353,6 +354,10 @@ class Model(ImageTextModel, nn.Module):
             eos_token_names=EOS_TOKEN_NAMES,
             logit_suppressed_token_ids=suppressed,
             vocab_size=a.vocab_size,
+            # generate_with_embeds commits nothing after the stopping criterion's token once it
+            # is committed, and breaks its step loop once no mask is left before it.
+            eos_bounds_candidates=True,
+            eos_ends_block=True,
         )
 
 
