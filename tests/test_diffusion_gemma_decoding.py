@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mlx_dllm_models.engine.canvas as canvas_mod
-from fixtures import build_once
 from fixtures import diffusion_gemma as fx
-from mlx_dllm_models import load, stream_generate_diffusion
+from helpers import checkpoint_fixtures
+from mlx_dllm_models import stream_generate_diffusion
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
@@ -29,14 +29,9 @@ C = fx.CANVAS_LENGTH
 PROMPT = [fx.BOS, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"])
-
-
-@pytest.fixture(scope="module")
-def dg(checkpoint):
-    return load(checkpoint)
+checkpoint, dg = checkpoint_fixtures(
+    "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"], "dg", "checkpoint"
+)
 
 
 @pytest.fixture(scope="module")

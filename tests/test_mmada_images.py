@@ -15,6 +15,7 @@ import torch
 from fixtures import build_once
 from fixtures.llada import build_llada
 from fixtures.mmada import MMADA_TOKENS, NUM_VQ_TOKENS, TEXT_VOCAB, build_mmada, vq_arrays
+from helpers import checkpoint_fixtures
 from mlx_dllm_models import load
 from mlx_dllm_models.decoding.maskgit import cosine_mask_ratio, mask_lengths
 from mlx_dllm_models.errors import SettingsError
@@ -35,14 +36,7 @@ PROMPTS = ["a red cat", "two green birds over the sea at dusk"]
 IDS = {n: MMADA_TOKENS[n] for n in ("<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]")}
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "mmada", build_mmada)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(str(ckpt))
+ckpt, loaded = checkpoint_fixtures("mmada", build_mmada)
 
 
 def numpy_draws(batch, n_tokens, seed=0):

@@ -10,9 +10,9 @@ import json
 import mlx.core as mx
 import pytest
 
-from fixtures import build_once
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build, config
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import checkpoint_fixtures
+from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import prepare
 from mlx_dllm_models.settings import SettingsError
@@ -21,14 +21,7 @@ from reference.rnd1_sampling import generate, reference_forward
 PROMPT = list(range(30, 39))
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "rnd1", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 def reference_call(ckpt, prompt, max_new_tokens, steps):

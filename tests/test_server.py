@@ -21,7 +21,7 @@ from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.nemotron import build as build_nemotron
 from fixtures.sdar import build_sdar
-from helpers import data_url
+from helpers import checkpoint_fixtures, data_url
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown
@@ -39,14 +39,7 @@ def _serve(path, model_id, **kwargs):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-@pytest.fixture(scope="module")
-def llada_path(fixture_dir):
-    return build_once(fixture_dir / "server_llada", build_llada)
-
-
-@pytest.fixture(scope="module")
-def llada(llada_path):
-    return load(llada_path)
+llada_path, llada = checkpoint_fixtures("server_llada", build_llada, "llada", "llada_path")
 
 
 @pytest.fixture(scope="module")
