@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -254,6 +255,20 @@ def checkpoint_fixtures(folder, build, loaded="loaded", name="ckpt", loader=None
         return (loader or load)(request.getfixturevalue(name))
 
     return checkpoint, loaded_checkpoint
+
+
+def checkpoint_copy(ckpt, tmp_path, name="ckpt"):
+    """A copy of the checkpoint folder `ckpt` as tmp_path / name, to damage or edit."""
+    dst = tmp_path / name
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def edit_json(path, fn, name="config.json"):
+    """Applies `fn` to the JSON file `name` of the folder `path`, in place."""
+    cfg = json.loads((path / name).read_text())
+    fn(cfg)
+    (path / name).write_text(json.dumps(cfg))
 
 
 def random_prompt(n, seed):
