@@ -50,36 +50,11 @@ def reference_forward(ckpt):
 # (dream_torch), which it copies; only the attention mask is not read (eval mode).
 
 
-def coda_generate(
-    forward,
-    prompt_ids,
-    max_new_tokens,
-    steps,
-    alg="origin",
-    alg_temp=None,
-    eps=1e-3,
-    temperature=0.0,
-    top_p=None,
-    top_k=None,
-    *,
-    mask_token_id,
-    seed=0,
-    draw_positions=None,
-):
-    """`model.diffusion_generate(inputs, max_new_tokens=..., steps=..., ...)` -> (B, L + N) int64
-    sequences (prompt + canvas; no EOS handling). `forward(x)` returns unshifted logits."""
+def coda_generate(forward, prompt_ids, max_new_tokens, steps, **settings):
+    """`model.diffusion_generate(inputs, max_new_tokens=..., steps=..., **settings)` -> (B, L + N)
+    int64 sequences (prompt + canvas; no EOS handling): dream_generate's, whose keyword arguments
+    `settings` are (alg, alg_temp, eps, temperature, top_p, top_k, mask_token_id, seed,
+    draw_positions). `forward(x)` returns unshifted logits."""
     return dream_generate(
-        lambda x, keep, tok_idx: forward(x),
-        prompt_ids,
-        max_new_tokens,
-        steps,
-        alg,
-        alg_temp,
-        eps,
-        temperature,
-        top_p,
-        top_k,
-        mask_token_id=mask_token_id,
-        seed=seed,
-        draw_positions=draw_positions,
+        lambda x, keep, tok_idx: forward(x), prompt_ids, max_new_tokens, steps, **settings
     )
