@@ -324,6 +324,34 @@ def cut_at_eos(tokens, eos):
     return tokens if at is None else tokens[:at]
 
 
+def cli_on_pty(*args, size=None, sigint_default=False):
+    """(pid, fd) of `python -m mlx_dllm_models *args` (cli_env) started on a new pseudo-terminal,
+    of `size` (rows, cols) when given (COLUMNS and LINES then leave its environment, so that the
+    terminal's size is what it reads). `sigint_default`: it starts as a shell starts a program on
+    a terminal, with ^C's default action; a suite run in the background of a non-interactive shell
+    (`pytest &`, nohup) has SIGINT ignored, a child inherits that, and Python then never installs
+    its handler, so no ^C would reach it."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        env = cli_env()
+        if size is not None:
+            import fcntl
+            import struct
+            import termios
+
+            fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
+            env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+        if sigint_default:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
+    return pid, fd
+
+
 def pty_session(fd, pid, timeout=120, on_output=None):
     """(everything a child on a pseudo-terminal writes until it closes the terminal, as bytes; its
     exit status). `on_output(out)` sees the output so far after each read (to type an answer).
