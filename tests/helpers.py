@@ -304,6 +304,38 @@ def stream_tokens(model, tok, prompt, **settings):
     return [t for r in stream_generate_diffusion(model, tok, prompt, **settings) for t in r.tokens]
 
 
+def single_call(model, tok, prompt, **settings):
+    """(tokens, text, finish reason) of one `stream_generate_diffusion` call: the reference a
+    served or batched request is held to."""
+    from mlx_dllm_models import stream_generate_diffusion
+
+    tokens, text, reason = [], "", None
+    for r in stream_generate_diffusion(model, tok, prompt, **settings):
+        tokens += r.tokens
+        text += r.text
+        reason = r.finish_reason
+    return tokens, text, reason
+
+
+def submit_while_running(scheduler, jobs):
+    """`jobs` submitted one after the other, the scheduler stepped once after each (so that the
+    later ones join a running batch); the submitted jobs."""
+    submitted = []
+    for job in jobs:
+        submitted.append(scheduler.submit(job))
+        scheduler.step()
+    return submitted
+
+
+def step_to_the_end(scheduler, limit=200):
+    """Steps `scheduler` until it has no work left; one that still has work after `limit` steps
+    fails the test."""
+    for _ in range(limit):
+        if not scheduler.step():
+            return
+    raise AssertionError(f"the scheduler still had work after {limit} steps")
+
+
 def torch_logits_fn(model):
     """The model as a torch reference transcription calls it: ids -> float32 torch logits."""
     import mlx.core as mx
