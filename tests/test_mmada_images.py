@@ -120,7 +120,11 @@ def test_prompt_layout_is_t2i_gen_prompt(loaded, max_text_len):
 
 @pytest.mark.parametrize(
     "guidance, steps, temperature, max_text_len",
-    [(3.5, 15, 1.0, 512), (0.0, 6, 1.0, 16), (1.5, 12, 0.0, 16)],
+    [
+        pytest.param(3.5, 15, 1.0, 512, marks=pytest.mark.slow),
+        (0.0, 6, 1.0, 16),
+        (1.5, 12, 0.0, 16),
+    ],
 )
 def test_steps_match_t2i_generate_with_the_same_draws(
     ckpt, loaded, guidance, steps, temperature, max_text_len
@@ -249,6 +253,7 @@ def test_a_missing_vq_model_is_named(loaded, tmp_path):
         generate_image(model, tok, "a cat", vq_model=tmp_path / "none")
 
 
+@pytest.mark.slow
 def test_whole_path_writes_a_png(loaded, tmp_path):
     from PIL import Image
 
