@@ -202,6 +202,45 @@ def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
             return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
+def vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys, picture, ids, model_id, settings):
+    """For a LaViDa-style checkpoint `ckpt` loaded as `loaded`: mlx_vlm.convert's output loads
+    through mlx_vlm.load with the same logits over ids[0] + picture(7)'s image slots + ids[1:];
+    `mlx_dllm generate --image` and one served chat request with an image_url part (both with
+    `settings`) answer what generate_diffusion does on the chat prompt of "<image>describe" with
+    picture(8). Returns (mlx-vlm's model and processor, the chat prompt, the picture's path, the
+    answer) for the caller's own checks."""
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    from mlx_dllm_models import generate_diffusion
+    from mlx_dllm_models.cli import main as cli_main
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, processor = loaded
+    convert(str(ckpt), mlx_path=str(tmp_path / "vlm"))
+    vlm_model, vlm_processor = mlx_vlm.load(str(tmp_path / "vlm"))
+    tiles = processor.tiles(picture(7))
+    theirs = [ids[:1] + vlm_model.image_slots(*tiles) + ids[1:]]
+    mine = [ids[:1] + model.image_slots(*tiles) + ids[1:]]
+    assert np.array_equal(np.array(vlm_model(mx.array(theirs))), np.array(model(mx.array(mine))))
+
+    messages = [{"role": "user", "content": "<image>describe"}]
+    chat = text_tokenizer(processor).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    path = tmp_path / "picture.png"
+    picture(8).save(path)
+    want = generate_diffusion(model, processor, chat, image=str(path), **settings)
+    assert want.strip()
+    args = ["generate", "--model", str(ckpt), "--prompt", "<image>describe", "--image", str(path)]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    assert cli_main(args + flags + ["--no-live"]) == 0
+    assert want in capsys.readouterr().out
+    assert served_image_answer(ckpt, model_id, picture(8), "describe", **settings) == want
+    return vlm_model, vlm_processor, chat, path, want
+
+
 def job_gone_after_looks(*args, looks: int, **kwargs):
     """A server Job (`Job(*args, **kwargs)`) whose client goes away once the scheduler has looked
     `looks` times at whether it is cancelled."""
