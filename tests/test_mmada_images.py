@@ -193,6 +193,9 @@ def test_vq_decoder_and_encoder_match_the_reference(ckpt):
     np.testing.assert_array_equal(got, want)
 
 
+# End to end: five whole images (512 text columns, guidance, the VQ decoder); the batch's rows are
+# checked fast against the reference's batch by test_the_api_runs_the_reference_with_its_settings.
+@pytest.mark.slow
 def test_batch_rows_equal_their_single_runs(loaded, ckpt):
     model, tok = loaded
     batch = batch_generate_image(model, tok, PROMPTS, seed=5, steps=6)
