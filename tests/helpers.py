@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,45 @@ def served_image_answer(checkpoint, model_id, image, text, **settings) -> str:
             return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
+def vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys, picture, ids, model_id, settings):
+    """For a LaViDa-style checkpoint `ckpt` loaded as `loaded`: mlx_vlm.convert's output loads
+    through mlx_vlm.load with the same logits over ids[0] + picture(7)'s image slots + ids[1:];
+    `mlx_dllm generate --image` and one served chat request with an image_url part (both with
+    `settings`) answer what generate_diffusion does on the chat prompt of "<image>describe" with
+    picture(8). Returns (mlx-vlm's model and processor, the chat prompt, the picture's path, the
+    answer) for the caller's own checks."""
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    from mlx_dllm_models import generate_diffusion
+    from mlx_dllm_models.cli import main as cli_main
+    from mlx_dllm_models.vision import text_tokenizer
+
+    model, processor = loaded
+    convert(str(ckpt), mlx_path=str(tmp_path / "vlm"))
+    vlm_model, vlm_processor = mlx_vlm.load(str(tmp_path / "vlm"))
+    tiles = processor.tiles(picture(7))
+    theirs = [ids[:1] + vlm_model.image_slots(*tiles) + ids[1:]]
+    mine = [ids[:1] + model.image_slots(*tiles) + ids[1:]]
+    assert np.array_equal(np.array(vlm_model(mx.array(theirs))), np.array(model(mx.array(mine))))
+
+    messages = [{"role": "user", "content": "<image>describe"}]
+    chat = text_tokenizer(processor).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    path = tmp_path / "picture.png"
+    picture(8).save(path)
+    want = generate_diffusion(model, processor, chat, image=str(path), **settings)
+    assert want.strip()
+    args = ["generate", "--model", str(ckpt), "--prompt", "<image>describe", "--image", str(path)]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    assert cli_main(args + flags + ["--no-live"]) == 0
+    assert want in capsys.readouterr().out
+    assert served_image_answer(ckpt, model_id, picture(8), "describe", **settings) == want
+    return vlm_model, vlm_processor, chat, path, want
+
+
 def job_gone_after_looks(*args, looks: int, **kwargs):
     """A server Job (`Job(*args, **kwargs)`) whose client goes away once the scheduler has looked
     `looks` times at whether it is cancelled."""
@@ -256,6 +296,20 @@ def checkpoint_fixtures(folder, build, loaded="loaded", name="ckpt", loader=None
     return checkpoint, loaded_checkpoint
 
 
+def checkpoint_copy(ckpt, tmp_path, name="ckpt"):
+    """A copy of the checkpoint folder `ckpt` as tmp_path / name, to damage or edit."""
+    dst = tmp_path / name
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def edit_json(path, fn, name="config.json"):
+    """Applies `fn` to the JSON file `name` of the folder `path`, in place."""
+    cfg = json.loads((path / name).read_text())
+    fn(cfg)
+    (path / name).write_text(json.dumps(cfg))
+
+
 def random_prompt(n, seed):
     """`n` ids below 256 (the tiny fixtures' byte tokens) drawn with `seed`."""
     return np.random.default_rng(seed).integers(0, 256, n).tolist()
@@ -289,6 +343,38 @@ def stream_tokens(model, tok, prompt, **settings):
     return [t for r in stream_generate_diffusion(model, tok, prompt, **settings) for t in r.tokens]
 
 
+def single_call(model, tok, prompt, **settings):
+    """(tokens, text, finish reason) of one `stream_generate_diffusion` call: the reference a
+    served or batched request is held to."""
+    from mlx_dllm_models import stream_generate_diffusion
+
+    tokens, text, reason = [], "", None
+    for r in stream_generate_diffusion(model, tok, prompt, **settings):
+        tokens += r.tokens
+        text += r.text
+        reason = r.finish_reason
+    return tokens, text, reason
+
+
+def submit_while_running(scheduler, jobs):
+    """`jobs` submitted one after the other, the scheduler stepped once after each (so that the
+    later ones join a running batch); the submitted jobs."""
+    submitted = []
+    for job in jobs:
+        submitted.append(scheduler.submit(job))
+        scheduler.step()
+    return submitted
+
+
+def step_to_the_end(scheduler, limit=200):
+    """Steps `scheduler` until it has no work left; one that still has work after `limit` steps
+    fails the test."""
+    for _ in range(limit):
+        if not scheduler.step():
+            return
+    raise AssertionError(f"the scheduler still had work after {limit} steps")
+
+
 def torch_logits_fn(model):
     """The model as a torch reference transcription calls it: ids -> float32 torch logits."""
     import mlx.core as mx
@@ -307,6 +393,34 @@ def cut_at_eos(tokens, eos):
     tokens = [int(t) for t in tokens]
     at = next((i for i, t in enumerate(tokens) if t in eos), None)
     return tokens if at is None else tokens[:at]
+
+
+def cli_on_pty(*args, size=None, sigint_default=False):
+    """(pid, fd) of `python -m mlx_dllm_models *args` (cli_env) started on a new pseudo-terminal,
+    of `size` (rows, cols) when given (COLUMNS and LINES then leave its environment, so that the
+    terminal's size is what it reads). `sigint_default`: it starts as a shell starts a program on
+    a terminal, with ^C's default action; a suite run in the background of a non-interactive shell
+    (`pytest &`, nohup) has SIGINT ignored, a child inherits that, and Python then never installs
+    its handler, so no ^C would reach it."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        env = cli_env()
+        if size is not None:
+            import fcntl
+            import struct
+            import termios
+
+            fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
+            env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+        if sigint_default:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
+    return pid, fd
 
 
 def pty_session(fd, pid, timeout=120, on_output=None):

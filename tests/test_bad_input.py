@@ -1,96 +1,17 @@
 """Bad input gets a clear error that says what is wrong and what to do."""
 
-import json
-import shutil
-
 import pytest
 
+from helpers import checkpoint_fixtures
 from mlx_dllm_models import generate_diffusion, load
 from mlx_dllm_models.tiny import build_tiny_llada
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_llada(tmp_path_factory.mktemp("bad") / "llada")
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def _copy(ckpt, tmp_path):
-    dst = tmp_path / "ckpt"
-    shutil.copytree(ckpt, dst)
-    return dst
-
-
-def _edit_config(path, fn):
-    cfg = json.loads((path / "config.json").read_text())
-    fn(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
+ckpt, loaded = checkpoint_fixtures("tiny_llada", build_tiny_llada)
 
 
 def test_missing_folder(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint at .*convert"):
         load(tmp_path / "nowhere")
-
-
-def test_malformed_config(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    (path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        load(path)
-
-
-def test_config_without_model_type(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    _edit_config(path, lambda c: c.pop("model_type"))
-    with pytest.raises(ValueError, match="no model_type"):
-        load(path)
-
-
-def test_unknown_model_type(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    _edit_config(path, lambda c: c.update(model_type="llama"))
-    with pytest.raises(
-        ValueError, match="not a diffusion model this package provides.*mlx_lm.load"
-    ):
-        load(path)
-
-
-def test_missing_weight_files(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    (path / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
-        load(path)
-
-
-def test_weights_with_wrong_names(ckpt, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    path = _copy(ckpt, tmp_path)
-    w = load_file(str(path / "model.safetensors"))
-    w["model.transformer.blocks.0.q_proj_typo.weight"] = w.pop(
-        "model.transformer.blocks.0.q_proj.weight"
-    )
-    save_file(w, str(path / "model.safetensors"))
-    with pytest.raises(ValueError, match="q_proj_typo"):
-        load(path)
-
-
-def test_weights_with_wrong_shapes(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    _edit_config(path, lambda c: c.update(mlp_hidden_size=c["mlp_hidden_size"] * 2))
-    with pytest.raises(ValueError, match="do not match|shape"):
-        load(path)
-
-
-def test_checkpoint_without_mask_token_id(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    _edit_config(path, lambda c: c.pop("mask_token_id"))
-    with pytest.raises(ValueError, match="mask_token_id"):
-        load(path)
 
 
 @pytest.mark.parametrize(

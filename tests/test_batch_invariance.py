@@ -33,17 +33,22 @@ QUESTIONS = ["hi", "What is the sum of two and two?", "Tell me about the sea, pl
 MAX_TOKENS = 32  # at most one default block of the masked families; two DiffusionGemma canvases
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def family(request, fixture_dir):
-    path = build_once(Path(fixture_dir) / f"invariance_{request.param}", BUILDERS[request.param])
-    model, tok = load(path)
-    chat = text_tokenizer(tok)
-    prompts = [
+def chat_questions(chat):
+    """QUESTIONS, each a user turn laid out by the tokenizer `chat`'s template."""
+    return [
         chat.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
         )
         for q in QUESTIONS
     ]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def family(request, fixture_dir):
+    path = build_once(Path(fixture_dir) / f"invariance_{request.param}", BUILDERS[request.param])
+    model, tok = load(path)
+    chat = text_tokenizer(tok)
+    prompts = chat_questions(chat)
     limit = model.diffusion_spec.max_position_embeddings
     lengths = [len(chat.encode(p)) for p in prompts]
     assert len(set(lengths)) == len(lengths), "the rows must differ in length"
@@ -132,12 +137,7 @@ def test_canvas_rows_with_their_own_seeds_share_a_run(fixture_dir):
     path = build_once(Path(fixture_dir) / "invariance_diffusion_gemma", dg_fx.build)
     model, tok = load(path)
     chat = text_tokenizer(tok)
-    prompts = [
-        chat.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in QUESTIONS
-    ]
+    prompts = chat_questions(chat)
     seeds = [3, 11, 12345]
 
     def served(rows):
@@ -222,12 +222,7 @@ def test_narrow_moe_rows_equal_single_runs_on_the_cpu_path(name, form, fixture_d
 
     monkeypatch.setattr(cpu_layers, "_grouped", spy)
     chat = text_tokenizer(tok)
-    prompts = [
-        chat.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in QUESTIONS
-    ]
+    prompts = chat_questions(chat)
     alone = [batch_generate_diffusion(model, tok, [p], max_tokens=MAX_TOKENS) for p in prompts]
     batch = batch_generate_diffusion(model, tok, prompts, max_tokens=MAX_TOKENS)
     for row, single in enumerate(alone):

@@ -13,9 +13,8 @@ import torch
 from mlx_lm.models.cache import KVCache
 from safetensors.numpy import load_file
 
-from fixtures import build_once
 from fixtures.bd3lm import BLOCK, ENDOFTEXT, MASK, VOCAB, build
-from helpers import ROOT, RecordedDraws, assert_close, far, load_fixture
+from helpers import ROOT, RecordedDraws, assert_close, checkpoint_fixtures, far, load_fixture
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,
@@ -30,15 +29,7 @@ from mlx_dllm_models.masks import block_causal_mask, every_key
 from mlx_dllm_models.models import bd3lm
 from reference.bd3lm_torch import BD3LMReference
 
-
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "bd3lm", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load_fixture(ckpt)
+ckpt, loaded = checkpoint_fixtures("bd3lm", build, loader=load_fixture)
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,17 @@
 whole conversation; the REPL on a pseudo-terminal (two turns, /reset, /exit)."""
 
 import os
-import pty
-import sys
-from pathlib import Path
 
 import pytest
 
 from fixtures.kv_turns import FAMILIES, TURNS
-from helpers import load_fixture, pty_session
+from helpers import cli_on_pty, load_fixture, pty_session
 from mlx_dllm_models import load
 from mlx_dllm_models.cache import PriorKV
 from mlx_dllm_models.chat import ChatSession
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.tiny import build_tiny_llada
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +88,7 @@ def test_chat_needs_a_chat_template(checkpoints, tmp_path):
 def _pty_run(args, lines, rows=24, cols=100, timeout=120):
     """Run the CLI on a pseudo-terminal, typing `lines` one after the other, each once the
     previous prompt (">> ") has appeared; returns everything it printed and its exit status."""
-    import fcntl
-    import struct
-    import termios
-
-    pid, fd = pty.fork()
-    if pid == 0:
-        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
+    pid, fd = cli_on_pty(*args, size=(rows, cols))
     pending = list(lines)
 
     def type_next(out):

@@ -5,21 +5,16 @@ pseudo-terminal (a real SIGINT from the terminal's ^C)."""
 
 import builtins
 import os
-import pty
 import select
-import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from fixtures import sdar as sdar_fx
-from helpers import read_pty
+from helpers import cli_on_pty, read_pty
 from mlx_dllm_models import chat, load
 from mlx_dllm_models.chat import INTERRUPTED, ChatSession, chat_main
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = dict(max_tokens=12, block_length=4, steps=4)
 FLAGS = ["--max-tokens", "12", "--block-length", "4", "--steps", "4"]
 
@@ -80,16 +75,7 @@ def test_ctrl_c_on_a_terminal(sdar):
     """A long reply (110 blocks) on a pseudo-terminal: ^C once its live canvas is drawing, a
     command at the prompt that follows, then ^C at the prompt."""
     args = ["chat", "--model", str(sdar), "--max-tokens", "440", "--block-length", "4"]
-    pid, fd = pty.fork()
-    if pid == 0:
-        # The chat starts as a shell starts a program on a terminal: with ^C's default action.
-        # A suite run in the background of a non-interactive shell (`pytest &`, nohup) has SIGINT
-        # ignored, a child inherits that, and Python then never installs its handler: every ^C
-        # was ignored in such runs (the "lost ^C" of three full runs in the background here).
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
+    pid, fd = cli_on_pty(*args, sigint_default=True)
     out = b""
 
     def until(predicate, timeout=120):

@@ -5,20 +5,16 @@ everything past the 4095th character and the Ctrl-A stays in the text, which eac
 below would show."""
 
 import os
-import pty
 import re
 import select
-import sys
-from pathlib import Path
 
 import pytest
 
 from fixtures import sdar as sdar_fx
-from helpers import read_pty
+from helpers import cli_on_pty, read_pty
 from mlx_dllm_models import load
 from mlx_dllm_models.chat import HELP, ChatSession
 
-ROOT = Path(__file__).resolve().parents[1]
 CANONICAL_LINE = 4095  # N_TTY_BUF_SIZE - 1: what a Linux terminal holds of a line it edits
 
 pytest.importorskip("readline")
@@ -27,15 +23,6 @@ pytest.importorskip("readline")
 @pytest.fixture(scope="module")
 def sdar(tmp_path_factory):
     return sdar_fx.build_sdar(tmp_path_factory.mktemp("chat_lines") / "sdar")
-
-
-def _spawn(args):
-    pid, fd = pty.fork()
-    if pid == 0:
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "mlx_dllm_models", *args], env)
-    return pid, fd
 
 
 def _type(fd, data: bytes):
@@ -49,7 +36,7 @@ def _type(fd, data: bytes):
 
 @pytest.mark.slow
 def test_a_line_longer_than_the_terminal_line_arrives_whole(sdar):
-    pid, fd = _spawn(["chat", "--model", str(sdar), "--no-live", "--max-tokens", "8"])
+    pid, fd = cli_on_pty("chat", "--model", str(sdar), "--no-live", "--max-tokens", "8")
     out = b""
 
     def until(predicate, timeout=120):

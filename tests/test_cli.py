@@ -1,17 +1,11 @@
 """The CLI in a subprocess: live canvas on a terminal, plain output otherwise, clear errors, convert."""
 
-import os
-import pty
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, read_pty, run_cli
+from helpers import cli_on_pty, read_pty, run_cli
 from mlx_dllm_models.tiny import build_tiny_llada
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,29 +42,8 @@ def test_generate_prints_text_and_statistics(ckpt):
 @pytest.mark.slow
 def test_live_canvas_on_a_terminal(ckpt):
     """On a TTY the canvas is drawn with masked cells and redrawn in place as it fills in."""
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the CLI on a pseudo-terminal
-        os.chdir(ROOT)
-        os.execve(
-            sys.executable,
-            [
-                sys.executable,
-                "-m",
-                "mlx_dllm_models",
-                "generate",
-                "--model",
-                str(ckpt),
-                "--prompt",
-                "hello",
-                "--max-tokens",
-                "48",
-                "--block-length",
-                "16",
-                "--steps",
-                "16",
-            ],
-            cli_env(),
-        )
+    args = ["generate", "--model", str(ckpt), "--prompt", "hello", "--max-tokens", "48"]
+    pid, fd = cli_on_pty(*args, "--block-length", "16", "--steps", "16")
     screen = read_pty(fd, pid)
     assert "░" in screen, "no masked cells were drawn"
     assert "\x1b[" in screen and "F\x1b[J" in screen, "the canvas was not redrawn in place"

@@ -225,6 +225,7 @@ def test_evaluate_help_without_lm_eval(tmp_path):
     assert typo.returncode == 2 and "--limt -> --limit" in typo.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command, usage, why",
     [

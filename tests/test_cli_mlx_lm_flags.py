@@ -3,26 +3,20 @@
 clipped to a small terminal (no stale copies in the scrollback), counting display width."""
 
 import json
-import os
-import pty
 import re
-import struct
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from helpers import read_pty
+from helpers import cli_on_pty, read_pty
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.cli_common import display_width, terminal_rows
 from mlx_dllm_models.tiny import build_tiny_llada
 from mlx_dllm_models.training import apply_lora
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--max-tokens", "16", "--block-length", "8", "--steps", "4", "--no-live"]
 
 
@@ -218,19 +212,10 @@ def test_terminal_model_catches_an_unclipped_redraw():
 def test_live_canvas_is_clipped_to_a_small_terminal(ckpt):
     """A canvas many times taller than the terminal: every redraw stays on the screen, so no
     masked cell survives in the scrollback once the text is final, and the text appears once."""
-    import fcntl
-    import termios
-
     rows, cols = 4, 10
-    pid, fd = pty.fork()
-    if pid == 0:
-        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        os.chdir(ROOT)
-        argv = ["-m", "mlx_dllm_models", "generate", "--model", str(ckpt), "--prompt", "hi"]
-        argv += ["--max-tokens", "64", "--block-length", "32", "--steps", "16"]
-        os.execve(sys.executable, [sys.executable, *argv], env)
+    args = ["generate", "--model", str(ckpt), "--prompt", "hi"]
+    args += ["--max-tokens", "64", "--block-length", "32", "--steps", "16"]
+    pid, fd = cli_on_pty(*args, size=(rows, cols))
     out = read_pty(fd, pid)
     # 64 masked cells do not fit the 4 x 10 screen; how many frames the throttled view draws
     # depends on the machine's speed, so only ask for redraws to have happened.

@@ -45,6 +45,7 @@ def test_a_padded_rows_first_step_is_its_single_run_bit_for_bit(loaded):
         assert mx.array_equal(batch[i], alone[0]).item(), f"row {i}"
 
 
+@pytest.mark.slow
 def test_raw_id_rows_equal_their_single_runs(loaded):
     model, tok = loaded
     batch = batch_generate_diffusion(model, tok, RAW, max_tokens=32)

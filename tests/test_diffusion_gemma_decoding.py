@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mlx_dllm_models.engine.canvas as canvas_mod
-from fixtures import build_once
 from fixtures import diffusion_gemma as fx
-from mlx_dllm_models import load, stream_generate_diffusion
+from helpers import checkpoint_fixtures
+from mlx_dllm_models import stream_generate_diffusion
 from mlx_dllm_models.decoding import linear_temperature, stable_and_confident
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder, CanvasStepEvent
@@ -29,14 +29,9 @@ C = fx.CANVAS_LENGTH
 PROMPT = [fx.BOS, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"])
-
-
-@pytest.fixture(scope="module")
-def dg(checkpoint):
-    return load(checkpoint)
+checkpoint, dg = checkpoint_fixtures(
+    "diffusion_gemma", fx.CHECKPOINTS["diffusion_gemma"], "dg", "checkpoint"
+)
 
 
 @pytest.fixture(scope="module")
@@ -390,15 +385,16 @@ def eos_ids(dg):
     model.args.eos_token_id, model.generation_config = saved
 
 
-def _spy_decode(model, monkeypatch):
+def _spy_decode(model, monkeypatch, method="decode"):
+    """The lengths of the sequences `model.<method>` is called on, from now on."""
     lengths = []
-    real = model.decode
+    real = getattr(model, method)
 
-    def decode(canvas, *a, **k):
-        lengths.append(canvas.shape[1])
-        return real(canvas, *a, **k)
+    def spied(x, *a, **k):
+        lengths.append(x.shape[1])
+        return real(x, *a, **k)
 
-    monkeypatch.setattr(model, "decode", decode, raising=False)
+    monkeypatch.setattr(model, method, spied, raising=False)
     return lengths
 
 
@@ -456,14 +452,7 @@ def test_stream_is_live_one_response_per_canvas(dg, eos_ids, monkeypatch):
     first canvas is even encoded."""
     model, proc = dg
     lengths = _spy_decode(model, monkeypatch)
-    encoded = []
-    real_encode = model.encode
-
-    def encode(x, *a, **k):
-        encoded.append(x.shape[1])
-        return real_encode(x, *a, **k)
-
-    monkeypatch.setattr(model, "encode", encode, raising=False)
+    encoded = _spy_decode(model, monkeypatch, "encode")
     stream = stream_generate_diffusion(model, proc, PROMPT, max_tokens=3 * C, max_denoising_steps=4)
     first = next(stream)
     assert len(first.tokens) == C and first.finish_reason is None and first.nfe == 4
@@ -494,32 +483,22 @@ def test_seeded_runs_are_reproducible_and_the_seed_matters(dg):
 
 def test_threshold_sampler_reveals_for_good_and_finishes_the_canvas(dg, monkeypatch):
     model, proc = dg
-    s, ids, decoder = stream_events(
-        model,
-        proc,
-        [PROMPT],
-        sampler="threshold",
-        threshold=0.9,
-        max_tokens=C,
-        max_denoising_steps=48,
-    )
-    pending = [np.array(e.pending) for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
+
+    def steps(threshold, max_denoising_steps):
+        """The canvas step events of one threshold-sampler run over a canvas of C."""
+        settings = dict(threshold=threshold, max_denoising_steps=max_denoising_steps)
+        _, ids, decoder = stream_events(
+            model, proc, [PROMPT], sampler="threshold", max_tokens=C, **settings
+        )
+        return [e for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
+
+    pending = [np.array(e.pending) for e in steps(0.9, 48)]
     assert not pending[-1].any(), "the canvas ended with positions never accepted"
     for before, after in zip(pending, pending[1:]):
         assert not (after & ~before).any(), "an accepted position went back to pending"
     assert 1 < len(pending) < 48, "threshold 0.9 should accept several positions a step"
     # Threshold 1.0: one position a step (the most confident) until the last step takes the rest.
-    s, ids, decoder = stream_events(
-        model,
-        proc,
-        [PROMPT],
-        sampler="threshold",
-        threshold=1.0,
-        max_tokens=C,
-        max_denoising_steps=6,
-    )
-    events = [e for e in decoder.run(ids) if isinstance(e, CanvasStepEvent)]
-    pending = [int(np.array(e.pending).sum()) for e in events]
+    pending = [int(np.array(e.pending).sum()) for e in steps(1.0, 6)]
     assert pending == [C - 1, C - 2, C - 3, C - 4, C - 5, 0]
 
 

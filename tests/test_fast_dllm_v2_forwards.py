@@ -9,23 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures import fast_dllm_v2 as fx
-from helpers import cut_at_eos, load_fixture
+from helpers import checkpoint_fixtures, cut_at_eos, load_fixture
 from mlx_dllm_models import batch_generate_diffusion
 from reference.fast_dllm_v2_torch import Reference, generate
 
 B = fx.BLOCK_SIZE
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "fast_dllm_v2", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load_fixture(checkpoint)
+checkpoint, loaded = checkpoint_fixtures(
+    "fast_dllm_v2", fx.build, name="checkpoint", loader=load_fixture
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from fixtures import fast_dllm_v2 as fx
-from helpers import checkpoint_fixtures, load_fixture
+from helpers import (
+    checkpoint_fixtures,
+    load_fixture,
+    single_call,
+    step_to_the_end,
+    submit_while_running,
+)
 from mlx_dllm_models import load
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
@@ -55,16 +61,6 @@ def test_a_later_prompt_reuses_an_earlier_runs_kv_exactly(loaded, first_length, 
     assert reusing.backend.reused > 0
 
 
-def _single(model, tok, text, **settings):
-    from mlx_dllm_models import stream_generate_diffusion
-
-    tokens, out = [], ""
-    for r in stream_generate_diffusion(model, tok, text, **settings):
-        tokens += r.tokens
-        out += r.text
-    return tokens, out
-
-
 @pytest.mark.slow
 def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(loaded, checkpoint):
     """Requests arrive one block apart and join the batch at block boundaries (a restart over
@@ -75,15 +71,11 @@ def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(loaded, che
     scheduler = Scheduler(load(checkpoint)[0], tok, max_batch=4)
     prompts = ["hello world", "a longer prompt than that", "x", "tell me more please"]
     budgets = [96, 70, 64, 40]
-    jobs = []
-    for text, n in zip(prompts, budgets):
-        jobs.append(scheduler.submit(Job(text, {"max_tokens": n})))
-        scheduler.step()
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 500
+    jobs = submit_while_running(
+        scheduler, [Job(t, {"max_tokens": n}) for t, n in zip(prompts, budgets)]
+    )
+    step_to_the_end(scheduler, 500)
     assert scheduler.joins >= 1 and all(j.done for j in jobs)
     for i, (job, text, n) in enumerate(zip(jobs, prompts, budgets)):
-        tokens, _ = _single(model, tok, text, max_tokens=n)
+        tokens = single_call(model, tok, text, max_tokens=n)[0]
         assert job.tokens == tokens, f"request {i}"

@@ -21,8 +21,8 @@ from helpers import (
     cut_at_eos,
     far,
     random_picture,
-    served_image_answer,
     stream_tokens,
+    vlm_convert_cli_and_serve,
 )
 from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.errors import SettingsError
@@ -199,36 +199,7 @@ def test_mlx_vlm_load_cli_and_serve(loaded, ckpt, tmp_path, capsys):
     """mlx_vlm.load of mlx_vlm.convert's output builds this model (the checkpoint's auto_map
     asks for no remote code); `mlx_dllm generate --image` and one chat request with an image_url
     part answer what generate_diffusion does on the chat prompt."""
-
-    import mlx_vlm
-    from mlx_vlm.convert import convert
-
-    from mlx_dllm_models import generate_diffusion
-    from mlx_dllm_models.cli import main as cli_main
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, processor = loaded
-    convert(str(ckpt), mlx_path=str(tmp_path / "vlm"))
-    vlm_model, _ = mlx_vlm.load(str(tmp_path / "vlm"))
+    vlm_model, *_ = vlm_convert_cli_and_serve(
+        loaded, ckpt, tmp_path, capsys, picture, [300] + [MASK] * 3, "lavida", SETTINGS
+    )
     assert isinstance(vlm_model, llava_llada.Model) and vlm_model.args.lavida
-    ids = [[300] + vlm_model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3]
-    want_logits = model(
-        mx.array([[300] + model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3])
-    )
-    assert np.array_equal(np.array(vlm_model(mx.array(ids))), np.array(want_logits))
-
-    messages = [{"role": "user", "content": "<image>describe"}]
-    chat = text_tokenizer(processor).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    path = tmp_path / "picture.png"
-    picture(8).save(path)
-    want = generate_diffusion(model, processor, chat, image=str(path), **SETTINGS)
-    assert want.strip()
-    args = ["generate", "--model", str(ckpt), "--prompt", "<image>describe", "--image", str(path)]
-    flags = ["--max-tokens", "16", "--block-length", "8", "--steps", "4", "--no-live"]
-    assert cli_main(args + flags) == 0
-    assert want in capsys.readouterr().out
-
-    text = served_image_answer(ckpt, "lavida", picture(8), "describe", **SETTINGS)
-    assert text == want

@@ -19,10 +19,10 @@ from helpers import (
     cut_at_eos,
     far,
     random_picture,
-    served_image_answer,
     stream_tokens,
+    vlm_convert_cli_and_serve,
 )
-from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
+from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.masks import prompt_block_mask
 from mlx_dllm_models.models import llava_dream
 from mlx_dllm_models.spec import PREFIX_DLM
@@ -150,36 +150,10 @@ def test_mlx_vlm_convert_cli_and_serve(loaded, ckpt, tmp_path, capsys):
     """mlx_vlm.convert's output loads through mlx_vlm.load as this model with the same logits;
     `mlx_dllm generate --image` and one chat request with an image_url part answer what
     generate_diffusion does on the chat prompt."""
-
-    import mlx_vlm
-    from mlx_vlm.convert import convert
-
-    from mlx_dllm_models import generate_diffusion
-    from mlx_dllm_models.cli import main as cli_main
-    from mlx_dllm_models.vision import text_tokenizer
-
-    model, processor = loaded
-    convert(str(ckpt), mlx_path=str(tmp_path / "vlm"))
-    vlm_model, vlm_processor = mlx_vlm.load(str(tmp_path / "vlm"))
-    assert isinstance(vlm_model, llava_dream.Model)
-    ids = [[IM_START] + vlm_model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3]
-    mine = [[IM_START] + model.image_slots(*processor.tiles(picture(7))) + [MASK] * 3]
-    assert np.array_equal(np.array(vlm_model(mx.array(ids))), np.array(model(mx.array(mine))))
-
     settings = dict(max_tokens=16)
-    messages = [{"role": "user", "content": "<image>describe"}]
-    chat = text_tokenizer(processor).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
+    vlm_model, vlm_processor, chat, path, want = vlm_convert_cli_and_serve(
+        loaded, ckpt, tmp_path, capsys, picture, [IM_START] + [MASK] * 3, "lavida-dream", settings
     )
-    path = tmp_path / "picture.png"
-    picture(8).save(path)
-    want = generate_diffusion(model, processor, chat, image=str(path), **settings)
-    assert want.strip()
+    assert isinstance(vlm_model, llava_dream.Model)
     converted = generate_diffusion(vlm_model, vlm_processor, chat, image=str(path), **settings)
     assert converted == want
-    args = ["generate", "--model", str(ckpt), "--prompt", "<image>describe", "--image", str(path)]
-    assert cli_main(args + ["--max-tokens", "16", "--no-live"]) == 0
-    assert want in capsys.readouterr().out
-
-    text = served_image_answer(ckpt, "lavida-dream", picture(8), "describe", **settings)
-    assert text == want

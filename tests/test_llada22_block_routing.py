@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
-from helpers import assert_close, far
+from helpers import assert_close, checkpoint_fixtures, far
 from mlx_dllm_models.generate import batch_generate_diffusion
 from mlx_dllm_models.masks import block_causal_mask
 from mlx_dllm_models.models import llada2_moe
@@ -39,14 +38,9 @@ def build_model(path, routed=True):
     return model
 
 
-@pytest.fixture(scope="module")
-def checkpoint(fixture_dir):
-    return build_once(fixture_dir / "llada22", llada2_fixture.build_22)
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return build_model(checkpoint)
+checkpoint, model = checkpoint_fixtures(
+    "llada22", llada2_fixture.build_22, "model", "checkpoint", build_model
+)
 
 
 def reference_route(logits, bias, first, top_k, capacity, scaling):

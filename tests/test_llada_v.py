@@ -3,15 +3,20 @@ packing), the logits over a prompt holding an image, and greedy decoding with LL
 against the torch transcription of ML-GSAI/LLaDA-V (tests/reference/llada_v_torch.py)."""
 
 import json
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures.llada import LLADA_TOKENS
 from fixtures.llada_v import SUPPRESSED, TILE, build_llada_v
-from helpers import assert_close, assert_one_rank_keeps_logits_and_three_are_refused, far
+from helpers import (
+    assert_close,
+    assert_one_rank_keeps_logits_and_three_are_refused,
+    checkpoint_fixtures,
+    far,
+)
 from mlx_dllm_models.models import llava_llada
 from reference import llada_v_torch as ref
 
@@ -19,16 +24,7 @@ MASK = LLADA_TOKENS["<|mdm_mask|>"]
 EOT = LLADA_TOKENS["<|eot_id|>"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "llada_v", build_llada_v)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    from mlx_dllm_models import load
-
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("llada_v", build_llada_v)
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +124,10 @@ def tokens(model, tok, ids, **settings):
 CASES = [(32, 32, 32), (32, 8, 16), (24, 8, 24), (16, 16, 4)]
 
 
-@pytest.fixture(scope="module")
-def eot_ckpt(fixture_dir):
-    """The fixture with <|eot_id|> winning where token 32 would: its answers stop early."""
-    return build_once(fixture_dir / "llada_v_eot", build_llada_v, eot_like=32)
-
-
-@pytest.fixture(scope="module")
-def eot_loaded(eot_ckpt):
-    from mlx_dllm_models import load
-
-    return load(eot_ckpt)
+# The fixture with <|eot_id|> winning where token 32 would: its answers stop early.
+eot_ckpt, eot_loaded = checkpoint_fixtures(
+    "llada_v_eot", partial(build_llada_v, eot_like=32), "eot_loaded", "eot_ckpt"
+)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -13,6 +13,7 @@ from helpers import (
     batch_equal_to_single_runs,
     random_picture,
     served_image_answer,
+    step_to_the_end,
     stream_tokens,
 )
 from mlx_dllm_models import load, stream_generate_diffusion
@@ -116,10 +117,7 @@ def test_serve_answers_image_url_parts_and_batches_image_rows(loaded, fixture_di
         (chat("<image>describe"), [picture(9)]),
     ]
     jobs = [scheduler.submit(Job(p, dict(SETTINGS), images=im)) for p, im in cases]
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 50
+    step_to_the_end(scheduler, 50)
     assert scheduler.max_rows == 3 and all(j.done for j in jobs)
     for job, (p, im) in zip(jobs, cases):
         assert job.tokens == stream_tokens(model, processor, p, image=im, **SETTINGS)

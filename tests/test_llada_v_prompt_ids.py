@@ -10,23 +10,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fixtures import build_once
 from fixtures.llada_v import build_llada_v
-from mlx_dllm_models import load
+from helpers import checkpoint_fixtures
 from mlx_dllm_models.request import prepare
 
 IMAGE_TOKEN_INDEX = -200  # llava/constants.py
 QUESTION = "<image>\nPlease describe the image in detail."
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "llada_v", build_llada_v)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("llada_v", build_llada_v)
 
 
 @pytest.fixture(scope="module")

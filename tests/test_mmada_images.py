@@ -15,6 +15,7 @@ import torch
 from fixtures import build_once
 from fixtures.llada import build_llada
 from fixtures.mmada import MMADA_TOKENS, NUM_VQ_TOKENS, TEXT_VOCAB, build_mmada, vq_arrays
+from helpers import checkpoint_fixtures
 from mlx_dllm_models import load
 from mlx_dllm_models.decoding.maskgit import cosine_mask_ratio, mask_lengths
 from mlx_dllm_models.errors import SettingsError
@@ -35,14 +36,7 @@ PROMPTS = ["a red cat", "two green birds over the sea at dusk"]
 IDS = {n: MMADA_TOKENS[n] for n in ("<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]")}
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "mmada", build_mmada)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(str(ckpt))
+ckpt, loaded = checkpoint_fixtures("mmada", build_mmada)
 
 
 def numpy_draws(batch, n_tokens, seed=0):
@@ -126,7 +120,11 @@ def test_prompt_layout_is_t2i_gen_prompt(loaded, max_text_len):
 
 @pytest.mark.parametrize(
     "guidance, steps, temperature, max_text_len",
-    [(3.5, 15, 1.0, 512), (0.0, 6, 1.0, 16), (1.5, 12, 0.0, 16)],
+    [
+        pytest.param(3.5, 15, 1.0, 512, marks=pytest.mark.slow),
+        (0.0, 6, 1.0, 16),
+        (1.5, 12, 0.0, 16),
+    ],
 )
 def test_steps_match_t2i_generate_with_the_same_draws(
     ckpt, loaded, guidance, steps, temperature, max_text_len
@@ -195,6 +193,9 @@ def test_vq_decoder_and_encoder_match_the_reference(ckpt):
     np.testing.assert_array_equal(got, want)
 
 
+# End to end: five whole images (512 text columns, guidance, the VQ decoder); the batch's rows are
+# checked fast against the reference's batch by test_the_api_runs_the_reference_with_its_settings.
+@pytest.mark.slow
 def test_batch_rows_equal_their_single_runs(loaded, ckpt):
     model, tok = loaded
     batch = batch_generate_image(model, tok, PROMPTS, seed=5, steps=6)
@@ -255,6 +256,7 @@ def test_a_missing_vq_model_is_named(loaded, tmp_path):
         generate_image(model, tok, "a cat", vq_model=tmp_path / "none")
 
 
+@pytest.mark.slow
 def test_whole_path_writes_a_png(loaded, tmp_path):
     from PIL import Image
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures import build_once
 from fixtures.mmada import MMADA_TOKENS, NUM_VQ_TOKENS, TEXT_VOCAB, build_mmada, vq_arrays
-from mlx_dllm_models import load
+from helpers import checkpoint_fixtures
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.image_codes import pixels, repaint_cells
 from mlx_dllm_models.images import decoder_for, generate_image, image_spec_of, resolve_vq_model
@@ -21,14 +20,7 @@ IDS = {n: MMADA_TOKENS[n] for n in ("<|t2i|>", "<|soi|>", "<|eoi|>", "[iPAD]")}
 MASK_ID = MMADA_TOKENS["<|mdm_mask|>"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "mmada", build_mmada)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(str(ckpt))
+ckpt, loaded = checkpoint_fixtures("mmada", build_mmada)
 
 
 def photo(w=23, h=17, seed=0):

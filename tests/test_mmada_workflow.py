@@ -28,6 +28,7 @@ def test_text_logits_are_llada_8bs_over_the_resized_vocabulary(ckpt):
     np.testing.assert_allclose(got, reference_logits(ckpt, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_mlx_lm_convert_keeps_the_vq_model_and_the_image(ckpt, tmp_path):
     """Plain `python -m mlx_lm convert`, then plain `mlx_lm.load` and text generation in the same
     fresh interpreter; the converted folder draws the source's image."""

@@ -10,7 +10,13 @@ token-identical to a transcription of the remote code's ar_generate.
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import checkpoint_fixtures, load_fixture, spy_forwards
+from helpers import (
+    checkpoint_fixtures,
+    load_fixture,
+    spy_forwards,
+    step_to_the_end,
+    submit_while_running,
+)
 from mlx_dllm_models import batch_generate_diffusion, stream_generate_diffusion
 from mlx_dllm_models.cli_common import add_setting_flags, chosen_settings
 from mlx_dllm_models.engine import BlockEvent
@@ -247,14 +253,8 @@ def test_server_batches_these_at_arrival(checkpoint, extra):
     scheduler = Scheduler(model, tokenizer, max_batch=4)
     prompts = ["hello world", "a longer prompt", "x"]
     settings = dict(max_tokens=3 * L, sampler="threshold", threshold=0.6, **extra)
-    jobs = []
-    for prompt in prompts:
-        jobs.append(scheduler.submit(Job(prompt, dict(settings))))
-        scheduler.step()
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 200
+    jobs = submit_while_running(scheduler, [Job(p, dict(settings)) for p in prompts])
+    step_to_the_end(scheduler)
     assert scheduler.joins == 0 and all(j.done for j in jobs)
     for job, prompt in zip(jobs, prompts):
         assert job.tokens == _ours(model, tokenizer, prompt, **settings)[0]

@@ -12,12 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures import nemotron as text_fx
 from fixtures import nemotron_vlm as fx
 from helpers import (
     assert_close,
     assert_one_rank_keeps_logits_and_three_are_refused,
+    checkpoint_fixtures,
     cut_at_eos,
     far,
     random_picture,
@@ -29,16 +29,7 @@ from reference import nemotron_vlm_torch as ref
 L = text_fx.BLOCK_SIZE
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "nemotron_vlm", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    from mlx_dllm_models import load
-
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("nemotron_vlm", fx.build)
 
 
 @pytest.fixture(scope="module")

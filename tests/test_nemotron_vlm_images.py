@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fixtures import build_once
 from fixtures import nemotron_vlm as fx
 from helpers import (
     assert_image_reads_as_feature_ids,
     batch_equal_to_single_runs,
+    checkpoint_fixtures,
     random_picture,
     served_image_answer,
     stream_tokens,
@@ -24,14 +24,7 @@ from reference import nemotron_vlm_torch as ref
 SETTINGS = dict(max_tokens=16, block_length=8)
 
 
-@pytest.fixture(scope="module")
-def path(fixture_dir):
-    return build_once(fixture_dir / "nemotron_vlm", fx.build)
-
-
-@pytest.fixture(scope="module")
-def loaded(path):
-    return load(path)
+path, loaded = checkpoint_fixtures("nemotron_vlm", fx.build, name="path")
 
 
 def picture(seed, size=(60, 90)):

@@ -16,6 +16,7 @@ bidirectional body with Qwen2-VL's M-RoPE) is checked; DiffusionGemma, LLaDA-V, 
 Nemotron-VLM have no plain-ids reference forward here (not checked)."""
 
 import json
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -67,124 +68,160 @@ def plain(model, x):
     return np.array(model(mx.array(x)).astype(mx.float32))
 
 
-# Fixture name -> (builder, reference module whose load_reference(ckpt) is transformers' model
-# of the checkpoint, called here as upstream's plain forward: no attention mask).
-CAUSAL = {
-    "wedlm_qwen3": (wedlm_fixture.build, wedlm_torch),
-    "wedlm_qwen2": (wedlm_fixture.build_qwen2, wedlm_torch),
-    "open_dcoder": (open_dcoder_fixture.build_converted, open_dcoder_torch),
-}
-
-
-@pytest.mark.parametrize("name", sorted(CAUSAL))
-def test_causal_plain_call_is_its_forward(fixture_dir, name):
-    builder, reference = CAUSAL[name]
-    ckpt = build_once(fixture_dir / name, builder)
-    model = load_fixture(ckpt)[0]
-    x = ids(13, 3)
-    with torch.no_grad():
-        out = reference.load_reference(str(ckpt))(input_ids=torch.as_tensor(x).long())
-    want = out.logits.float().numpy()
-    got = plain(model, x)
-    assert_close(got, want)
-    assert far(got, plain_every_key(model, x))
-    # A shorter row, and a head span, read the same causal forward.
-    assert_close(np.array(model(mx.array(x[:, :5]))), want[:, :5])
-    assert_close(np.array(model(mx.array(x), head_span=(4, 9))), want[:, 4:9])
-
-
-def plain_every_key(model, x):
+def every_key(ckpt, model, x):
     every = mx.ones((1, 1, x.shape[1], x.shape[1]), dtype=mx.bool_)
     return np.array(model(mx.array(x), mask=every).astype(mx.float32))
 
 
-# Fixture name -> (builder, reference module with reference_logits(ckpt, ids, causal=...)).
-BIDIRECTIONAL = {
-    "llada": (LLADA_CHECKPOINTS["llada"], llada_torch),
-    "llada_moe": (LLADA_CHECKPOINTS["llada_moe"], llada_torch),
-    "dream": (dream_fixture.build, dream_torch),
-    "coda": (coda_fixture.build, coda_torch),
-    "rnd1": (rnd1_fixture.build, rnd1_sampling),
-    "a2d_qwen3": (a2d_fixture.build, dllm_a2d),
-    "a2d_qwen2": (a2d_qwen2_fixture.build, dllm_a2d),
+def torch_plain(reference):
+    """Upstream's plain forward: `reference.load_reference(ckpt)`, transformers' model of the
+    checkpoint, called with no attention mask."""
+
+    def logits(ckpt, x):
+        with torch.no_grad():
+            out = reference.load_reference(str(ckpt))(input_ids=torch.as_tensor(x).long())
+        return out.logits.float().numpy()
+
+    return logits
+
+
+def reference_logits(reference, **kw):
+    """`reference.reference_logits(ckpt, ids, **kw)` as a (ckpt, ids) reading."""
+    return lambda ckpt, x: reference.reference_logits(ckpt, x, **kw)
+
+
+def fast_dllm_v2_forward(ckpt, x):
+    """The upstream forward without a cache."""
+    with torch.no_grad():
+        return fast_dllm_v2_torch.Reference(ckpt).forward(torch.as_tensor(x).long()).float().numpy()
+
+
+@lru_cache(maxsize=1)
+def llada2_reference(ckpt):
+    return mlx_vlm_language_model(ckpt)
+
+
+def llada2_forward(ckpt, x, mask=None):
+    """Upstream's forward under transformers' default SDPA: no mask, is_causal=False."""
+    kw = {} if mask is None else {"mask": mask}
+    return np.array(llada2_reference(ckpt)(mx.array(x), **kw).logits)
+
+
+def nemotron_forward(ckpt, x, causal=False):
+    return np.array(
+        nemotron_fixture.mlx_vlm_model(ckpt)(mx.array(x), use_causal_mask=causal).logits
+    )
+
+
+def bd3lm_forward(ckpt, x):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    reference = BD3LMReference(load_file(str(ckpt / "model.safetensors")), cfg)
+    return reference.forward(torch.as_tensor(x).long()).float().numpy()
+
+
+def dimple_forward(ckpt, x):
+    with torch.no_grad():
+        return dimple_torch.logits(ckpt, x).float().numpy()
+
+
+def causal_call(ckpt, model, x):
+    return np.array(model(mx.array(x), mask=causal_mask(x.shape[1])).astype(mx.float32))
+
+
+def ckpt_reading(forward):
+    """A reading of the checkpoint alone, `forward(ckpt, ids)`, as a (ckpt, model, ids) one."""
+    return lambda ckpt, model, x: forward(ckpt, x)
+
+
+SDAR_BLOCK = sdar_fixture.BLOCK_SIZE
+
+
+# Fixture name -> (builder, ids' length and seed, upstream's plain forward `(ckpt, ids) ->
+# logits`, and another reading `(ckpt, model, ids) -> logits` that the plain call must be far from
+# over its columns, so that the comparison can fail). The causal rows (WeDLM, Open-dCoder) are
+# also read over a shorter row and a head span.
+CAUSAL = {"wedlm_qwen3", "wedlm_qwen2", "open_dcoder"}
+ROWS = {
+    "wedlm_qwen3": (wedlm_fixture.build, 13, 3, torch_plain(wedlm_torch), every_key),
+    "wedlm_qwen2": (wedlm_fixture.build_qwen2, 13, 3, torch_plain(wedlm_torch), every_key),
+    "open_dcoder": (
+        open_dcoder_fixture.build_converted,
+        13,
+        3,
+        torch_plain(open_dcoder_torch),
+        every_key,
+    ),
+    **{
+        name: (
+            builder,
+            11,
+            5,
+            reference_logits(ref),
+            ckpt_reading(reference_logits(ref, causal=True)),
+        )
+        for name, builder, ref in (
+            ("llada", LLADA_CHECKPOINTS["llada"], llada_torch),
+            ("llada_moe", LLADA_CHECKPOINTS["llada_moe"], llada_torch),
+            ("dream", dream_fixture.build, dream_torch),
+            ("coda", coda_fixture.build, coda_torch),
+            ("rnd1", rnd1_fixture.build, rnd1_sampling),
+            ("a2d_qwen3", a2d_fixture.build, dllm_a2d),
+            ("a2d_qwen2", a2d_qwen2_fixture.build, dllm_a2d),
+        )
+    },
+    # Across a block boundary (blocks of 32): block-causal, so the first block is far from every key.
+    "fast_dllm_v2": (
+        fast_dllm_fixture.build,
+        40,
+        9,
+        fast_dllm_v2_forward,
+        lambda ckpt, model, x: every_key(ckpt, model, x)[:, :32],
+    ),
+    # Across block boundaries (blocks of 4): every key, not the block-causal decoding mask.
+    **{
+        name: (
+            builder,
+            10,
+            7,
+            reference_logits(sdar_torch, block_length=SDAR_BLOCK, layout="full"),
+            lambda ckpt, model, x: sdar_torch.reference_logits(ckpt, x, SDAR_BLOCK),
+        )
+        for name, builder in sdar_fixture.CHECKPOINTS.items()
+    },
+    # Two blocks of 32: every key, not the block-causal mask.
+    "llada2_moe": (
+        llada2_fixture.build,
+        40,
+        11,
+        llada2_forward,
+        lambda ckpt, model, x: llada2_forward(
+            ckpt, x, block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
+        ),
+    ),
+    "nemotron": (
+        nemotron_fixture.build,
+        20,
+        13,
+        nemotron_forward,
+        lambda ckpt, model, x: nemotron_forward(ckpt, x, causal=True),
+    ),
+    # Blocks of 4.
+    "bd3lm": (bd3lm_fixture.build, 10, 17, bd3lm_forward, every_key),
+    "dimple": (dimple_fixture.build, 12, 19, dimple_forward, causal_call),
 }
 
 
-@pytest.mark.parametrize("name", sorted(BIDIRECTIONAL))
-def test_bidirectional_plain_call_is_its_forward(fixture_dir, name):
-    builder, reference = BIDIRECTIONAL[name]
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_plain_call_is_its_forward(fixture_dir, name):
+    builder, length, seed, forward, other = ROWS[name]
     ckpt = build_once(fixture_dir / name, builder)
     model = load_fixture(ckpt)[0]
-    x = ids(11, 5)
-    got = plain(model, x)
-    assert_close(got, reference.reference_logits(ckpt, x))
-    assert far(got, reference.reference_logits(ckpt, x, causal=True))
-
-
-def test_fast_dllm_v2_plain_call_is_its_block_causal_forward(fixture_dir):
-    """Across a block boundary (40 tokens: blocks of 32): the upstream forward without a cache."""
-    ckpt = build_once(fixture_dir / "fast_dllm_v2", fast_dllm_fixture.build)
-    model = load_fixture(ckpt)[0]
-    x = ids(40, 9)
-    reference = fast_dllm_v2_torch.Reference(ckpt)
-    with torch.no_grad():
-        want = reference.forward(torch.as_tensor(x).long()).float().numpy()
-    got = plain(model, x)
+    x = ids(length, seed)
+    got, want = plain(model, x), forward(ckpt, x)
     assert_close(got, want)
-    assert far(got[:, :32], plain_every_key(model, x)[:, :32])
-
-
-@pytest.mark.parametrize("name", sorted(sdar_fixture.CHECKPOINTS))
-def test_sdar_plain_call_is_its_all_true_reading(fixture_dir, name):
-    """Across block boundaries (blocks of 4): every key, not the block-causal decoding mask."""
-    ckpt = build_once(fixture_dir / name, sdar_fixture.CHECKPOINTS[name])
-    model = load_fixture(ckpt)[0]
-    x = ids(10, 7)
-    block = sdar_fixture.BLOCK_SIZE
-    got = plain(model, x)
-    assert_close(got, sdar_torch.reference_logits(ckpt, x, block, layout="full"))
-    assert far(got, sdar_torch.reference_logits(ckpt, x, block))
-
-
-def test_llada2_plain_call_attends_to_every_key(fixture_dir):
-    """Upstream's forward under transformers' default SDPA: no mask, is_causal=False."""
-    ckpt = build_once(fixture_dir / "llada2_moe", llada2_fixture.build)
-    model = load_fixture(ckpt)[0]
-    x = ids(40, 11)  # two blocks of 32
-    reference = mlx_vlm_language_model(ckpt)
-    got = plain(model, x)
-    assert_close(got, reference(mx.array(x)).logits)
-    keep = block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
-    assert far(got, np.array(reference(mx.array(x), mask=keep).logits))
-
-
-def test_nemotron_plain_call_is_its_default_bidirectional_forward(fixture_dir):
-    ckpt = build_once(fixture_dir / "nemotron", nemotron_fixture.build)
-    model = load_fixture(ckpt)[0]
-    x = ids(20, 13)
-    reference = nemotron_fixture.mlx_vlm_model(ckpt)
-    got = plain(model, x)
-    assert_close(got, reference(mx.array(x), use_causal_mask=False).logits)
-    assert far(got, np.array(reference(mx.array(x), use_causal_mask=True).logits))
-
-
-def test_bd3lm_plain_call_is_its_block_causal_sampling_forward(fixture_dir):
-    ckpt = build_once(fixture_dir / "bd3lm", bd3lm_fixture.build)
-    model = load_fixture(ckpt)[0]
-    cfg = json.loads((ckpt / "config.json").read_text())
-    reference = BD3LMReference(load_file(str(ckpt / "model.safetensors")), cfg)
-    x = ids(10, 17)  # blocks of 4
-    got = plain(model, x)
-    assert_close(got, reference.forward(torch.as_tensor(x).long()).float().numpy())
-    assert far(got, plain_every_key(model, x))
-
-
-def test_dimple_plain_call_is_its_bidirectional_forward(fixture_dir):
-    ckpt = build_once(fixture_dir / "dimple", dimple_fixture.build)
-    model = load_fixture(ckpt)[0]
-    x = ids(12, 19)
-    got = plain(model, x)
-    with torch.no_grad():
-        assert_close(got, dimple_torch.logits(ckpt, x).float().numpy())
-    causal = np.array(model(mx.array(x), mask=causal_mask(12)).astype(mx.float32))
-    assert far(got, causal)
+    contrast = other(ckpt, model, x)
+    assert far(got[:, : contrast.shape[1]], contrast)
+    if name in CAUSAL:
+        # A shorter row, and a head span, read the same causal forward.
+        assert_close(np.array(model(mx.array(x[:, :5]))), want[:, :5])
+        assert_close(np.array(model(mx.array(x), head_span=(4, 9))), want[:, 4:9])

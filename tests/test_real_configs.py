@@ -166,129 +166,63 @@ def _check_rnd1(name, model, args, spec):
     assert spec.logit_shift == 1 and spec.default_suffix == (151643,)  # the reserved trailing pad
 
 
+def facts(
+    check, mask, eos, max_pos, trained_block=None, stops_too=(), tokens=None, mask_token=None
+):
+    """A checkpoint's expected facts: `check(name, model, args, spec)`, the spec's mask and EOS ids,
+    context and trained block; generation also stops at generation_config.json's `stops_too`;
+    `tokens`: ids in its tokenizer files (`mask_token`: the mask's name where they name none)."""
+    return dict(
+        check=check,
+        mask=mask,
+        eos=eos,
+        runtime_eos=set(eos) | set(stops_too),
+        max_pos=max_pos,
+        trained_block=trained_block,
+        tokens=tokens or {},
+        mask_token=mask_token,
+    )
+
+
+QWEN_MASK, QWEN_EOS, IM_END = 151669, (151643,), {"<|im_end|>": 151645}
+DREAM = dict(check=_check_dream, mask=151666, eos=QWEN_EOS)
+SDAR = dict(mask=QWEN_MASK, eos=QWEN_EOS, max_pos=32768, trained_block=4, stops_too={151645})
+LLADA2 = dict(check=_check_llada2, mask=156895, eos=(156892,), max_pos=32768, trained_block=32)
 CHECKPOINTS = {
-    "GSAI-ML__LLaDA-8B-Instruct": dict(
-        mask=126336,
-        eos=(126081,),
-        runtime_eos={126081},
-        trained_block=None,
-        max_pos=4096,
-        check=_check_llada,
-        # tokenizer_config.json has no mask_token entry; <|mdm_mask|> is LLaDA's mask token.
+    # tokenizer_config.json has no mask_token entry; <|mdm_mask|> is LLaDA's mask token.
+    "GSAI-ML__LLaDA-8B-Instruct": facts(
+        _check_llada,
+        126336,
+        (126081,),
+        4096,
         mask_token="<|mdm_mask|>",
         tokens={"<|startoftext|>": 126080, "<|eot_id|>": 126348},
     ),
     # A reconstruction (tests/data/README.md): config.json only, no mask_token_id key.
-    "inclusionAI__LLaDA-MoE-7B-A1B-Instruct": dict(
-        mask=156895,
-        eos=(156892,),
-        runtime_eos={156892},
-        trained_block=None,
-        max_pos=8192,
-        check=_check_llada_moe,
-        tokens={},
+    "inclusionAI__LLaDA-MoE-7B-A1B-Instruct": facts(_check_llada_moe, 156895, (156892,), 8192),
+    "Dream-org__Dream-v0-Instruct-7B": facts(
+        **DREAM, max_pos=131072, tokens={**IM_END, "<|beginoftext|>": 151665}
     ),
-    "Dream-org__Dream-v0-Instruct-7B": dict(
-        mask=151666,
-        eos=(151643,),
-        runtime_eos={151643},
-        trained_block=None,
-        max_pos=131072,
-        check=_check_dream,
-        tokens={"<|im_end|>": 151645, "<|beginoftext|>": 151665},
-    ),
-    "JetLM__SDAR-8B-Chat": dict(
-        mask=151669,
-        eos=(151643,),
-        # generation_config.json: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
-        runtime_eos={151643, 151645},
-        trained_block=4,
-        max_pos=32768,
-        check=_check_sdar,
-        tokens={"<|im_end|>": 151645},
-    ),
-    "JetLM__SDAR-30B-A3B-Chat": dict(
-        mask=151669,
-        eos=(151643,),
-        runtime_eos={151643, 151645},
-        trained_block=4,
-        max_pos=32768,
-        check=_check_sdar_moe,
-        tokens={"<|im_end|>": 151645},
-    ),
-    "inclusionAI__LLaDA2.0-mini": dict(
-        mask=156895,
-        eos=(156892,),
-        runtime_eos={156892},
-        trained_block=32,
-        max_pos=32768,
-        check=_check_llada2,
-        tokens={},
-    ),
-    "inclusionAI__LLaDA2.1-mini": dict(
-        mask=156895,
-        eos=(156892,),
-        runtime_eos={156892},
-        trained_block=32,
-        max_pos=32768,
-        check=_check_llada2,
-        tokens={},
-    ),
+    # generation_config.json: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
+    "JetLM__SDAR-8B-Chat": facts(_check_sdar, **SDAR, tokens=IM_END),
+    "JetLM__SDAR-30B-A3B-Chat": facts(_check_sdar_moe, **SDAR, tokens=IM_END),
+    "inclusionAI__LLaDA2.0-mini": facts(**LLADA2),
+    "inclusionAI__LLaDA2.1-mini": facts(**LLADA2),
     # Transcriptions (tests/data/README.md): config.json only. The two sizes share the facts.
     **{
-        f"nvidia__Nemotron-Labs-Diffusion-{size}": dict(
-            mask=100, eos=(11,), runtime_eos={11}, trained_block=32, max_pos=262144
-        )
-        | dict(check=_check_nemotron, tokens={})
+        f"nvidia__Nemotron-Labs-Diffusion-{size}": facts(_check_nemotron, 100, (11,), 262144, 32)
         for size in ("3B", "8B")
     },
     # Dream checkpoints of other publishers (transcribed config.json only; tests/test_coders.py).
-    "apple__DiffuCoder-7B-Instruct": dict(
-        mask=151666,
-        eos=(151643,),
-        runtime_eos={151643},
-        trained_block=None,
-        max_pos=131072,
-        check=_check_dream,
-        tokens={},
-    ),
-    "Dream-org__Dream-Coder-v0-Instruct-7B": dict(
-        mask=151666,
-        eos=(151643,),
-        runtime_eos={151643},
-        trained_block=None,
-        max_pos=32768,
-        check=_check_dream,
-        tokens={},
-    ),
-    "Salesforce__CoDA-v0-Instruct": dict(
-        mask=151669,
-        eos=(151645,),
-        runtime_eos={151645},
-        trained_block=None,
-        max_pos=40960,
-        check=_check_coda,
-        tokens={"<|im_end|>": 151645, "<|endoftext|>": 151643},
+    "apple__DiffuCoder-7B-Instruct": facts(**DREAM, max_pos=131072),
+    "Dream-org__Dream-Coder-v0-Instruct-7B": facts(**DREAM, max_pos=32768),
+    "Salesforce__CoDA-v0-Instruct": facts(
+        _check_coda, QWEN_MASK, (151645,), 40960, tokens={**IM_END, "<|endoftext|>": 151643}
     ),
     # A reconstruction from configuration_rnd.py's defaults (tests/data/README.md).
-    "radicalnumerics__RND1-Base-0910": dict(
-        mask=151669,
-        eos=(151645,),
-        runtime_eos={151645},
-        trained_block=None,
-        max_pos=40960,
-        check=_check_rnd1,
-        tokens={},
-    ),
-    "google__diffusiongemma-26B-A4B-it": dict(
-        mask=None,  # uniform noise: no mask token
-        eos=(1, 106, 50),
-        runtime_eos={1, 106, 50},
-        trained_block=None,
-        max_pos=262144,
-        check=_check_diffusion_gemma,
-        tokens={},
-    ),
+    "radicalnumerics__RND1-Base-0910": facts(_check_rnd1, QWEN_MASK, (151645,), 40960),
+    # Uniform noise: no mask token.
+    "google__diffusiongemma-26B-A4B-it": facts(_check_diffusion_gemma, None, (1, 106, 50), 262144),
 }
 
 ALL = sorted(CHECKPOINTS) + sorted(NOT_FOUND)

@@ -14,7 +14,7 @@ from helpers import random_prompt as prompt
 from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import prepare
-from reference.rnd1_sampling import generate, reference_forward
+from reference.rnd1_sampling import greedy_answer, reference_forward
 
 ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
@@ -22,21 +22,10 @@ ckpt, loaded = checkpoint_fixtures("rnd1", build)
 def reference(ckpt, p, max_tokens, steps):
     """generate(max_new_tokens=max_tokens) at greedy=True, temperature 1 (what temperature 0 is
     here, tests/test_rnd1.py): max_tokens - 1 masks, then the pad it reserves."""
-    seq, _ = generate(
-        reference_forward(ckpt),
-        p,
-        max_tokens,
-        steps,
-        mask_token_id=MASK,
-        eos_token_id=IM_END,
-        pad_token_id=ENDOFTEXT,
-        greedy=True,
-        temperature=1.0,
-    )
-    assert seq[-1] == ENDOFTEXT
-    toks = seq[len(p) : -1].tolist()
-    # The package returns a row's tokens up to its first EOS (the reference fills the canvas).
-    return toks[: toks.index(IM_END)] if IM_END in toks else toks
+    ids = dict(mask_token_id=MASK, eos_token_id=IM_END, pad_token_id=ENDOFTEXT)
+    toks, pad, _ = greedy_answer(reference_forward(ckpt), p, max_tokens, steps, **ids)
+    assert pad == ENDOFTEXT
+    return toks
 
 
 def test_the_spec_declares_the_pad_of_config_json(loaded):

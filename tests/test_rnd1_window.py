@@ -10,25 +10,18 @@ import json
 import mlx.core as mx
 import pytest
 
-from fixtures import build_once
 from fixtures.rnd1 import ENDOFTEXT, IM_END, MASK, build, config
-from mlx_dllm_models import batch_generate_diffusion, load
+from helpers import checkpoint_fixtures
+from mlx_dllm_models import batch_generate_diffusion
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import prepare
 from mlx_dllm_models.settings import SettingsError
-from reference.rnd1_sampling import generate, reference_forward
+from reference.rnd1_sampling import greedy_answer, reference_forward
 
 PROMPT = list(range(30, 39))
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "rnd1", build)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("rnd1", build)
 
 
 def reference_call(ckpt, prompt, max_new_tokens, steps):
@@ -42,19 +35,8 @@ def reference_call(ckpt, prompt, max_new_tokens, steps):
         windows.append(x[0].tolist())
         return forward(x)
 
-    seq, nfe = generate(
-        recorded,
-        prompt,
-        max_new_tokens,
-        steps,
-        mask_token_id=MASK,
-        eos_token_id=IM_END,
-        pad_token_id=ENDOFTEXT,
-        greedy=True,
-        temperature=1.0,
-    )
-    toks = seq[len(prompt) : -1].tolist()
-    toks = toks[: toks.index(IM_END)] if IM_END in toks else toks
+    ids = dict(mask_token_id=MASK, eos_token_id=IM_END, pad_token_id=ENDOFTEXT)
+    toks, _, nfe = greedy_answer(recorded, prompt, max_new_tokens, steps, **ids)
     return windows[0], toks, nfe
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fixtures import nemotron as fx
-from helpers import job_gone_after_looks, load_fixture, spy_forwards
+from helpers import job_gone_after_looks, load_fixture, spy_forwards, step_to_the_end
 from mlx_dllm_models.cache import RowKVCache
 from mlx_dllm_models.engine import join_policy
 from mlx_dllm_models.generate import stream_events
@@ -178,22 +178,12 @@ def test_concurrent_server_requests_share_forwards(loaded):
         jobs = [
             scheduler.submit(Job(p, dict(mode="self_spec", max_tokens=20, **c))) for p, c in cases
         ]
-        steps = 0
-        while scheduler.step():
-            steps += 1
-            assert steps < 200
+        step_to_the_end(scheduler)
     for job, (tokens, _) in zip(jobs, alone):
         assert job.tokens == tokens
     assert scheduler.max_rows == 3
     assert len(calls) == scheduler.forwards == max(n for _, n in alone)
     assert len(calls) < sum(n for _, n in alone)
-
-
-def _serve(scheduler):
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 200
 
 
 def test_a_later_request_joins_a_running_batch_and_a_cancelled_one_leaves(loaded):
@@ -213,7 +203,7 @@ def test_a_later_request_joins_a_running_batch_and_a_cancelled_one_leaves(loaded
     gone = scheduler.submit(
         job_gone_after_looks(PROMPTS[2], dict(mode="self_spec", max_tokens=30), looks=6)
     )
-    _serve(scheduler)
+    step_to_the_end(scheduler)
     assert scheduler.joins == 1 and scheduler.max_rows == 3
     assert first.tokens == alone[0] and later.tokens == alone[1]
     assert gone.done and len(gone.tokens) < len(alone[2])

@@ -21,8 +21,9 @@ from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.nemotron import build as build_nemotron
 from fixtures.sdar import build_sdar
-from helpers import data_url
-from mlx_dllm_models import load, stream_generate_diffusion
+from helpers import checkpoint_fixtures, data_url, step_to_the_end
+from helpers import single_call as single
+from mlx_dllm_models import load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown
 from mlx_dllm_models.server.images import ImagePolicy
@@ -39,14 +40,7 @@ def _serve(path, model_id, **kwargs):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-@pytest.fixture(scope="module")
-def llada_path(fixture_dir):
-    return build_once(fixture_dir / "server_llada", build_llada)
-
-
-@pytest.fixture(scope="module")
-def llada(llada_path):
-    return load(llada_path)
+llada_path, llada = checkpoint_fixtures("server_llada", build_llada, "llada", "llada_path")
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +49,6 @@ def served(llada_path):
     yield server, url
     shutdown(server)
     assert not server.service.scheduler.healthy
-
-
-def single(model, tokenizer, prompt, **settings):
-    """Tokens and text of one `stream_generate_diffusion` call (the reference of every request)."""
-    tokens, text, reason = [], "", None
-    for r in stream_generate_diffusion(model, tokenizer, prompt, **settings):
-        tokens += r.tokens
-        text += r.text
-        reason = r.finish_reason
-    return tokens, text, reason
 
 
 def chat_prompt(tokenizer, content):
@@ -339,10 +323,7 @@ def test_rows_joining_a_running_batch_get_the_tokens_of_single_calls(fixture_dir
         scheduler.step()
         if i == 4:
             jobs[1].cancelled = True
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 200
+    step_to_the_end(scheduler)
     assert [j.events.get_nowait()[0] for j in jobs] == ["accepted"] * len(jobs)
     assert scheduler.joins >= 2 and scheduler.max_rows >= 2
     assert all(j.done for j in jobs)
@@ -522,10 +503,7 @@ def test_image_requests_share_a_batch_with_each_other_and_with_text(gemma):
     text_prompt = chat_prompt(processor, "describe")
     cases = [(prompt, [picture(3)]), (text_prompt, None), (prompt, [picture(4)])]
     jobs = [scheduler.submit(Job(p, dict(DG_SETTINGS), images=im)) for p, im in cases]
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 50
+    step_to_the_end(scheduler, 50)
     assert scheduler.max_rows == 3 and all(j.done for j in jobs)
     for job, (p, im) in zip(jobs, cases):
         extra = {} if im is None else {"image": im}

@@ -51,6 +51,7 @@ def post(port, path, body, timeout=120):
         conn.close()
 
 
+@pytest.mark.slow
 def test_64_concurrent_streaming_clients_meet_no_connection_error(served):
     server, port = served
     clients = 64
@@ -114,6 +115,7 @@ def closed_by(sock, deadline: float) -> float:
             return time.monotonic()
 
 
+@pytest.mark.slow
 def test_300_half_sent_requests_are_closed_within_the_timeouts(served):
     _, port = served
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -194,6 +196,7 @@ def concurrently(calls) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_template_and_image_attacks_get_a_400_and_little_memory(served, gemma_port):
     _, port = served
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -31,7 +31,8 @@ from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
 from helpers import job_gone_after_looks
-from mlx_dllm_models import load, stream_generate_diffusion
+from helpers import stream_tokens as single
+from mlx_dllm_models import load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, make_server, shutdown
 from mlx_dllm_models.server import images as images_module
@@ -67,13 +68,6 @@ def call(url, path, body=None, raw=None, headers=None, method=None, timeout=120)
 
 def error_of(text):
     return json.loads(text)["error"]["message"]
-
-
-def single(model, tokenizer, prompt, **settings):
-    tokens = []
-    for r in stream_generate_diffusion(model, tokenizer, prompt, **settings):
-        tokens += r.tokens
-    return tokens
 
 
 def free_port():

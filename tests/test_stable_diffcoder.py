@@ -10,7 +10,7 @@ import pytest
 
 from fixtures import build_once
 from fixtures import stable_diffcoder as fixture
-from helpers import assert_close, cut_at_eos, far
+from helpers import assert_close, checkpoint_fixtures, cut_at_eos, far
 from mlx_dllm_models import CheckpointError, batch_generate_diffusion, load
 from mlx_dllm_models.conversion import retyped_config
 from mlx_dllm_models.engine.base import BlockEvent
@@ -22,14 +22,7 @@ from reference import stable_diffcoder_torch as reference
 BLOCK = fixture.BLOCK_LENGTH
 
 
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "stable_diffcoder", fixture.build_converted)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("stable_diffcoder", fixture.build_converted)
 
 
 def run(model, tok, prompt, **settings):

@@ -236,31 +236,44 @@ def test_allowed_tokens_reads_llguidance_bit_order():
 # ------------------------------------------------------------------------ every family, random
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_random_regexes_match(models, name):
-    model, tok = models(name)
-    extra = FAMILIES[name][1]
-    mask_id = model.diffusion_spec.mask_token_id
-
-    @settings(
+def each_example(name, *strategies):
+    """hypothesis' `given(*strategies)`: examples(name) examples, the same in every run."""
+    rules = settings(
         max_examples=examples(name),
         deadline=None,
         derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
-    @given(regexes(), st.sampled_from([0.0, 0.8]), st.integers(0, 3), st.sampled_from([8, 16]))
+    return lambda check: rules(given(*strategies)(check))
+
+
+def constrained_text(model, tok, name, longest, temperature, seed, **constraint):
+    """The text of one "Hello" run of family `name` under `constraint` (regex= or json_schema=,
+    and block_length=), with the budget its longest match needs; it holds no mask and stopped on
+    its own."""
+    kw = dict(FAMILIES[name][1], max_tokens=budget(longest), temperature=temperature, seed=seed)
+    if name in NO_TEMPERATURE:
+        del kw["temperature"]
+    text, tokens, reason, _ = run(model, tok, "Hello", **constraint, **kw)
+    assert model.diffusion_spec.mask_token_id not in tokens
+    assert reason == "stop", (constraint, text)
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_random_regexes_match(models, name):
+    model, tok = models(name)
+    draws = (st.sampled_from([0.0, 0.8]), st.integers(0, 3), st.sampled_from([8, 16]))
+
+    @each_example(name, regexes(), *draws)
     def check(rx, temperature, seed, block):
         pattern, longest = rx
-        kw = dict(extra, max_tokens=budget(longest), temperature=temperature, seed=seed)
-        if "block" not in name and name not in NO_TEMPERATURE:
-            kw["block_length"] = block
-        if name in NO_TEMPERATURE:
-            del kw["temperature"]
-        text, tokens, reason, _ = run(model, tok, "Hello", regex=pattern, **kw)
+        blocks = {} if "block" in name or name in NO_TEMPERATURE else dict(block_length=block)
+        text = constrained_text(
+            model, tok, name, longest, temperature, seed, regex=pattern, **blocks
+        )
         seen.append(text)
-        assert mask_id not in tokens
-        assert reason == "stop", (pattern, text)
         assert re.fullmatch(pattern, text), (pattern, text)
 
     seen = []
@@ -273,25 +286,12 @@ def test_random_regexes_match(models, name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_random_json_schemas_validate(models, name):
     model, tok = models(name)
-    extra = FAMILIES[name][1]
-    mask_id = model.diffusion_spec.mask_token_id
 
-    @settings(
-        max_examples=examples(name),
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(schemas(), st.sampled_from([0.0, 0.8]), st.integers(0, 3))
+    @each_example(name, schemas(), st.sampled_from([0.0, 0.8]), st.integers(0, 3))
     def check(sc, temperature, seed):
         schema, longest = sc
-        kw = dict(extra, max_tokens=budget(longest), temperature=temperature, seed=seed)
-        if name in NO_TEMPERATURE:
-            del kw["temperature"]
-        text, tokens, reason, _ = run(model, tok, "Hello", json_schema=schema, **kw)
+        text = constrained_text(model, tok, name, longest, temperature, seed, json_schema=schema)
         seen.append(text)
-        assert mask_id not in tokens
-        assert reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
 
     seen = []

@@ -53,7 +53,7 @@ def test_closing_search_ends_a_number_inside_an_object(default_model):
 
 
 @pytest.mark.parametrize("schema", [NESTED, THROUGH_REF], ids=["inline", "ref"])
-@pytest.mark.parametrize("max_tokens", [64, 128])
+@pytest.mark.parametrize("max_tokens", [64, pytest.param(128, marks=pytest.mark.slow)])
 def test_nested_integers_give_valid_json_at_every_budget(default_model, schema, max_tokens):
     model, tok = default_model
     text = generate_diffusion(model, tok, "Hello", json_schema=schema, max_tokens=max_tokens)

@@ -14,7 +14,9 @@ from openai import OpenAI
 from fixtures import build_once
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
-from mlx_dllm_models import load, stream_generate_diffusion
+from helpers import single_call as single
+from helpers import step_to_the_end, submit_while_running
+from mlx_dllm_models import load
 from mlx_dllm_models.default import chat_prompt, default_checkpoint
 from mlx_dllm_models.server import make_server, shutdown
 from mlx_dllm_models.server.scheduler import Job, Scheduler
@@ -26,14 +28,6 @@ ANSWER = {
     "properties": {"answer": {"type": "integer"}},
     "required": ["answer"],
 }
-
-
-def single(model, tok, prompt, **settings):
-    tokens, text = [], ""
-    for r in stream_generate_diffusion(model, tok, prompt, **settings):
-        tokens += r.tokens
-        text += r.text
-    return tokens, text
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +110,8 @@ def test_constrained_rows_joining_a_running_batch_get_their_single_calls(fixture
         dict(regex="(yes|no|maybe)"),
     ]
     settings = [dict(max_tokens=4 * block, block_length=block, **c) for c in constraints]
-    jobs = []
-    for prompt, s in zip(prompts, settings):
-        jobs.append(scheduler.submit(Job(prompt, dict(s))))
-        scheduler.step()
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 200
+    jobs = submit_while_running(scheduler, [Job(p, dict(s)) for p, s in zip(prompts, settings)])
+    step_to_the_end(scheduler)
     assert scheduler.joins >= 1 and scheduler.max_rows >= 2
     for job, prompt, s in zip(jobs, prompts, settings):
         assert job.tokens == single(model, tok, prompt, **s)[0], (prompt, s)

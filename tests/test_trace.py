@@ -242,6 +242,7 @@ def browser_or_skip():
     return sync_playwright, CHROMIUM
 
 
+@pytest.mark.slow
 def test_the_page_replays_in_a_headless_browser(fixture_dir, tmp_path):
     sync_playwright, chromium = browser_or_skip()
     # The embedded default model (trained on two-digit sums): its canvas shows something to

@@ -5,8 +5,6 @@ bounded by the block, not by the settings; a failed conversion leaves nothing be
 Each case failed before the change (a bare TypeError, garbage output, gigabytes allocated, a
 traceback, a partial output folder)."""
 
-import json
-import shutil
 import subprocess
 import sys
 import warnings
@@ -18,7 +16,7 @@ import pytest
 from mlx.utils import tree_map
 
 from fixtures import all_checkpoints
-from helpers import cli_env, run_cli
+from helpers import checkpoint_copy, checkpoint_fixtures, cli_env, edit_json, run_cli
 from mlx_dllm_models import (
     CheckpointError,
     SettingsError,
@@ -35,27 +33,7 @@ from mlx_dllm_models.tiny import build_tiny_llada
 ROOT = Path(__file__).resolve().parents[1]
 BUILDERS = all_checkpoints()
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_llada(tmp_path_factory.mktemp("rel") / "llada")
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
-
-
-def _copy(ckpt, tmp_path, name="ckpt"):
-    dst = tmp_path / name
-    shutil.copytree(ckpt, dst)
-    return dst
-
-
-def _edit_json(path, fn, name="config.json"):
-    cfg = json.loads((path / name).read_text())
-    fn(cfg)
-    (path / name).write_text(json.dumps(cfg))
+ckpt, loaded = checkpoint_fixtures("tiny_llada", build_tiny_llada)
 
 
 # ------------------------------------------------------------------------------ careless input
@@ -152,60 +130,9 @@ def test_file_instead_of_folder(ckpt):
         load(ckpt / "config.json")
 
 
-def test_missing_tokenizer(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    (path / "tokenizer.json").unlink()
-    with pytest.raises(CheckpointError, match="no tokenizer files.*copy the tokenizer"):
-        load(path)
-
-
-def test_missing_shard(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}
-    index["weight_map"]["b"] = "model-00002-of-00002.safetensors"
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="missing weight shard\\(s\\) model-00002-of-00002"):
-        load(path)
-
-
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_broken_safetensors(ckpt, tmp_path, damage):
-    path = _copy(ckpt, tmp_path)
-    weights = path / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"garbage" * 100)
-    with pytest.raises(CheckpointError, match="model.safetensors is not a complete.*re-download"):
-        load(path)
-
-
-def test_malformed_generation_config(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    (path / "generation_config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
-        load(path)
-
-
-@pytest.mark.parametrize(
-    "edit, pattern",
-    [
-        (dict(model_type=["llada"]), "model_type in .*config.json must be a string"),
-        (dict(model_type=7), "model_type in .*config.json must be a string"),
-        (dict(n_layers="2"), "n_layers in .*config.json must be an integer, got '2'"),
-        (dict(rms_norm_eps="1e-5"), "rms_norm_eps in .*config.json must be a number"),
-        (dict(max_sequence_length=0), "max_sequence_length \\(the context length\\) must be"),
-    ],
-)
-def test_config_field_types(ckpt, tmp_path, edit, pattern):
-    path = _copy(ckpt, tmp_path)
-    _edit_json(path, lambda c: c.update(edit))
-    with pytest.raises(CheckpointError, match=pattern):
-        load(path)
-
-
 def test_no_context_field_is_bounded(ckpt, tmp_path):
-    path = _copy(ckpt, tmp_path)
-    _edit_json(path, lambda c: c.pop("max_sequence_length"))
+    path = checkpoint_copy(ckpt, tmp_path)
+    edit_json(path, lambda c: c.pop("max_sequence_length"))
     model, tok = load(path)
     assert model.diffusion_spec.max_position_embeddings is None
     with pytest.raises(SettingsError, match="states no context length"):
@@ -375,7 +302,7 @@ def test_cli_corrupt_weights_is_one_line(monkeypatch, capsys, tmp_path, ckpt):
     engine): one line on stderr, exit status 1, no traceback."""
     from safetensors.numpy import load_file, save_file
 
-    path = _copy(ckpt, tmp_path)
+    path = checkpoint_copy(ckpt, tmp_path)
     weights = load_file(str(path / "model.safetensors"))
     save_file(
         {k: v * np.float32("nan") for k, v in weights.items()}, str(path / "model.safetensors")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .hf_body import additive_mask, load_relabelled, masked_logits
+from .hf_body import load_relabelled, logits_under
 
 torch.set_num_threads(1)
 
@@ -47,7 +47,7 @@ def _logits(model, x, attention_mask=None, causal=False):
     keep = attention_mask.bool()[:, None, None, :].expand(B, 1, L, L)
     if causal:
         keep = keep & torch.tril(torch.ones(L, L, dtype=torch.bool))
-    return masked_logits(model, x, additive_mask(keep))
+    return logits_under(model, x, keep)
 
 
 def reference_logits(ckpt, input_ids, attention_mask=None, causal=False):

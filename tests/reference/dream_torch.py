@@ -143,13 +143,17 @@ def dream_generate(
     attention_mask=None,
     seed=0,
     output_history=False,
+    draw_positions=None,
 ):
     """Dream's `diffusion_generate(inputs, max_new_tokens=..., steps=..., ...)` -> sequences (B, L + N)
     as np.int64 (prompt + canvas, no EOS handling: callers split at EOS), and the per-step history if
     asked. `forward(x, attention_mask, tok_idx)` returns unshifted logits (B, L, V) (torch, numpy or
     anything np.asarray takes); attention_mask is None (full) or a 4-D bool keep-mask, tok_idx None or
-    (B, L) positions."""
+    (B, L) positions. `draw_positions(probs, n)` is the seam for alg_temp's
+    `torch.multinomial(full_confidence, n)` (a test replays the engine's noise through it)."""
     g = torch.Generator().manual_seed(seed)
+    if draw_positions is None:
+        draw_positions = lambda probs, n: torch.multinomial(probs, n, generator=g)  # noqa: E731
     x = torch.as_tensor(np.asarray(prompt_ids)).long()
     max_length = x.shape[1] + max_new_tokens
     x = F.pad(x, (0, max_length - x.shape[1]), value=mask_token_id)
@@ -201,7 +205,7 @@ def dream_generate(
                     _, transfer_index = torch.topk(full_confidence, n_transfer)
                 else:
                     probs = F.softmax(full_confidence / alg_temp, dim=-1)
-                    transfer_index = torch.multinomial(probs, n_transfer, generator=g)
+                    transfer_index = draw_positions(probs, n_transfer)
                 x_ = torch.zeros_like(x) + mask_token_id
                 x_[mask_index] = x0.clone()
                 rows = torch.arange(x.size(0))[:, None].expand_as(transfer_index)

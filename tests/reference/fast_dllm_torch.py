@@ -137,60 +137,51 @@ def _setup(prompt, steps, gen_length, block_length, mask_id):
     return prompt, x, num_blocks, steps // num_blocks
 
 
+def _block_start(model, x, start, end, steps_per_block, temperature, threshold, mask_id):
+    """The block [start, end)'s first step, as both cached generates take it: a forward over all
+    of `x` (its K/V returned), the block's masks committed in place; (the block's per-step commit
+    counts, the K/V)."""
+    num_transfer_tokens = get_num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+
+    output = model(x, use_cache=True)
+    mask_index = x == mask_id
+    mask_index[:, end:] = 0
+    x0, transfer_index = get_transfer_index(
+        output.logits,
+        temperature,
+        mask_index,
+        x,
+        num_transfer_tokens[:, 0] if threshold is None else None,
+        threshold,
+    )
+    x[transfer_index] = x0[transfer_index]
+    return num_transfer_tokens, output.past_key_values
+
+
 def generate_with_prefix_cache(
     model, prompt, steps, gen_length, block_length, temperature=0.0, *, mask_id, threshold=None
 ):
     """Returns (x, nfe), x the prompt and the canvas as numpy."""
-    prompt, x, num_blocks, steps_per_block = _setup(
-        prompt, steps, gen_length, block_length, mask_id
+    return _cached_generate(
+        model, prompt, steps, gen_length, block_length, temperature, mask_id, threshold, dual=False
     )
-    nfe = 0
-    for num_block in range(num_blocks):
-        start = prompt.shape[1] + num_block * block_length
-        end = start + block_length
-        num_transfer_tokens = get_num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
-
-        output = model(x, use_cache=True)
-        past_key_values = output.past_key_values
-        mask_index = x == mask_id
-        mask_index[:, end:] = 0
-        x0, transfer_index = get_transfer_index(
-            output.logits,
-            temperature,
-            mask_index,
-            x,
-            num_transfer_tokens[:, 0] if threshold is None else None,
-            threshold,
-        )
-        x[transfer_index] = x0[transfer_index]
-        # keep only the prefix cache
-        past_key_values = [[k[:, :, :start], v[:, :, :start]] for k, v in past_key_values]
-        nfe += 1
-        i = 1
-        while True:
-            if (x[:, start:end] == mask_id).sum() == 0:
-                break
-            nfe += 1
-            mask_index = x[:, start:] == mask_id
-            mask_index[:, block_length:] = 0
-            logits = model(x[:, start:], past_key_values=past_key_values, use_cache=True).logits
-            x0, transfer_index = get_transfer_index(
-                logits,
-                temperature,
-                mask_index,
-                x[:, start:],
-                num_transfer_tokens[:, i] if threshold is None else None,
-                threshold,
-            )
-            x[:, start:][transfer_index] = x0[transfer_index]
-            i += 1
-    return x.numpy(), nfe
 
 
 def generate_with_dual_cache(
     model, prompt, steps, gen_length, block_length, temperature=0.0, *, mask_id, threshold=None
 ):
     """Returns (x, nfe), x the prompt and the canvas as numpy."""
+    return _cached_generate(
+        model, prompt, steps, gen_length, block_length, temperature, mask_id, threshold, dual=True
+    )
+
+
+def _cached_generate(
+    model, prompt, steps, gen_length, block_length, temperature, mask_id, threshold, dual
+):
+    """The two cached generates, which differ only in the cache a block's later steps read: the
+    prefix's (the window from the block to the end), or the whole sequence's with the block's
+    positions replaced in place (`dual`; the window is the block)."""
     prompt, x, num_blocks, steps_per_block = _setup(
         prompt, steps, gen_length, block_length, mask_id
     )
@@ -198,45 +189,35 @@ def generate_with_dual_cache(
     for num_block in range(num_blocks):
         start = prompt.shape[1] + num_block * block_length
         end = start + block_length
-        num_transfer_tokens = get_num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
-
-        output = model(x, use_cache=True)
-        past_key_values = output.past_key_values
-        mask_index = x == mask_id
-        mask_index[:, end:] = 0
-        x0, transfer_index = get_transfer_index(
-            output.logits,
-            temperature,
-            mask_index,
-            x,
-            num_transfer_tokens[:, 0] if threshold is None else None,
-            threshold,
+        num_transfer_tokens, past_key_values = _block_start(
+            model, x, start, end, steps_per_block, temperature, threshold, mask_id
         )
-        x[transfer_index] = x0[transfer_index]
         nfe += 1
+        if dual:
+            replace_position = torch.zeros_like(x, dtype=torch.bool)
+            replace_position[:, start:end] = 1
+            window, extra = end, dict(replace_position=replace_position)
+        else:
+            # keep only the prefix cache
+            past_key_values = [[k[:, :, :start], v[:, :, :start]] for k, v in past_key_values]
+            window, extra = x.shape[1], {}
         i = 1
-        replace_position = torch.zeros_like(x, dtype=torch.bool)
-        replace_position[:, start:end] = 1
-        while True:
-            if (x[:, start:end] == mask_id).sum() == 0:
-                break
+        while (x[:, start:end] == mask_id).sum() != 0:
             nfe += 1
-            mask_index = x[:, start:end] == mask_id
+            mask_index = x[:, start:window] == mask_id
+            mask_index[:, block_length:] = 0
             logits = model(
-                x[:, start:end],
-                past_key_values=past_key_values,
-                use_cache=True,
-                replace_position=replace_position,
+                x[:, start:window], past_key_values=past_key_values, use_cache=True, **extra
             ).logits
             x0, transfer_index = get_transfer_index(
                 logits,
                 temperature,
                 mask_index,
-                x[:, start:end],
+                x[:, start:window],
                 num_transfer_tokens[:, i] if threshold is None else None,
                 threshold,
             )
-            x[:, start:end][transfer_index] = x0[transfer_index]
+            x[:, start:window][transfer_index] = x0[transfer_index]
             i += 1
     return x.numpy(), nfe
 

@@ -13,24 +13,9 @@ can turn a committed token back into a mask (the engine never proposes the mask 
 import torch
 import torch.nn.functional as F
 
-
-def top_k_logits(logits, k):
-    if k is None or k <= 0:
-        return logits
-    kth = torch.topk(logits, k).values[..., -1, None]
-    return torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
-
-
-def top_p_logits(logits, p):
-    if p is None or p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    drop_sorted = cumulative > p
-    drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+# Top-k / top-p filtering, the per-step commit counts and the block-causal keep are the same
+# functions as in the transcription of SDAR's generate.py.
+from .sdar_generate import block_causal_keep, num_transfer_tokens, top_k_logits, top_p_logits
 
 
 def sample(logits, temperature, top_k, top_p, argmax_of="probs"):
@@ -45,22 +30,13 @@ def sample(logits, temperature, top_k, top_p, argmax_of="probs"):
         return token.view(shape), torch.gather(probs, -1, token).view(shape)
     if temperature != 1.0:
         logits = logits / temperature
-    logits = top_p_logits(top_k_logits(logits, top_k), top_p)
+    if top_k is not None:
+        logits = top_k_logits(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_logits(logits, top_p)
     probs = F.softmax(logits, dim=-1)
     token = torch.multinomial(probs, num_samples=1)
     return token.view(shape), torch.gather(probs, -1, token).view(shape)
-
-
-def num_transfer_tokens(block_length, steps):
-    out = torch.full((steps,), block_length // steps, dtype=torch.int64)
-    out[: block_length % steps] += 1
-    return out
-
-
-def block_causal_keep(total_length, block_length):
-    nb = total_length // block_length
-    tril = torch.tril(torch.ones(nb, nb))
-    return tril.repeat_interleave(block_length, 0).repeat_interleave(block_length, 1).bool()
 
 
 def _answer(x, prompt_length, gen_length, eos_id):

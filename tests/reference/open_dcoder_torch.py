@@ -21,8 +21,7 @@ import torch
 import torch.distributions as dists
 
 from .dream_torch import top_p_logits  # veomni's generation_utils copies Dream's
-from .hf_body import qwen2_model
-from .hf_forward import keys_in_view, logits_under
+from .hf_body import body_logits, qwen2_model
 
 torch.set_num_threads(1)
 
@@ -35,7 +34,7 @@ def load_reference(ckpt):
 def reference_logits(ckpt, input_ids, causal=False):
     """Unshifted float32 logits (B, L, V) of token ids."""
     x = torch.as_tensor(np.asarray(input_ids)).long()
-    return logits_under(load_reference(str(ckpt)), x, keys_in_view(x.shape[1], causal)).numpy()
+    return body_logits(load_reference(str(ckpt)), x, causal).numpy()
 
 
 def top_k_logits(logits, top_k):

@@ -174,3 +174,22 @@ def generate(forward, prompt, max_new_tokens, num_steps, **kw):
     with an EOS id set: the sequence prompt + max_new_tokens, the last of which stays pad."""
     seq_len = len(prompt) + max_new_tokens
     return diffusion_sample(forward, seq_len, num_steps, prefix_ids=prompt, **kw)
+
+
+def greedy_answer(forward, prompt, max_new_tokens, num_steps, *, eos_token_id, **kw):
+    """generate(...) at greedy=True, temperature 1 (what temperature 0 is in RND1's sampler):
+    (the generated tokens before the pad, cut at the first EOS as the package returns a row's
+    tokens; the pad, the sequence's last id; the forwards)."""
+    seq, nfe = generate(
+        forward,
+        prompt,
+        max_new_tokens,
+        num_steps,
+        eos_token_id=eos_token_id,
+        greedy=True,
+        temperature=1.0,
+        **kw,
+    )
+    toks = seq[len(prompt) : -1].tolist()
+    toks = toks[: toks.index(eos_token_id)] if eos_token_id in toks else toks
+    return toks, int(seq[-1]), nfe

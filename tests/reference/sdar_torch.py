@@ -12,8 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from .hf_body import load_relabelled
-from .hf_forward import logits_under
+from .hf_body import keys_in_view, load_relabelled, logits_under
 
 torch.set_num_threads(1)
 
@@ -45,10 +44,8 @@ def reference_logits(ckpt, input_ids, block_length, layout="block"):
     L = x.shape[1]
     if layout == "block":
         keep = block_causal_keep(L, block_length)
-    elif layout == "causal":
-        keep = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    elif layout == "full":
-        keep = torch.ones(L, L, dtype=torch.bool)
+    elif layout in ("causal", "full"):
+        keep = keys_in_view(L, causal=layout == "causal")
     else:
         raise ValueError(layout)
     return logits_under(model, x, keep).numpy()

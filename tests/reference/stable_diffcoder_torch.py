@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 # _make_block_causal_mask's pattern (tril over blocks, a block of ones each): SDAR's.
-from .hf_forward import build_body, keys_in_view, logits_under
+from .hf_body import build_body, keys_in_view, logits_under
 from .sdar_torch import block_causal_keep
 
 torch.set_num_threads(1)
