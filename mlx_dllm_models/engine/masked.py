@@ -303,7 +303,7 @@ class MaskedBlockDecoder(Decoder):
         extra = stop - blk.lo if batch.constraints is not None else 0
         # A block that opens with no candidate in any row (its seeds finished every row) takes
         # no step, whatever its schedule.
-        steps = self.s["steps"] + (editing.max_post if editing else 0) + extra
+        steps = (editing.step_bound(self.s["steps"]) if editing else self.s["steps"]) + extra
         for step in range(steps if editing is not None or any(blk.rows_left) else 0):
             if cancelled and not self._drop_cancelled(batch, blk, cancelled):
                 return None
@@ -387,13 +387,16 @@ class MaskedBlockDecoder(Decoder):
             # alone leaves it (which never steps a block it has finished, or not yet begun).
             keys = mx.where(mx.array(blk.rows_left, dtype=mx.bool_)[:, None], keys, batch.key)
         batch.key = keys
+        suppress = (spec.mask_token_id, *spec.suppressed_token_ids)
+        if blk.editing is not None:
+            suppress = blk.editing.suppressed(suppress)
         stats = token_stats(
             logits,
             temperature=s["temperature"],
             top_k=s["top_k"],
             top_p=s["top_p"],
             key=None if s["temperature"] == 0 else (k_stats if idx is None else k_stats[idx]),
-            suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
+            suppress_ids=suppress,
             confidence=spec.confidence,
             order=spec.sampling_order,
             extras=self.rule.stats_extras,
@@ -414,8 +417,10 @@ class MaskedBlockDecoder(Decoder):
             edits = blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
             if batch.constraints is not None:  # a constrained row's tokens are never rewritten
                 edits = edits & ~batch.constraints.row_mask()
-            commit = commit | edits
+            commit, x0 = blk.editing.revise(stats, logits, commit, x0, edits)
         block = mx.where(commit, x0.astype(mx.int32), current)
+        if blk.editing is not None:
+            block = blk.editing.apply(block, current, blk.gen)
         if reopen is not None:  # committed tokens the rule turns back into masks
             block = mx.where(reopen, spec.mask_token_id, block)
         if self.fills_after_eos:  # the positions after a row's first EOS are that EOS from now on
