@@ -51,8 +51,8 @@ SETTINGS = (
         "editing_mode",
         None,
         "LLaDA2: quality | speed (the LLaDA2.1 model card's Quality / Speed Mode: threshold and "
-        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1 / 2.2 "
-        "checkpoints, off for 2.0",
+        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1, speed "
+        "for 2.2 (its generate's; DELETE / SPLIT edits on), off for 2.0",
         str,
         choice(("quality", "speed", "off"), " for the llada2 family"),
     ),
