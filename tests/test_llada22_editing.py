@@ -46,15 +46,19 @@ def torch_forward(model):
 
 
 def run(model, tok, prompts, **kw):
-    """Each row's tokens, the per-step canvases of the first row, and the decoder."""
+    """Each row's tokens, the per-step canvases of the first row, and the decoder; `stopped`:
+    whether the first row ended at an EOS (the engine then decodes no further block, where the
+    reference decodes every block of max_tokens)."""
     _, ids, decoder = stream_events(model, tok, prompts, **kw)
     out, canvases = [[] for _ in ids], []
+    decoder.stopped = False
     for event in decoder.run(ids):
         if isinstance(event, StepEvent):
             canvases.append(np.array(event.generated)[0].tolist())
         if isinstance(event, BlockEvent):
-            for row, toks in zip(event.rows, event.tokens):
+            for row, toks, hit in zip(event.rows, event.tokens, event.eos):
                 out[row].extend(toks)
+                decoder.stopped = decoder.stopped or (row == 0 and bool(hit))
     return out, canvases, decoder
 
 
@@ -105,34 +109,66 @@ CASES = [(7, 57), (40, 24), (3, 29)]
 
 
 @pytest.mark.slow
-def test_decode_matches_transcription_with_deletes_and_inserts(loaded):
+@pytest.mark.parametrize(
+    "settings,edits",
+    [
+        ({}, True),  # generate's defaults
+        ({"steps": 8, "threshold": 0.7, "max_post_steps": 3}, True),
+        # The final round is the step that fills the last original mask (no edit happens here).
+        ({"steps": 8, "threshold": 0.9, "max_post_steps": 0}, False),
+    ],
+)
+def test_decode_matches_transcription_with_deletes_and_inserts(loaded, settings, edits):
     """At the reference's defaults (block 32, steps 32, threshold 0.5, editing_threshold 0.0,
-    max_post_steps 16): the canvas after every step, the tokens and the forwards."""
+    max_post_steps 16) and others: the canvas after every step, the tokens and the forwards."""
     model, tok = loaded
     eos = model.diffusion_spec.eos_token_ids[0]
-    deletes = splits = 0
+    deletes = splits = stops = 0
     for n, gen in CASES:
         p = prompt(n, n)
-        want, forwards, trace = reference(model, tok, p, gen)
+        want, forwards, trace = reference(model, tok, p, gen, **settings)
         assert trace["repeats"] == 0, (
             "the reference's random anti-loop would fire: pick another case"
         )
-        (got,), canvases, dec = run(model, tok, [p], max_tokens=gen)
+        (got,), canvases, dec = run(model, tok, [p], max_tokens=gen, **settings)
         assert got == without_eos(want, eos)
-        assert canvases == [c[:gen] for c in trace["canvas"]]
-        assert dec.nfe - dec.backend.prefill_forwards == forwards
+        forwards_run = dec.nfe - dec.backend.prefill_forwards
+        assert canvases == [c[:gen] for c in trace["canvas"][:forwards_run]]
+        if not dec.stopped:
+            assert forwards_run == forwards
+        else:  # the blocks past its EOS, which the reference decodes and the engine does not
+            assert forwards_run <= forwards
         deletes, splits = deletes + trace["deletes"], splits + trace["splits"]
-    assert deletes > 0 and splits > 0  # both edits were proposed and consumed
+        stops += dec.stopped
+    assert stops < len(CASES)  # a case decodes every block as the reference does
+    if edits:
+        assert deletes > 0 and splits > 0  # both edits were proposed and consumed
 
 
 @pytest.mark.slow
-def test_batch_rows_equal_single_runs(loaded):
+def test_batch_rows_equal_single_runs(loaded, monkeypatch):
     """A row's edits shift tokens inside its own block only: rows keep their length, and each row
     of a batch (prompts of different lengths, left-padded) decodes as it does alone."""
+    from mlx_dllm_models.engine import editing
+
+    consumed = []
+
+    def counted(block, old, original, gen, mask_id, delete_id, split_id):
+        edit = gen & ((block == delete_id) | (block == split_id))
+        consumed.append(edit.sum().item())
+        return apply_edit_ops(block, old, original, gen, mask_id, delete_id, split_id)
+
+    monkeypatch.setattr(editing, "apply_edit_ops", counted)
     model, tok = loaded
     prompts = [prompt(n, n) for n, _ in CASES]
-    batch, _, _ = run(model, tok, prompts, max_tokens=30)
-    assert batch == [run(model, tok, [p], max_tokens=30)[0][0] for p in prompts]
+    results = []
+    for cache in ("prefix", "none"):  # the prefix cache's forwards and full recompute's agree
+        kw = dict(max_tokens=30, cache=cache)
+        batch, _, _ = run(model, tok, prompts, **kw)
+        assert batch == [run(model, tok, [p], **kw)[0][0] for p in prompts]
+        results.append(batch)
+    assert results[0] == results[1]
+    assert sum(consumed) > 0  # the batches' rows did delete or insert
 
 
 def test_editing_off_never_proposes_edit_tokens(loaded):
@@ -154,3 +190,16 @@ def test_loads_with_the_reference_defaults(loaded, fixture_dir):
     got = [s[k] for k in ("editing_mode", "threshold", "editing_threshold", "max_post_steps")]
     assert got == ["speed", 0.5, 0.0, 16]
     assert (s["block_length"], s["steps"]) == (BLOCK, BLOCK)
+
+
+def test_grammar_constraints_are_refused_with_edits_on(loaded):
+    from mlx_dllm_models.generate import batch_generate_diffusion
+    from mlx_dllm_models.settings import SettingsError
+
+    model, tok = loaded
+    with pytest.raises(SettingsError, match="insert/delete edits move"):
+        batch_generate_diffusion(model, tok, [[40, 41]], max_tokens=4, regex="[a-z]+")
+    out = batch_generate_diffusion(
+        model, tok, [[40, 41]], max_tokens=4, regex="[a-z]+", editing_mode="off"
+    )
+    assert out.tokens[0]

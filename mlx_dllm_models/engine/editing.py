@@ -108,8 +108,9 @@ class LevenshteinEditing(BlockEditing):
     every new mask (all masks once `step` reaches `steps`); `post` counts the steps begun with no
     original mask left (0 while any is). A row stops before a step begun with no mask and `post`
     above max_post_steps, after a step begun with no mask that edits nothing (the block is stable),
-    or at MAX_STEPS_PER_BLOCK. Its final round (`post` reaching max_post_steps, or the last
-    allowed step) fills every mask and proposes no DELETE / SPLIT, so the block ends resolved."""
+    or at MAX_STEPS_PER_BLOCK. Its final round (the step after which the budget stops it, or
+    the last allowed step) fills every mask and proposes no DELETE / SPLIT, so the block ends
+    resolved."""
 
     def __init__(self, threshold, max_post, spec, cand, settings):
         super().__init__(threshold, max_post, spec.strict_threshold, cand)
@@ -134,8 +135,6 @@ class LevenshteinEditing(BlockEditing):
         self.post = mx.where((cand & self.original).any(axis=1), 0, self.post + 1)
         spent = ~self.masked & (self.post > self.max_post)
         self.active = self.active & ~spent & (self.step < MAX_STEPS_PER_BLOCK)
-        last = (self.post >= max(self.max_post, 1)) | (self.step >= MAX_STEPS_PER_BLOCK - 1)
-        self.final = self.active & last
         return self.active.any().item()
 
     def revise(self, stats, logits, commit, x0, edits):
@@ -143,8 +142,13 @@ class LevenshteinEditing(BlockEditing):
         new = (cand & ~self.original).astype(mx.int32).sum(axis=1)
         need = transfer_floor(self.initial, self.steps, self.step) + new
         fill = levenshtein_fill(stats.confidence, cand, self.fill_threshold, need, self.strict)
-        every = self.final | (self.step >= self.steps)
-        fill = mx.where(every[:, None], cand, fill) & self.active[:, None]
+        fill = mx.where((self.step >= self.steps)[:, None], cand, fill)
+        # The final round is the step after which the loop stops for the budget: no original
+        # mask left once it fills, and the next step's post count above max_post_steps.
+        originals_left = (cand & self.original & ~fill).any(axis=1)
+        budget = ~originals_left & (self.post + 1 > self.max_post)
+        self.final = self.active & (budget | (self.step >= MAX_STEPS_PER_BLOCK - 1))
+        fill = mx.where(self.final[:, None], cand, fill) & self.active[:, None]
         x0 = x0.astype(mx.int32)
         proposed_edit = (x0 == self.edit_ids[0]) | (x0 == self.edit_ids[1])
         alt = mx.argmax(suppress_logits(logits, (self.mask_id, *self.edit_ids)), axis=-1)

@@ -243,10 +243,16 @@ class MaskedBlockDecoder(Decoder):
         decoder's), `consumed` the tokens each has already returned (a row the server restarts
         over [prompt ; committed]: its grammar continues after them)."""
         constraints = self.constraints if constraints is None else constraints
-        if self.reopens and constraints is not None and any(c is not None for c in constraints):
+        constrained = constraints is not None and any(c is not None for c in constraints)
+        if self.reopens and constrained:
             raise SettingsError(
                 f"sampler {self.s['sampler']!r} re-masks committed tokens, which a grammar "
                 "constraint cannot take back; use another sampler for structured output"
+            )
+        if constrained and self.spec.edit_token_ids and self.s.get("editing_threshold") is not None:
+            raise SettingsError(
+                "LLaDA2.2's insert/delete edits move and re-mask committed tokens, which a grammar "
+                "constraint cannot take back; use editing_mode='off' for structured output"
             )
         batch = self._start(prompts, budgets, prior)
         batch.constraints = make_row_constraints(

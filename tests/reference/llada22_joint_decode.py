@@ -72,10 +72,9 @@ def joint_decode_block(forward, x, start, end, prompt_in_block, keep, settings, 
         logits = forward(cur, keep[:end, :end])[0, start:end]
         forwards += 1
         x0, p = sample(logits, 0.0, None, None, argmax_of="logits")
-        final = post >= max(max_post, 1) or step >= cap - 1
         fill = torch.zeros_like(masks)
         if masks.any():
-            if step >= steps or final:
+            if step >= steps:
                 fill = masks.clone()
             else:
                 need = plan[step] + n_new
@@ -85,6 +84,13 @@ def joint_decode_block(forward, x, start, end, prompt_in_block, keep, settings, 
                     fill = high
                 elif need > 0:
                     fill[torch.topk(conf, k=min(need, int(masks.sum()))).indices] = True
+        # Final round: the last step before the budget stops the loop (no original mask left
+        # after this fill, the next post count above max_post_steps; FluxServe's
+        # levenshtein_graph_step, both of its branches), or the step cap.
+        left = any(f and o for f, o in zip((masks & ~fill).tolist(), original))
+        final = (not left and post + 1 > max_post) or step >= cap - 1
+        if final:
+            fill = masks.clone()
         editable = ~masks & ~prompt_in_block
         edit = (torch.where(editable, p, -torch.inf) > settings["editing_threshold"]) & editable
         edit &= x0 != block
