@@ -68,13 +68,15 @@ def prompt(n, seed):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_edit_rule_matches_transcription(seed):
+    """Rows whose generated positions are a suffix (a first block's prompt tail stays in place) or
+    interleaved with prompt tokens (masks inside a prompt): the generated positions, read as one
+    sequence, are edited as the transcription's list scan edits it."""
     rng = np.random.default_rng(seed)
     choices = [1, 2, 3, 4, MASK, DELETE, SPLIT]
-    rows = [rng.choice(choices, 12).tolist() for _ in range(3)]
-    olds = [rng.choice([1, 2, 3, MASK], 12).tolist() for _ in range(3)]
-    flags = [rng.random(12) < 0.5 for _ in range(3)]
-    firsts = [0, 3, 7]  # the prompt's tail ahead of the generated columns stays in place
-    gen = [[i >= f for i in range(12)] for f in firsts]
+    rows = [rng.choice(choices, 12).tolist() for _ in range(4)]
+    olds = [rng.choice([1, 2, 3, MASK], 12).tolist() for _ in range(4)]
+    flags = [rng.random(12) < 0.5 for _ in range(4)]
+    gen = [[i >= f for i in range(12)] for f in (0, 3, 7)] + [(rng.random(12) < 0.6).tolist()]
     got, got_flags = apply_edit_ops(
         mx.array(rows),
         mx.array(olds),
@@ -84,12 +86,21 @@ def test_edit_rule_matches_transcription(seed):
         DELETE,
         SPLIT,
     )
-    for r, f in enumerate(firsts):
+    for r, g in enumerate(gen):
+        at = [i for i in range(12) if g[i]]
         want, want_flags = apply_edits(
-            rows[r][f:], olds[r][f:], list(flags[r][f:]), MASK, DELETE, SPLIT
+            [rows[r][i] for i in at],
+            [olds[r][i] for i in at],
+            [flags[r][i] for i in at],
+            MASK,
+            DELETE,
+            SPLIT,
         )
-        assert got.tolist()[r] == rows[r][:f] + want
-        assert got_flags.tolist()[r][f:] == want_flags
+        expected = list(rows[r])
+        for i, token in zip(at, want):
+            expected[i] = token
+        assert got.tolist()[r] == expected
+        assert [got_flags.tolist()[r][i] for i in at] == want_flags
 
 
 def reference(model, tok, ids, gen, **kw):

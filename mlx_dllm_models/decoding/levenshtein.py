@@ -33,24 +33,23 @@ def apply_edit_ops(block, old, original, gen, mask_id: int, delete_id: int, spli
     """(block, original) after the step's DELETE / SPLIT tokens are consumed.
 
     `block` is the window after the step's writes, `old` before them; `original` (B, L) marks the
-    block's original masks; `gen` the positions edits may move, a suffix of each row's window
-    (the prompt's tail in a first block stays in place). Scanning the generated positions left to
-    right, DELETE contributes nothing, SPLIT a new mask then the token it replaced (keeping that
-    position's original flag), any other token itself; the result is cut to the generated length
-    or padded with new masks.
+    block's original masks; `gen` the positions edits may move (the prompt's tail in a first
+    block, or any prompt token of the window, stays in place). The generated positions, read left
+    to right as one sequence, are rewritten: DELETE contributes nothing, SPLIT a new mask then the
+    token it replaced (keeping that position's original flag), any other token itself; the result
+    is cut to the number of generated positions or padded with new masks, and written back into
+    them in order.
 
-    Computed by gathers: output position j (counted from the first generated column) comes from
-    the first source position whose inclusive running contribution count exceeds j."""
-    length = block.shape[1]
+    Computed by gathers: the generated position of rank j (counted among the generated ones) takes
+    its token from the first position whose running contribution count exceeds j."""
     is_del = gen & (block == delete_id)
     is_split = gen & (block == split_id)
     counts = mx.where(gen, mx.where(is_del, 0, mx.where(is_split, 2, 1)), 0).astype(mx.int32)
-    end = mx.cumsum(counts, axis=1)  # non-generated columns (a prefix) count 0, end 0
+    end = mx.cumsum(counts, axis=1)
     total = end[:, -1:]
-    first = length - gen.astype(mx.int32).sum(axis=1, keepdims=True)
-    j = mx.arange(length)[None] - first  # (B, L) output index among the generated columns
+    j = mx.cumsum(gen.astype(mx.int32), axis=1) - 1  # each generated position's rank
     src = (end[:, None, :] <= j[:, :, None]).astype(mx.int32).sum(axis=-1)
-    src = mx.minimum(src, length - 1)
+    src = mx.minimum(src, block.shape[1] - 1)
     offset = j - mx.take_along_axis(end - counts, src, axis=1)
     split_src = mx.take_along_axis(is_split, src, axis=1)
     inserted = split_src & (offset == 0)
@@ -63,8 +62,7 @@ def apply_edit_ops(block, old, original, gen, mask_id: int, delete_id: int, spli
     pad = j >= total
     tokens = mx.where(pad, mask_id, tokens)
     flags = flags & ~pad
-    moved = j >= 0
     return (
-        mx.where(moved, tokens, block).astype(block.dtype),
-        mx.where(moved, flags, original),
+        mx.where(gen, tokens, block).astype(block.dtype),
+        mx.where(gen, flags, original),
     )

@@ -12,7 +12,9 @@ block always completes within its step budget and no mask ever reaches the outpu
 declare `editing_threshold` (LLaDA2.1) also rewrite committed tokens of the open block, during its
 steps and for up to `max_post_steps` forwards after its last mask (token editing); a row's editing
 stops early at a step that edits nothing, or that brings its maskless block back to a state it held
-before (edits that flip-flop would otherwise cycle until max_post_steps).
+before (edits that flip-flop would otherwise cycle until max_post_steps). A family that also
+declares edit_token_ids (LLaDA2.2) decodes with its own fill rule and DELETE / SPLIT edits, which
+move a block's tokens and bring masks back (editing.LevenshteinEditing).
 
 `run` is a generator over blocks (`_block`: a StepEvent per forward, then the block's BlockEvent),
 each of whose steps is a forward (`_forward`, over the rows that still have masks), the statistics
