@@ -52,10 +52,11 @@ class DiffusionSpec:
     attention: str
     mask_token_id: Optional[int]
     eos_token_ids: Tuple[int, ...] = ()
-    # Ids never proposed, besides the mask: LLaDA2.2's edit-control tokens (DELETE, SPLIT), whose
-    # insert/delete semantics this package does not implement, so that 2.2 decodes with
-    # substitution edits only.
+    # Ids never proposed, besides the mask (LLaDA2.2's edit-control tokens when editing is off).
     suppressed_token_ids: Tuple[int, ...] = ()
+    # (DELETE, SPLIT) of a family with insert/delete editing (LLaDA2.2): with editing on they are
+    # proposed, and consumed by engine.editing.LevenshteinEditing.
+    edit_token_ids: Tuple[int, ...] = ()
     # Ids whose logits are -inf before any statistic, so their probability mass goes to the others
     # (LLaDA-V's generate_with_embeds: <|endoftext|>, <|startoftext|>, the header ids); the
     # masked decoder applies them as logits_eos_inf does the EOS.

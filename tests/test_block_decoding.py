@@ -707,25 +707,6 @@ def test_llada22_checkpoints_default_to_quality_mode(family, tmp_path):
     assert (s["editing_mode"], s["threshold"], s["editing_threshold"]) == ("quality", 0.7, 0.5)
 
 
-def test_llada22_block_routing_is_refused(family, tmp_path):
-    """A real LLaDA2.2 config routes experts by block (expert_capacity): refused at load with
-    why, rather than decoded with the per-token router of 2.0 / 2.1."""
-    import shutil
-
-    from mlx_dllm_models import load
-
-    path, _, _ = family("llada2_moe")
-    v22 = tmp_path / "llada22_routing"
-    shutil.copytree(path, v22)
-    cfg = json.loads((v22 / "config.json").read_text())
-    cfg.update(delete_token_id=250, split_token_id=251, expert_capacity=48)
-    (v22 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(
-        ValueError, match=r"routes experts by block \(expert_capacity=48, LLaDA2.2\)"
-    ):
-        load(v22)
-
-
 def test_entropy_bounded_settings(family):
     _, model, tok = family("sdar")
 

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
 from fixtures import dmax as dmax_fixture
+from fixtures import llada2 as llada2_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture, serving
@@ -213,6 +214,22 @@ FAMILIES = {
         spec=spec_facts("open_dcoder", BIDIRECTIONAL, 1, open_dcoder.MASK),
         lengths=(1, 11),
         plain_causal=True,
+    ),
+    # LLaDA2.2: block routing and insert/delete edits at its defaults (tests/test_llada22_*.py
+    # compare them with their transcriptions).
+    "llada22": Family(
+        llada2_fixture.build_22,
+        "llada2_moe",
+        module="llada2_moe",
+        config={"expert_capacity": llada2_fixture.EXPERT_CAPACITY},
+        convert=dict(max_tokens=8),
+        shard_ids=masked(llada2_fixture.MASK, 3),
+        serve=(CHAT_AT_SEED_3, TOKEN_PROMPT),
+        scheduler_prompts=SCHEDULER_PROMPTS,
+        spec=dict(
+            spec_facts("llada2", BLOCK_CAUSAL, 0, llada2_fixture.MASK),
+            edit_token_ids=(llada2_fixture.DELETE, llada2_fixture.SPLIT),
+        ),
     ),
     "stable_diffcoder": Family(
         stable_diffcoder_fixture.build_converted,

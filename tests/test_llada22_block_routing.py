@@ -2,9 +2,8 @@
 (tests/reference/llada2_block_routing.py), the model's logits against mlx-vlm's llada2_moe with its
 router replaced by that transcription, and block routing under the engine's caches and left padding.
 
-A LLaDA2.2 config is still refused at load (its insert/delete editing is not implemented), so the
-model here is built from the 2.2 fixture's config with `expert_capacity` set after ModelArgs'
-checks, which is what loading would build once the refusal goes."""
+The model here is built from the 2.2 fixture's config with `expert_capacity` set after ModelArgs'
+checks (the unrouted model is the same config without it), which is what loading builds."""
 
 import json
 

@@ -6,7 +6,8 @@ base.py            events (StepEvent, BlockEvent), the block-event helper, the f
                    next_key / sample_tokens (a token drawn from logits with an owner's own key)
 layout.py          Layout: where each row's prompt and canvas sit in the batch's token array
 masked.py          masked block decoding (MaskedBlockDecoder): the loop over blocks and steps
-editing.py         LLaDA2.1's token editing over one block (BlockEditing)
+editing.py         LLaDA2.1's token editing over one block (BlockEditing), 2.2's insert/delete
+                   edits (LevenshteinEditing)
 logprobs.py        the logprobs setting: each committed position's log-probability, recorded on
                    the device and read with its tokens (PositionLogprobs)
 full_recompute.py  FullRecompute, the reference backend (every forward over the whole sequence)

@@ -13,6 +13,11 @@ from typing import Optional
 import mlx.core as mx
 
 from ..decoding.block import token_edits
+from ..decoding.levenshtein import apply_edit_ops, levenshtein_fill, transfer_floor
+from ..decoding.llada import suppress_logits
+
+# `_joint_decode_block`'s max_steps_per_block: the forwards one block may take (LLaDA2.2).
+MAX_STEPS_PER_BLOCK = 1000
 
 
 def _revisited(seen, block, cand) -> mx.array:
@@ -44,7 +49,26 @@ class BlockEditing:
         threshold = settings.get("editing_threshold")
         if threshold is None:
             return None
-        return cls(threshold, settings.get("max_post_steps") or 0, spec.strict_threshold, cand)
+        max_post = settings.get("max_post_steps") or 0
+        if spec.edit_token_ids:
+            return LevenshteinEditing(threshold, max_post, spec, cand, settings)
+        return cls(threshold, max_post, spec.strict_threshold, cand)
+
+    def step_bound(self, steps: int) -> int:
+        """The most steps the block may take."""
+        return steps + self.max_post
+
+    def suppressed(self, ids: tuple) -> tuple:
+        """The ids the step's statistics never propose, given the family's."""
+        return ids
+
+    def revise(self, stats, logits, commit, x0, edits):
+        """(commit, x0) of the step once its edits are known: 2.1 adds the edits."""
+        return commit | edits, x0
+
+    def apply(self, block, current, gen):
+        """The block after the step's writes: 2.1 writes are final."""
+        return block
 
     def continues(self, cand: mx.array) -> bool:
         """Before a step: count it against each maskless row's max_post_steps; whether any row
@@ -73,3 +97,79 @@ class BlockEditing:
     def settle(self, block: mx.array, cand: mx.array) -> None:
         """After the step's commit: a maskless row back in a state it held before stops."""
         self.active = self.active & ~_revisited(self.seen, block, cand)
+
+
+class LevenshteinEditing(BlockEditing):
+    """LLaDA2.2's editing (`_joint_decode_block`): 2.1's T2T may also propose DELETE / SPLIT,
+    consumed after each step's writes (decoding.levenshtein.apply_edit_ops), so masks come back.
+
+    Per row: `original` marks the block's original masks, `initial` their count at the block's
+    start, `step` the steps taken. A step fills the transfer schedule's share of `initial` plus
+    every new mask (all masks once `step` reaches `steps`); `post` counts the steps begun with no
+    original mask left (0 while any is). A row stops before a step begun with no mask and `post`
+    above max_post_steps, after a step begun with no mask that edits nothing (the block is stable),
+    or at MAX_STEPS_PER_BLOCK. Its final round (the step after which the budget stops it, or
+    the last allowed step) fills every mask and proposes no DELETE / SPLIT, so the block ends
+    resolved."""
+
+    def __init__(self, threshold, max_post, spec, cand, settings):
+        super().__init__(threshold, max_post, spec.strict_threshold, cand)
+        self.edit_ids = tuple(spec.edit_token_ids)
+        self.mask_id = spec.mask_token_id
+        self.fill_threshold, self.steps = settings["threshold"], settings["steps"]
+        n = cand.shape[0]
+        self.original = cand
+        self.initial = cand.astype(mx.int32).sum(axis=1)
+        self.step = mx.zeros((n,), mx.int32)
+        self.final = mx.zeros((n,), mx.bool_)
+        self.cand = cand
+
+    def step_bound(self, steps: int) -> int:
+        return MAX_STEPS_PER_BLOCK
+
+    def suppressed(self, ids: tuple) -> tuple:
+        return tuple(i for i in ids if i not in self.edit_ids)
+
+    def continues(self, cand: mx.array) -> bool:
+        self.cand, self.masked = cand, cand.any(axis=1)
+        self.post = mx.where((cand & self.original).any(axis=1), 0, self.post + 1)
+        spent = ~self.masked & (self.post > self.max_post)
+        self.active = self.active & ~spent & (self.step < MAX_STEPS_PER_BLOCK)
+        return self.active.any().item()
+
+    def revise(self, stats, logits, commit, x0, edits):
+        cand = self.cand
+        new = (cand & ~self.original).astype(mx.int32).sum(axis=1)
+        need = transfer_floor(self.initial, self.steps, self.step) + new
+        fill = levenshtein_fill(stats.confidence, cand, self.fill_threshold, need, self.strict)
+        fill = mx.where((self.step >= self.steps)[:, None], cand, fill)
+        # The final round is the step after which the loop stops for the budget: no original
+        # mask left once it fills, and the next step's post count above max_post_steps.
+        originals_left = (cand & self.original & ~fill).any(axis=1)
+        budget = ~originals_left & (self.post + 1 > self.max_post)
+        self.final = self.active & (budget | (self.step >= MAX_STEPS_PER_BLOCK - 1))
+        fill = mx.where(self.final[:, None], cand, fill) & self.active[:, None]
+        x0 = x0.astype(mx.int32)
+        proposed_edit = (x0 == self.edit_ids[0]) | (x0 == self.edit_ids[1])
+        alt = mx.argmax(suppress_logits(logits, (self.mask_id, *self.edit_ids)), axis=-1)
+        x0 = mx.where(self.final[:, None] & proposed_edit, alt.astype(mx.int32), x0)
+        self.step = self.step + self.active.astype(mx.int32)
+        return fill | edits, x0
+
+    def apply(self, block, current, gen):
+        delete_id, split_id = self.edit_ids
+        moved = gen & self.active[:, None]
+        block, self.original = apply_edit_ops(
+            block, current, self.original, moved, self.mask_id, delete_id, split_id
+        )
+        return block
+
+    def select(self, keep) -> None:
+        super().select(keep)
+        idx = mx.array(keep)
+        self.original, self.initial = self.original[idx], self.initial[idx]
+        self.step, self.final, self.cand = self.step[idx], self.final[idx], self.cand[idx]
+
+    def settle(self, block: mx.array, cand: mx.array) -> None:
+        """No revisit stop: the reference escapes a repeated state by resampling instead (not
+        reproduced); a cycle ends with the max_post_steps budget or MAX_STEPS_PER_BLOCK."""

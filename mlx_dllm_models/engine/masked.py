@@ -12,7 +12,9 @@ block always completes within its step budget and no mask ever reaches the outpu
 declare `editing_threshold` (LLaDA2.1) also rewrite committed tokens of the open block, during its
 steps and for up to `max_post_steps` forwards after its last mask (token editing); a row's editing
 stops early at a step that edits nothing, or that brings its maskless block back to a state it held
-before (edits that flip-flop would otherwise cycle until max_post_steps).
+before (edits that flip-flop would otherwise cycle until max_post_steps). A family that also
+declares edit_token_ids (LLaDA2.2) decodes with its own fill rule and DELETE / SPLIT edits, which
+move a block's tokens and bring masks back (editing.LevenshteinEditing).
 
 `run` is a generator over blocks (`_block`: a StepEvent per forward, then the block's BlockEvent),
 each of whose steps is a forward (`_forward`, over the rows that still have masks), the statistics
@@ -251,10 +253,16 @@ class MaskedBlockDecoder(Decoder):
         decoder's), `consumed` the tokens each has already returned (a row the server restarts
         over [prompt ; committed]: its grammar continues after them)."""
         constraints = self.constraints if constraints is None else constraints
-        if self.reopens and constraints is not None and any(c is not None for c in constraints):
+        constrained = constraints is not None and any(c is not None for c in constraints)
+        if self.reopens and constrained:
             raise SettingsError(
                 f"sampler {self.s['sampler']!r} re-masks committed tokens, which a grammar "
                 "constraint cannot take back; use another sampler for structured output"
+            )
+        if constrained and self.spec.edit_token_ids and self.s.get("editing_threshold") is not None:
+            raise SettingsError(
+                "LLaDA2.2's insert/delete edits move and re-mask committed tokens, which a grammar "
+                "constraint cannot take back; use editing_mode='off' for structured output"
             )
         batch = self._start(prompts, budgets, prior)
         batch.constraints = make_row_constraints(
@@ -311,7 +319,7 @@ class MaskedBlockDecoder(Decoder):
         extra = stop - blk.lo if batch.constraints is not None else 0
         # A block that opens with no candidate in any row (its seeds finished every row) takes
         # no step, whatever its schedule.
-        steps = self.s["steps"] + (editing.max_post if editing else 0) + extra
+        steps = (editing.step_bound(self.s["steps"]) if editing else self.s["steps"]) + extra
         for step in range(steps if editing is not None or any(blk.rows_left) else 0):
             if cancelled and not self._drop_cancelled(batch, blk, cancelled):
                 return None
@@ -395,13 +403,16 @@ class MaskedBlockDecoder(Decoder):
             # alone leaves it (which never steps a block it has finished, or not yet begun).
             keys = mx.where(mx.array(blk.rows_left, dtype=mx.bool_)[:, None], keys, batch.key)
         batch.key = keys
+        suppress = (spec.mask_token_id, *spec.suppressed_token_ids)
+        if blk.editing is not None:
+            suppress = blk.editing.suppressed(suppress)
         stats = token_stats(
             logits,
             temperature=s["temperature"],
             top_k=s["top_k"],
             top_p=s["top_p"],
             key=None if s["temperature"] == 0 else (k_stats if idx is None else k_stats[idx]),
-            suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
+            suppress_ids=suppress,
             confidence=spec.confidence,
             order=spec.sampling_order,
             extras=self.rule.stats_extras,
@@ -422,8 +433,10 @@ class MaskedBlockDecoder(Decoder):
             edits = blk.editing.edits(stats, current, blk.gen, spec.mask_token_id)
             if batch.constraints is not None:  # a constrained row's tokens are never rewritten
                 edits = edits & ~batch.constraints.row_mask()
-            commit = commit | edits
+            commit, x0 = blk.editing.revise(stats, logits, commit, x0, edits)
         block = mx.where(commit, x0.astype(mx.int32), current)
+        if blk.editing is not None:
+            block = blk.editing.apply(block, current, blk.gen)
         if reopen is not None:  # committed tokens the rule turns back into masks
             block = mx.where(reopen, spec.mask_token_id, block)
         if self.fills_after_eos:  # the positions after a row's first EOS are that EOS from now on

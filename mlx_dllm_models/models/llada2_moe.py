@@ -11,8 +11,10 @@ experts, first_k_dense_replace dense layers), with the deltas of the Hugging Fac
 * the config's `head_dim` is honoured (bailing_moe derives it from hidden_size / heads), and the
   rotary size is `int(head_dim * partial_rotary_factor)` as HF's RoPE init computes it.
 
-LLaDA2.2's block routing (`expert_capacity` in its config; `block_limited_topk`) is implemented, but
-a 2.2 config is refused at load: its insert/delete editing (DELETE / SPLIT tokens) is not.
+LLaDA2.2 (a config with `expert_capacity` and the DELETE / SPLIT ids): block routing
+(`block_limited_topk`) and, with editing on, insert/delete edits (engine.editing.LevenshteinEditing,
+decoding/levenshtein.py); its editing mode defaults to the reference generate's threshold 0.5,
+editing_threshold 0.0.
 
 Attention is block-causal (blocks of 32 aligned on absolute positions); the caller passes the mask.
 """
@@ -49,8 +51,8 @@ SETTINGS = (
         "editing_mode",
         None,
         "LLaDA2: quality | speed (the LLaDA2.1 model card's Quality / Speed Mode: threshold and "
-        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1 / 2.2 "
-        "checkpoints, off for 2.0",
+        "editing_threshold) | off (2.0's generate, no editing); default: quality for 2.1, speed "
+        "for 2.2 (its generate's; DELETE / SPLIT edits on), off for 2.0",
         str,
         choice(("quality", "speed", "off"), " for the llada2 family"),
     ),
@@ -114,14 +116,6 @@ class ModelArgs(bailing_moe.ModelArgs):
     block_size: Optional[int] = None
 
     def __post_init__(self):
-        if self.expert_capacity is not None:
-            raise ValueError(
-                f"llada2_moe: this checkpoint routes experts by block (expert_capacity="
-                f"{self.expert_capacity}, LLaDA2.2) and decodes with insert/delete edits (its "
-                "DELETE / SPLIT tokens shrink and grow a block), which this package does not implement "
-                "(the block routing it does): decoding without those edits would give "
-                "another model's output. LLaDA2.0 and 2.1 checkpoints are supported"
-            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         # HF ignores the config's `rotary_dim` and derives it from the factor.
@@ -397,6 +391,12 @@ class Model(bailing_moe.Model):
         args = self.args
         return tuple(t for t in (args.delete_token_id, args.split_token_id) if t is not None)
 
+    def _default_editing_mode(self):
+        # LLaDA2.2's generate defaults to threshold 0.5, editing_threshold 0.0 (speed).
+        if self.args.expert_capacity is not None:
+            return "speed"
+        return "quality" if self._edit_control_tokens() else "off"
+
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         args = self.args
@@ -410,8 +410,11 @@ class Model(bailing_moe.Model):
             quota_base="block",
             # generate: tokens with probability > threshold, the step's quota as the fallback.
             strict_threshold=True,
-            # LLaDA2.2: substitution editing only (the 2.1 rule); DELETE / SPLIT never proposed.
+            # LLaDA2.2: DELETE / SPLIT are proposed only with editing on (edit_token_ids).
             suppressed_token_ids=self._edit_control_tokens(),
+            edit_token_ids=self._edit_control_tokens()
+            if args.expert_capacity is not None and len(self._edit_control_tokens()) == 2
+            else (),
             # _sample_with_temperature_topk_topp: temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             samplers=SHARED_SAMPLERS,
@@ -424,7 +427,7 @@ class Model(bailing_moe.Model):
                 "temperature": 0.0,
                 "max_post_steps": LLADA2_MAX_POST_STEPS,
                 "max_tokens": 128,
-                "editing_mode": "quality" if self._edit_control_tokens() else "off",
+                "editing_mode": self._default_editing_mode(),
             },
             presets={"editing_mode": LLADA2_EDITING_MODES},
             # LLaDA2.1's config.json and tokenizer files are byte-identical to 2.0's; its remote

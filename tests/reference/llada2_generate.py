@@ -39,7 +39,7 @@ def sample(logits, temperature, top_k, top_p, argmax_of="probs"):
     return token.view(shape), torch.gather(probs, -1, token).view(shape)
 
 
-def _answer(x, prompt_length, gen_length, eos_id):
+def generated_answer(x, prompt_length, gen_length, eos_id):
     answer = x[0, prompt_length : prompt_length + gen_length]
     eos = (answer == eos_id).nonzero()
     end = int(eos[0, 0]) + 1 if len(eos) else gen_length
@@ -97,7 +97,7 @@ def llada20_generate(
         x[:, :end] = cur_x
         if (x[0, prompt_length:end] == eos_id).any():
             break
-    return _answer(x, prompt_length, gen_length, eos_id), forwards
+    return generated_answer(x, prompt_length, gen_length, eos_id), forwards
 
 
 @torch.no_grad()
@@ -173,4 +173,4 @@ def llada21_generate(
             if active.sum() == 0 and not edit.any():
                 break
         x[:, :end] = cur_x
-    return _answer(x, prompt_length, gen_length, eos_id), forwards, remasked
+    return generated_answer(x, prompt_length, gen_length, eos_id), forwards, remasked
