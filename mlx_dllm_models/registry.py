@@ -50,6 +50,8 @@ MODEL_TYPES = {
     # writes "llama", which stays mlx-lm's; `mlx_dllm convert --model-type stable_diffcoder`
     # writes this.
     "stable_diffcoder": "stable_diffcoder",
+    # dvruette's GIDD (gidd-unif-3b, gidd-mask-3b, gidd-unif-10b: uniform or masked noise).
+    "gidd": "gidd",
 }
 
 # Families whose checkpoints are saved under their autoregressive body's model_type, which this

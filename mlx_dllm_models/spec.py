@@ -25,6 +25,9 @@ CAUSAL_WINDOW = "causal_window"
 # LaViDa's prefix-DLM: the prompt (image + text) attends to itself only, the answer to everything,
 # so the prompt's K/V never change while the answer is denoised.
 PREFIX_DLM = "prefix_dlm"
+# GIDD: the clean prefix (prompt, finished blocks) attends to itself only, the noisy rest of the
+# canvas to everything; the prefix's K/V are recomputed once per block.
+CLEAN_PREFIX = "clean_prefix"
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
 
@@ -160,6 +163,9 @@ class DiffusionSpec:
     own_readings: Mapping[str, Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = field(
         default_factory=dict
     )
+    # A GIDD-style noise (decoder "gidd"): (min_log_snr, max_log_snr, noise_type), the log-SNR
+    # range of a block's steps and the shift of the uniform / mask mixing (config.json's fields).
+    noise_log_snr: Tuple[float, ...] = ()
     # The ELBO estimate likelihood.log_likelihood computes for this family (MASK_COUNT_ELBO or
     # TIMESTEP_ELBO); None: it has none.
     likelihood: Optional[str] = None

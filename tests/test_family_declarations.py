@@ -31,7 +31,7 @@ BUILDERS = all_checkpoints()
 # draws_noise) or a decoder (engine.registry.DECODERS): module -> those names, each once.
 SAMPLER_AND_DECODER_NAMES = {
     "decoding/samplers.py": ["bd3lm", "dimple", "dream", "rnd1"],
-    "engine/registry.py": ["wedlm"],
+    "engine/registry.py": ["gidd", "wedlm"],
     "engine/wedlm.py": ["wedlm"],
     "server/fields.py": ["dream"],
 }

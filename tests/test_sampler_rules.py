@@ -11,7 +11,9 @@ read the setting, and where their rules are:
   ("entropy", "threshold"), not the table;
 * Nemotron's self-speculation (mode="self_spec") reads no sampler: the settings table scopes the
   setting to mode "diffusion";
-* WeDLMDecoder (WeDLM): its one rule, decoding.wedlm.wedlm_commit (`WeDLMDecoder.samplers`).
+* WeDLMDecoder (WeDLM): its one rule, decoding.wedlm.wedlm_commit (`WeDLMDecoder.samplers`);
+* GiddDecoder (GIDD): its two draws, decoding.gidd's ancestral posterior and adaptive positions
+  (`GiddDecoder.samplers`: "ancestral", "adaptive").
 
 The specs are those of the fixture checkpoints (tests/fixtures), one per model type, built from
 their config.json as mlx-lm builds a model (ModelArgs, then Model; no weights are read).
@@ -26,6 +28,7 @@ from fixtures import all_checkpoints
 from mlx_dllm_models.decoding.samplers import COMMIT_RULES
 from mlx_dllm_models.engine import DECODERS, MaskedBlockDecoder
 from mlx_dllm_models.engine.canvas import CanvasDecoder
+from mlx_dllm_models.engine.gidd import GiddDecoder
 from mlx_dllm_models.engine.wedlm import WeDLMDecoder
 from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.settings import BY_NAME, family_settings
@@ -74,6 +77,8 @@ def rules_of(loop):
         return set(CanvasDecoder.samplers)
     if loop is WeDLMDecoder:
         return set(WeDLMDecoder.samplers)
+    if loop is GiddDecoder:
+        return set(GiddDecoder.samplers)
     raise AssertionError(f"{loop.__name__} reads the sampler setting: state where its rules are")
 
 

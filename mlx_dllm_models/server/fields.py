@@ -117,9 +117,10 @@ def neutral(name, value) -> bool:
 def draws_noise(request: Request) -> bool:
     """Whether a request's decoding draws from its seed's stream (else the seed changes nothing,
     and requests that name none keep sharing a batch): sampling at temperature > 0, LLaDA's random
-    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
-    which start from noise."""
+    remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases and
+    GIDD's, which start from noise."""
     s = request.settings
     dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
-    canvas = request.spec.decoder == "canvas"
+    # DiffusionGemma's canvases and GIDD's prior start from noise.
+    canvas = request.spec.decoder == "canvas" or bool(request.spec.noise_log_snr)
     return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
