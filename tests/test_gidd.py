@@ -181,6 +181,7 @@ def test_defaults_are_generates(loaded):
     assert spec.max_position_embeddings == fixture.CONTEXT
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [random_prompt(5, 1), random_prompt(5, 2), random_prompt(7, 3)]

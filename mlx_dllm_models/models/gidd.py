@@ -122,27 +122,24 @@ class ModelArgs(BaseModelArgs):
         check_special_ids(self, mask_default=GIDD_MASK_TOKEN_ID)
 
 
-def _scale(value, in_features: int) -> float:
+def output_scale(value, dims_in: int, dims_out: int) -> float:
     """ScaledLinear's output scale: "fan_in" / "fan_out" or a number."""
     if value == "fan_in":
-        return in_features**-0.5
+        return dims_in**-0.5
+    if value == "fan_out":
+        return dims_out**-0.5
     return float(value)
 
 
-class ScaledLinear(nn.Linear):
-    """A linear layer whose output (before its bias) is multiplied by a constant."""
-
-    def __init__(self, dims_in: int, dims_out: int, scale, bias: bool):
-        super().__init__(dims_in, dims_out, bias=bias)
-        if scale == "fan_out":
-            scale = dims_out**-0.5
-        self.scale = _scale(scale, dims_in)
-
-    def __call__(self, x):
-        y = x @ self.weight.T
-        if self.scale != 1.0:
-            y = y * self.scale
-        return y + self.bias if "bias" in self else y
+def scaled(layer, x, scale: float):
+    """ScaledLinear's forward, (x W^T) * scale + bias, over a plain (or quantized) linear layer:
+    the scale is kept by the layer's parent, so that mlx-lm's quantization, which replaces the
+    layer, keeps it."""
+    y = layer(x)
+    if scale == 1.0:
+        return y
+    # The layer added its bias before the scale: s (xW + b) + (1 - s) b = s xW + b.
+    return scale * y + (1 - scale) * layer.bias if "bias" in layer else scale * y
 
 
 class GiddRMSNorm(nn.Module):
@@ -187,13 +184,12 @@ class Attention(nn.Module):
         self.n_heads = args.hidden_size // args.head_dim
         self.head_dim = args.head_dim
         width = self.n_heads * self.head_dim
-        for name, (i, o) in dict(
-            q_proj=(args.hidden_size, width),
-            k_proj=(args.hidden_size, width),
-            v_proj=(args.hidden_size, width),
-            o_proj=(width, args.hidden_size),
-        ).items():
-            setattr(self, name, ScaledLinear(i, o, args.weight_scaling, bias=False))
+        self.q_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.o_proj = nn.Linear(width, args.hidden_size, bias=False)
+        self.in_scale = output_scale(args.weight_scaling, args.hidden_size, width)
+        self.out_scale = output_scale(args.weight_scaling, width, args.hidden_size)
         if args.use_qk_norm:
             self.q_norm = GiddRMSNorm(args.hidden_size, args.rms_norm_eps)
             self.k_norm = GiddRMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -208,7 +204,7 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache: Optional[PrefixKV] = None):
         B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (scaled(p, x, self.in_scale) for p in (self.q_proj, self.k_proj, self.v_proj))
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self._heads(q, B, L), self._heads(k, B, L), self._heads(v, B, L)
@@ -234,18 +230,20 @@ class Attention(nn.Module):
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(scores.dtype)
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
+        return scaled(self.o_proj, out, self.out_scale)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        scale, bias = args.weight_scaling, args.mlp_bias
-        self.up_proj = ScaledLinear(args.hidden_size, args.intermediate_size, scale, bias)
-        self.down_proj = ScaledLinear(args.intermediate_size, args.hidden_size, scale, bias)
+        h, i, scale = args.hidden_size, args.intermediate_size, args.weight_scaling
+        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.up_scale, self.down_scale = output_scale(scale, h, i), output_scale(scale, i, h)
 
     def __call__(self, x):
-        return self.down_proj(mx.square(nn.relu(self.up_proj(x))))
+        h = mx.square(nn.relu(scaled(self.up_proj, x, self.up_scale)))
+        return scaled(self.down_proj, h, self.down_scale)
 
 
 class GiddLayer(nn.Module):
@@ -279,7 +277,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.model = GiddModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = ScaledLinear(args.hidden_size, args.vocab_size, args.head_scaling, False)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, mask=None, head_span=None) -> mx.array:
         """Logits of `inputs` under `mask` (a boolean (B, L, L_k) or (L, L_k) array, True where a
@@ -296,7 +294,7 @@ class Model(nn.Module):
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return scaled(self.lm_head, h, float(self.args.head_scaling))
 
     @property
     def layers(self):

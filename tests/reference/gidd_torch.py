@@ -127,7 +127,14 @@ def forward(ckpt, ids, mask=None, positions=None, past=None):
     return _linear(h, W["lm_head.weight"], cfg["head_scaling"]), presents
 
 
-def reference_logits(ckpt, ids, mask=None):
+def reference_logits(ckpt, ids, mask=None, causal=False):
+    """float32 logits (B, L, V) under `mask` (None: every key); `causal`: under a causal mask
+    instead, a reading GIDD's forward never takes (the conformance rows' wrong reading)."""
+    ids = np.asarray(ids)
+    if causal:
+        mask = np.broadcast_to(
+            np.tril(np.ones((ids.shape[1],) * 2, bool)), ids.shape + ids.shape[1:]
+        )
     with torch.no_grad():
         mask = None if mask is None else torch.as_tensor(np.array(mask))
         return forward(ckpt, ids, mask)[0].numpy()
