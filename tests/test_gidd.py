@@ -59,6 +59,16 @@ def test_logits_match_the_reference(ckpt, loaded):
     assert far(ours[:, :5], plain[:, :5])  # the clean prefix no longer sees the noise
 
 
+def test_fan_in_scaling_matches_the_reference(fixture_dir):
+    path = build_once(fixture_dir / "gidd_fan_in", fixture.build_fan_in)
+    model, _ = load(path)
+    ids = np.random.default_rng(6).integers(0, fixture.VOCAB, (1, 10))
+    ours = model(mx.array(ids))
+    assert_close(ours, reference.reference_logits(path, ids))
+    published, _ = load(build_once(fixture_dir / "gidd_uniform", fixture.build))
+    assert far(ours, published(mx.array(ids)))  # the same weights read with the published scales
+
+
 def test_the_prefix_cache_is_the_masked_forward(ckpt, loaded):
     model, _ = loaded
     ids = np.random.default_rng(4).integers(0, fixture.VOCAB, (2, 14))
