@@ -145,6 +145,9 @@ class DiffusionSpec:
     # already begin with them, so an empty prompt is these alone (BD3-LM's _semi_ar_sampler
     # samples after the BOS at position 0: its unconditional generation).
     prompt_prefix: Tuple[int, ...] = ()
+    # The tokenizer ends every encoding with the EOS, which the reference's call cuts off before
+    # decoding (GIDD's README: `input_ids[:, :-1]`): request.encode drops it from a text prompt.
+    prompt_drops_eos: bool = False
     # Block-causal families whose steps read the whole aligned block, the prompt's columns in it
     # included (BD3-LM's sampler draws over its x_block): a step's draws then sit on the same
     # columns whether a row decodes alone or beside rows of other prompt lengths.

@@ -24,6 +24,7 @@ from mlx_dllm_models import SettingsError, load
 from mlx_dllm_models.engine import gidd as engine_gidd
 from mlx_dllm_models.engine.canvas import CanvasNoise
 from mlx_dllm_models.engine.registry import make_decoder
+from mlx_dllm_models.request import prepare
 from mlx_dllm_models.settings import resolve_settings
 from reference import gidd_torch as reference
 
@@ -192,6 +193,22 @@ def test_defaults_are_generates(loaded):
 
 
 @pytest.mark.slow
+class AppendsEos:
+    """A tokenizer that ends every encoding with the EOS, as GIDD's does (the README's call cuts
+    it off: `input_ids[:, :-1]`)."""
+
+    bos_token = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [fixture.BOS] + list(text.encode()) + [fixture.EOS] * add_special_tokens
+
+
+def test_a_text_prompt_loses_the_eos_its_tokenizer_appends(loaded):
+    model, _ = loaded
+    request = prepare(model, AppendsEos(), ["hi", [0, 104, 105, 1]], {})
+    assert request.ids == [[fixture.BOS, 104, 105], [0, 104, 105, 1]]  # given ids stay as given
+
+
 def test_batch_rows_equal_single_runs(loaded):
     model, tok = loaded
     prompts = [random_prompt(5, 1), random_prompt(5, 2), random_prompt(7, 3)]

@@ -340,6 +340,9 @@ class Model(nn.Module):
             defaults=dict(REFERENCE_DEFAULTS),
             vocab_size=a.vocab_size,
             noise_log_snr=(float(a.min_log_snr), float(a.max_log_snr), float(a.noise_type)),
+            # Its tokenizer ends an encoding with the EOS; the README's call cuts it off (an EOS in
+            # the canvas would also end generate after its first block).
+            prompt_drops_eos=True,
             settings=SETTINGS,
             unused_settings=UNUSED_SETTINGS,
         )
