@@ -193,6 +193,22 @@ def test_defaults_are_generates(loaded):
 
 
 @pytest.mark.slow
+def test_a_noise_token_the_noise_cannot_hold_draws_from_the_marginal():
+    """The mask id drawn into a uniform-noise canvas (upstream's generate raises at its
+    multinomial): the ancestral step's weights are q_s, finite."""
+    import mlx_dllm_models.decoding.gidd as rules
+
+    x_hat = mx.softmax(mx.array(np.random.default_rng(0).normal(size=(1, 2, 8))), axis=-1)
+    x_hat = x_hat * (mx.arange(8) != fixture.MASK)  # the mask id's logit is -inf
+    log_snrs = rules.log_snr_schedule(4, "cosine", -9.0, 9.0)
+    z = mx.array([[fixture.MASK, 5]])
+    w = rules.ancestral_probs(z, x_hat, (log_snrs[3], log_snrs[2]), fixture.UNIFORM, fixture.MASK)
+    assert mx.isfinite(w).all().item() and mx.all(w >= 0).item()
+    alpha = mx.sigmoid(log_snrs[2])
+    pi = rules.noise_mix(log_snrs[2], fixture.UNIFORM, 8, fixture.MASK)
+    assert_close(w[0, 0], alpha * x_hat[0, 0] + (1 - alpha) * pi)
+
+
 class AppendsEos:
     """A tokenizer that ends every encoding with the EOS, as GIDD's does (the README's call cuts
     it off: `input_ids[:, :-1]`)."""

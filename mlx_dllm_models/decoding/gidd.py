@@ -85,7 +85,8 @@ def ancestral_probs(
     noise_type: float,
     mask_id: int,
 ) -> mx.array:
-    """(B, L, V) weights of p(z_s | z_t = z, x̂) for (λ_t, λ_s) = `log_snrs`."""
+    """(B, L, V) weights of p(z_s | z_t = z, x̂) for (λ_t, λ_s) = `log_snrs` (q_s where z is
+    impossible at t)."""
     vocab = x_hat.shape[-1]
     t, s = log_snrs
     alpha_s, alpha_t = mx.sigmoid(s), mx.sigmoid(t)
@@ -99,7 +100,11 @@ def ancestral_probs(
     q_t_at_z = mx.take_along_axis(q_t, z[..., None], axis=-1)
     one_hot = (mx.arange(vocab) == z[..., None]).astype(q_t.dtype)
     q_t_s_at_z = alpha_t_s * one_hot + beta_pi_t_s[z][..., None]
-    return q_s * q_t_s_at_z / q_t_at_z
+    # A token the noise at t cannot hold (the mask id in a uniform-noise canvas: the prior draws
+    # any id) has no posterior, 0 / 0 (upstream's torch.multinomial raises there): it is drawn
+    # from q_s, as if nothing had been observed.
+    seen = q_t_at_z > 0
+    return mx.where(seen, q_s * q_t_s_at_z / mx.where(seen, q_t_at_z, 1.0), q_s)
 
 
 def adaptive_positions(

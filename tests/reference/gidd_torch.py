@@ -199,6 +199,10 @@ def _ancestral(cfg, z, x_hat, t, s, mask_id, u, theirs):
     q_t_at_z = q_t.gather(-1, z.unsqueeze(-1)).squeeze(-1)
     z_vec = torch.nn.functional.one_hot(z, num_classes=cfg["vocab_size"]).to(q_t.dtype)
     p = q_s * (alpha_t_s * z_vec + beta_pi_t_s[z, None]) / q_t_at_z[..., None]
+    # Upstream's multinomial raises on the 0 / 0 of a token the noise at t cannot hold (the mask id
+    # drawn into a uniform-noise canvas); the package draws it from q_s (decoding.gidd).
+    impossible = q_t_at_z == 0
+    p = torch.where(impossible[..., None], q_s, p)
     return _multinomial(p, u, theirs)
 
 
