@@ -209,6 +209,23 @@ def test_a_noise_token_the_noise_cannot_hold_draws_from_the_marginal():
     assert_close(w[0, 0], alpha * x_hat[0, 0] + (1 - alpha) * pi)
 
 
+def test_an_adaptive_step_with_no_noise_left_changes_nothing():
+    """A masked block whose masks are all filled (upstream: 0 / 0, and its top-k of NaN picks
+    positions by torch's order): no position moves, so the README's 256 steps of a 128 block
+    leave the block as its first 128 steps wrote it."""
+    import mlx_dllm_models.decoding.gidd as rules
+
+    logits = mx.array(np.random.default_rng(1).normal(size=(1, 4, 8)).astype(np.float32))
+    z = mx.array([[5, 6, 7, 4]])  # no mask left
+    picked = rules.adaptive_positions(z, logits, mx.array(2.0), fixture.MASKED, fixture.MASK, 2)
+    assert not picked.any().item()
+    with_mask = mx.array([[5, fixture.MASK, 7, 4]])
+    picked = rules.adaptive_positions(
+        with_mask, logits, mx.array(2.0), fixture.MASKED, fixture.MASK, 2
+    )
+    assert picked.tolist() == [[False, True, False, False]]  # the one mask, not two positions
+
+
 class AppendsEos:
     """A tokenizer that ends every encoding with the EOS, as GIDD's does (the README's call cuts
     it off: `input_ids[:, :-1]`)."""

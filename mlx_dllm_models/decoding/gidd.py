@@ -118,8 +118,9 @@ def adaptive_positions(
     p_curr = mx.take_along_axis(x_hat, z[..., None], axis=-1)[..., 0]
     delta = (x_hat.max(axis=-1) - p_curr) * p_noise
     n = min(n, z.shape[-1])
-    # torch.topk: the largest first; among equal values (positions already at their argmax, whose
-    # change is none) the order does not matter.
-    picked = mx.argsort(-delta, axis=-1)[:, :n]
+    # torch.topk: the largest first. A position of delta 0 already holds an argmax (its change is
+    # none), and a block with no noise left (masked noise once every mask is filled: 0 / 0, NaN
+    # in upstream, whose top-k then picks by torch's order) changes nothing: only delta > 0 moves.
+    picked = mx.argsort(-mx.where(delta > 0, delta, 0.0), axis=-1)[:, :n]
     chosen = mx.zeros(z.shape, mx.bool_)
-    return mx.put_along_axis(chosen, picked, mx.array(True), axis=-1)
+    return mx.put_along_axis(chosen, picked, mx.array(True), axis=-1) & (delta > 0)
