@@ -113,14 +113,16 @@ def adaptive_positions(
     """(B, L) bool: the `n` positions of each row the adaptive sampler changes this step."""
     vocab = logits.shape[-1]
     p_noise = noise_mix(log_snr, noise_type, vocab, mask_id)[z]
-    p_noise = p_noise / p_noise.sum(axis=-1, keepdims=True)
+    total = p_noise.sum(axis=-1, keepdims=True)
+    # A block with no noise left (masked noise once every mask is filled) divides 0 by 0 upstream,
+    # whose top-k of NaN then picks positions by torch's order: here such a row changes nothing.
+    noisy = total > 0
+    p_noise = p_noise / mx.where(noisy, total, 1.0)
     x_hat = mx.softmax(logits, axis=-1)
     p_curr = mx.take_along_axis(x_hat, z[..., None], axis=-1)[..., 0]
     delta = (x_hat.max(axis=-1) - p_curr) * p_noise
     n = min(n, z.shape[-1])
-    # torch.topk: the largest first. A position of delta 0 already holds an argmax (its change is
-    # none), and a block with no noise left (masked noise once every mask is filled: 0 / 0, NaN
-    # in upstream, whose top-k then picks by torch's order) changes nothing: only delta > 0 moves.
-    picked = mx.argsort(-mx.where(delta > 0, delta, 0.0), axis=-1)[:, :n]
+    # torch.topk: the largest first (positions of equal score in index order).
+    picked = mx.argsort(-delta, axis=-1)[:, :n]
     chosen = mx.zeros(z.shape, mx.bool_)
-    return mx.put_along_axis(chosen, picked, mx.array(True), axis=-1) & (delta > 0)
+    return mx.put_along_axis(chosen, picked, mx.array(True), axis=-1) & noisy
