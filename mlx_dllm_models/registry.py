@@ -53,6 +53,8 @@ MODEL_TYPES = {
     # Zigeng's DMax (LLaDA2.0-mini fine-tunes for soft parallel decoding): the checkpoint writes
     # "llada2_moe" (LLaDA2's decoding); `mlx_dllm convert --model-type dmax` writes this.
     "dmax": "dmax",
+    # dvruette's GIDD (gidd-unif-3b, gidd-mask-3b, gidd-unif-10b: uniform or masked noise).
+    "gidd": "gidd",
 }
 
 # Families whose checkpoints are saved under another family's model_type: their autoregressive

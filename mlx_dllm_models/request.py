@@ -175,9 +175,12 @@ def token_ids(prompt) -> List[int]:
     return [int(t) for t in prompt]
 
 
-def encode(tokenizer, prompt: Prompt, prefix: Sequence[int] = ()) -> List[int]:
+def encode(
+    tokenizer, prompt: Prompt, prefix: Sequence[int] = (), drop_eos: Sequence[int] = ()
+) -> List[int]:
     """A prompt's ids; `prefix` (spec.prompt_prefix) goes first unless they already start with it,
-    and makes an empty prompt valid (the prefix alone)."""
+    and makes an empty prompt valid (the prefix alone); a text prompt's last id, when in
+    `drop_eos` (the EOS ids of a spec with prompt_drops_eos), is dropped."""
     if isinstance(prompt, str):
         empty = prompt == ""
     else:  # token ids (anything else is _encode's error)
@@ -186,6 +189,8 @@ def encode(tokenizer, prompt: Prompt, prefix: Sequence[int] = ()) -> List[int]:
     if prefix and empty:
         return list(prefix)
     ids = _encode(tokenizer, prompt)
+    if isinstance(prompt, str) and len(ids) > 1 and ids[-1] in drop_eos:
+        ids = ids[:-1]
     prefix = list(prefix)
     return ids if ids[: len(prefix)] == prefix else prefix + ids
 
@@ -248,7 +253,8 @@ def _prepare_rows(
     if images is not None and any(i is not None for i in images):
         ids, pixel_values = encode_with_images(model, tokenizer, prompts, images)
     else:
-        ids = [encode(tokenizer, p, spec.prompt_prefix) for p in prompts]
+        drop = spec.eos_token_ids if spec.prompt_drops_eos else ()
+        ids = [encode(tokenizer, p, spec.prompt_prefix, drop) for p in prompts]
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
     room = (limit or UNSTATED_CONTEXT) - longest

@@ -25,6 +25,9 @@ CAUSAL_WINDOW = "causal_window"
 # LaViDa's prefix-DLM: the prompt (image + text) attends to itself only, the answer to everything,
 # so the prompt's K/V never change while the answer is denoised.
 PREFIX_DLM = "prefix_dlm"
+# GIDD: the clean prefix (prompt, finished blocks) attends to itself only, the noisy rest of the
+# canvas to everything; the prefix's K/V are recomputed once per block.
+CLEAN_PREFIX = "clean_prefix"
 
 SHARED_SAMPLERS = ("quota", "threshold", "factor", "entropy")
 
@@ -153,6 +156,9 @@ class DiffusionSpec:
     # already begin with them, so an empty prompt is these alone (BD3-LM's _semi_ar_sampler
     # samples after the BOS at position 0: its unconditional generation).
     prompt_prefix: Tuple[int, ...] = ()
+    # The tokenizer ends every encoding with the EOS, which the reference's call cuts off before
+    # decoding (GIDD's README: `input_ids[:, :-1]`): request.encode drops it from a text prompt.
+    prompt_drops_eos: bool = False
     # Block-causal families whose steps read the whole aligned block, the prompt's columns in it
     # included (BD3-LM's sampler draws over its x_block): a step's draws then sit on the same
     # columns whether a row decodes alone or beside rows of other prompt lengths.
@@ -171,6 +177,9 @@ class DiffusionSpec:
     own_readings: Mapping[str, Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = field(
         default_factory=dict
     )
+    # A GIDD-style noise (decoder "gidd"): (min_log_snr, max_log_snr, noise_type), the log-SNR
+    # range of a block's steps and the shift of the uniform / mask mixing (config.json's fields).
+    noise_log_snr: Tuple[float, ...] = ()
     # The ELBO estimate likelihood.log_likelihood computes for this family (MASK_COUNT_ELBO or
     # TIMESTEP_ELBO); None: it has none.
     likelihood: Optional[str] = None

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
 from fixtures import dmax as dmax_fixture
+from fixtures import gidd as gidd_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
@@ -25,8 +26,15 @@ from mlx_dllm_models import SettingsError, batch_generate_diffusion, generate_di
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.masks import every_key
 from mlx_dllm_models.server import Job, Scheduler
-from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_WINDOW
-from reference import coda_torch, dllm_a2d, open_dcoder_torch, rnd1_sampling, stable_diffcoder_torch
+from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_WINDOW, CLEAN_PREFIX
+from reference import (
+    coda_torch,
+    dllm_a2d,
+    gidd_torch,
+    open_dcoder_torch,
+    rnd1_sampling,
+    stable_diffcoder_torch,
+)
 
 CHAT = [{"role": "user", "content": "hi"}]
 QUESTION = "Question: hi\nAnswer:"
@@ -262,6 +270,22 @@ FAMILIES = {
             spec_facts("dmax", BLOCK_CAUSAL, 0, dmax_fixture.MASK),
             eos_token_ids=(dmax_fixture.EOS,),
             decoder="dmax",
+        ),
+    ),
+    "gidd": Family(
+        gidd_fixture.build,
+        "gidd",
+        convert=dict(max_tokens=8, block_length=8, steps=8, seed=1),
+        shard_ids=masked(gidd_fixture.MASK, 3),
+        serve=(TOKEN_PROMPT,),
+        # Rows share forwards when their prompts are as long (engine/gidd.py: positions are
+        # absolute, the canvas ends at the context).
+        scheduler_prompts=[[65, 66, 67], [70, 71, 72]],
+        reference=gidd_torch.reference_logits,
+        mask=gidd_fixture.MASK,
+        spec=dict(
+            spec_facts("gidd", CLEAN_PREFIX, 0, gidd_fixture.MASK),
+            eos_token_ids=(gidd_fixture.EOS,),
         ),
     ),
 }

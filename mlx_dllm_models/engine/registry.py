@@ -15,6 +15,7 @@ from ..spec import (
     BLOCK_CAUSAL,
     CAUSAL_PREFIX,
     CAUSAL_WINDOW,
+    CLEAN_PREFIX,
     ENCODER_CANVAS,
     PREFIX_DLM,
     DiffusionSpec,
@@ -48,6 +49,8 @@ BACKENDS: Dict[str, Dict[str, Type[Backend]]] = {
     CAUSAL_PREFIX: {"prefix": CausalPrefixCache, "none": CausalPrefixRecompute},
     # The canvas decoder keeps its encoder's KV cache itself: nothing to choose.
     ENCODER_CANVAS: {},
+    # GIDD's decoder keeps the clean prefix's K/V itself, recomputed once a block (exact).
+    CLEAN_PREFIX: {},
     # WeDLM's window over a causal K/V cache, or every forward over the whole row.
     CAUSAL_WINDOW: {"prefix": WindowKV, "none": WindowRecompute},
     # LaViDa's two modes: prefix_lm=True, the prompt's K/V kept (exact: the prompt never attends
