@@ -34,3 +34,23 @@ class SettingsRecord:
     def from_dict(cls: Type[R], values: Mapping[str, Any]) -> R:
         """The object holding `values` (a name that is no setting is refused as a TypeError)."""
         return cls(present=tuple(values), **values)  # type: ignore[call-arg]
+
+    # Item access, for the readers not yet moved to attributes: removed once none is left.
+    def __getitem__(self, name: str) -> Any:
+        if not self.has(name):
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = getattr(self, name, None)
+        # A field set by replace outside `present` (the prefix-DLM backend's causal_context).
+        return value if self.has(name) or value is not None else default
+
+    def __contains__(self, name: str) -> bool:
+        return self.has(name)
+
+    def keys(self) -> Tuple[str, ...]:
+        return self.present
+
+    def items(self):
+        return self.as_dict().items()

@@ -29,6 +29,7 @@ from mlx_dllm_models.engine import (
 from mlx_dllm_models.engine.block_cache import PrefixCache
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.llada2_generate import llada20_generate, llada21_generate
 from reference.sdar_generate import sdar_generate
 from reference.sdar_torch import load_reference
@@ -218,7 +219,7 @@ def test_sequential_commits_the_leftmost_masks():
     cand = mx.array([[False, True, True, False, True, True], [True, True, True, True, True, True]])
     conf = mx.array(np.linspace(0, 1, 12).reshape(2, 6).astype(np.float32))
     stats = type("S", (), {"confidence": conf})()
-    ctx = StepContext(0, 2, mx.array([3, 2]), None, {}, None)
+    ctx = StepContext(0, 2, mx.array([3, 2]), None, ResolvedSettings.from_dict({}), None)
     got = sequential_commit(stats, cand, ctx)
     assert got.tolist() == [
         [False, True, True, False, True, False],
@@ -549,9 +550,9 @@ def test_editing_off_never_changes_a_committed_token(family):
 def test_cache_modes_select_backends(family):
     _, model, tok = family("sdar")
     spec = model.diffusion_spec
-    assert select_backend(spec, {"cache": "auto"}) is PrefixCache
-    assert select_backend(spec, {"cache": "prefix"}) is PrefixCache
-    assert select_backend(spec, {"cache": "none"}) is FullRecompute
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "auto"})) is PrefixCache
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "prefix"})) is PrefixCache
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "none"})) is FullRecompute
 
 
 @pytest.mark.parametrize("name", ["sdar", "llada2_moe"])

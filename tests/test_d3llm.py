@@ -180,11 +180,11 @@ def test_defaults_are_the_d3llm_recipe(family):
         decoded_token_threshold=0.95, early_stop=True, temperature=0.0,
     )  # fmt: skip
     assert {k: s[k] for k in recipe} == recipe
-    assert (s["block_length"], s["steps"]) == (256, 256)  # the canvas is the engine's one block
+    assert (s.block_length, s.steps) == (256, 256)  # the canvas is the engine's one block
     if form == "dream":
-        assert (s["top_p"], s["top_k"]) == (None, None)
+        assert (s.top_p, s.top_k) == (None, None)
     other = resolve_settings(spec, {}, {})
-    assert other["sampler"] != "d3llm" and other["block_size"] is None
+    assert other.sampler != "d3llm" and other.block_size is None
 
 
 def test_default_call_runs_through_generate(family):

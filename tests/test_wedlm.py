@@ -111,7 +111,7 @@ def test_spec_and_defaults_are_the_reference_engines_recipe(loaded):
         "top_k": None,
         "max_tokens": 512,
     }
-    assert s["cache"] == "auto"
+    assert s.cache == "auto"
 
 
 def test_a_generation_config_is_not_read(loaded):
