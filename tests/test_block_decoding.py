@@ -139,7 +139,7 @@ def test_cache_logits_match_the_full_window(family):
     the whole window under the block-causal mask, for the first block and the folded second."""
     _, model, _ = family("sdar")
     spec = model.diffusion_spec
-    settings = dict(block_length=4, max_tokens=12)
+    settings = ResolvedSettings.from_dict(dict(block_length=4, max_tokens=12))
     prompts = [tokens(6, 1), tokens(13, 2)]
     layout = Layout(prompts, 12, 4, True, spec.mask_token_id)
     x = layout.tokens

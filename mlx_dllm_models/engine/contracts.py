@@ -20,7 +20,6 @@ from typing import (
     ClassVar,
     Iterator,
     List,
-    Mapping,
     Optional,
     Protocol,
     Sequence,
@@ -31,6 +30,7 @@ import mlx.core as mx
 
 from ..cache import PriorKV
 from ..settings import SettingsError
+from ..settings_fields import ResolvedSettings
 from ..spec import DiffusionSpec
 
 
@@ -40,11 +40,11 @@ class Restarts:
     join_reencodes: ClassVar[bool] = True
 
     @classmethod
-    def joins_exactly(cls, settings: Mapping) -> bool:
+    def joins_exactly(cls, settings: ResolvedSettings) -> bool:
         return False
 
     @classmethod
-    def kv_kind(cls, settings: Mapping) -> Optional[str]:
+    def kv_kind(cls, settings: ResolvedSettings) -> Optional[str]:
         return None
 
 
@@ -67,7 +67,7 @@ class Backend(Restarts):
     seed_log_probs: Optional[mx.array] = None
 
     @classmethod
-    def check_settings(cls, spec: DiffusionSpec, settings: Mapping) -> None:
+    def check_settings(cls, spec: DiffusionSpec, settings: ResolvedSettings) -> None:
         """Refuse (SettingsError), before decoding starts, settings the backend cannot honour."""
 
     def resume(self, x: mx.array, prior: PriorKV) -> None:
@@ -122,7 +122,7 @@ class DecoderInputs:
     # The spec the run decodes under: the family's with the fields its sampler brings
     # (spec.for_settings), never recomputed by a decoder.
     spec: DiffusionSpec
-    settings: dict  # resolved: every setting of the family, validated
+    settings: ResolvedSettings  # every setting of the family, validated
     eos_token_ids: Set[int] = field(default_factory=set)
     pixel_values: Optional[List[Any]] = None  # per row, None for a row without images
     eot_token_id: Optional[int] = None  # LLaDA's confidence_eos_eot_inf

@@ -13,6 +13,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..decoding.block import token_edits
+from ..settings_fields import ResolvedSettings
 
 
 def _revisited(seen, block, cand) -> mx.array:
@@ -39,12 +40,12 @@ class BlockEditing:
         self.masked = None  # (B,) rows with masks at the current step's start
 
     @classmethod
-    def open(cls, settings: dict, spec, cand: mx.array) -> Optional["BlockEditing"]:
+    def open(cls, settings: ResolvedSettings, spec, cand: mx.array) -> Optional["BlockEditing"]:
         """The editing of a block whose candidates are `cand`; None when editing is off."""
-        threshold = settings.get("editing_threshold")
+        threshold = settings.editing_threshold
         if threshold is None:
             return None
-        return cls(threshold, settings.get("max_post_steps") or 0, spec.strict_threshold, cand)
+        return cls(threshold, settings.max_post_steps or 0, spec.strict_threshold, cand)
 
     def continues(self, cand: mx.array) -> bool:
         """Before a step: count it against each maskless row's max_post_steps; whether any row
