@@ -120,6 +120,6 @@ def draws_noise(request: Request) -> bool:
     remasking, Dream's origin transfers or ranking temperature, and DiffusionGemma's canvases,
     which start from noise."""
     s = request.settings
-    dream = s["sampler"] == "dream" and (s.get("alg") == "origin" or bool(s.get("alg_temp")))
+    dream = s.sampler == "dream" and (s.alg == "origin" or bool(s.alg_temp))
     canvas = request.spec.decoder == "canvas"
-    return canvas or dream or s["temperature"] > 0 or s["sampler"] == "random"
+    return canvas or dream or s.temperature > 0 or s.sampler == "random"
