@@ -5,8 +5,9 @@ The object has a field for every row of the table, so a misspelt name fails wher
 (a type checker, the test that scans the package's reads) instead of deep in a run. One family has
 only some of the rows: `present` names the settings the family has, in resolution order (the shared
 rows, then the family's). A setting the family does not have holds None and is not present: a read
-of it answers None (what `.get` answered before), `has` tells the two apart, and `as_dict` (the one
-serialisation: server responses, `mlx_dllm settings`, traces) lists the present settings only.
+of it answers None, `has` tells the two apart, and `as_dict` (the one serialisation: the server's
+grouping of requests, `mlx_dllm settings`) lists the present settings only. The resolver refuses a
+setting a family does not have before the object is built (naming the families it belongs to).
 Updates go through dataclasses.replace; there is no item access, so a name held as data is read
 with getattr.
 """
@@ -34,23 +35,3 @@ class SettingsRecord:
     def from_dict(cls: Type[R], values: Mapping[str, Any]) -> R:
         """The object holding `values` (a name that is no setting is refused as a TypeError)."""
         return cls(present=tuple(values), **values)  # type: ignore[call-arg]
-
-    # Item access, for the readers not yet moved to attributes: removed once none is left.
-    def __getitem__(self, name: str) -> Any:
-        if not self.has(name):
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, name, None)
-        # A field set by replace outside `present` (the prefix-DLM backend's causal_context).
-        return value if self.has(name) or value is not None else default
-
-    def __contains__(self, name: str) -> bool:
-        return self.has(name)
-
-    def keys(self) -> Tuple[str, ...]:
-        return self.present
-
-    def items(self):
-        return self.as_dict().items()

@@ -41,6 +41,8 @@ def test_present_settings_and_the_one_serialisation():
     assert dataclasses.replace(s, seed=4).as_dict() == {"max_tokens": 8, "seed": 4}
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.seed = 5
+    with pytest.raises(TypeError):
+        s["seed"]
     with pytest.raises(TypeError, match="sead"):
         ResolvedSettings.from_dict({"sead": 1})
 
