@@ -101,7 +101,7 @@ def test_prefix_cache_is_token_identical_to_full_recompute(family, name, kw):
         assert cached == full and reasons == full_reasons
         # The same denoising forwards, plus the prompt's prefill, and no commit forward.
         assert dec.nfe == full_dec.nfe + dec.backend.prefill_forwards
-        assert dec.backend.prefill_forwards == (1 if n >= dec.s["block_length"] else 0)
+        assert dec.backend.prefill_forwards == (1 if n >= dec.s.block_length else 0)
 
 
 @pytest.mark.parametrize(
@@ -502,7 +502,7 @@ def test_editing_never_touches_prompt_or_padding(family):
     s, ids, dec = stream_events(
         model, tok, prompts, max_tokens=25, editing_threshold=0.0, max_post_steps=3
     )
-    layout = Layout(ids, 25, s["block_length"], True, mask)
+    layout = Layout(ids, 25, s.block_length, True, mask)
     assert layout.pads == [32, 0] and layout.blocks() == [(20, 32), (32, 64)]
     seen = []
 
@@ -668,8 +668,8 @@ def test_llada21_checkpoints_default_to_quality_mode(family, tmp_path):
         (model21, tok21, "quality", (0.7, 0.5)),
     ):
         s, _, _ = stream_events(m, t, [[1, 2, 3]], max_tokens=4)
-        assert s["editing_mode"] == mode
-        assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (*values, 16)
+        assert s.editing_mode == mode
+        assert (s.threshold, s.editing_threshold, s.max_post_steps) == (*values, 16)
     prompts = [tokens(7, 11), tokens(20, 12)]
     got, _, dec = run(model21, tok21, prompts, max_tokens=40)
     quality = dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16)
@@ -684,11 +684,11 @@ def test_editing_modes_and_explicit_settings(family):
         return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
 
     s = resolved(editing_mode="speed")
-    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.5, 0.0, 16)
+    assert (s.threshold, s.editing_threshold, s.max_post_steps) == (0.5, 0.0, 16)
     s = resolved(editing_mode="quality", threshold=0.8, max_post_steps=4)
-    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.8, 0.5, 4)
+    assert (s.threshold, s.editing_threshold, s.max_post_steps) == (0.8, 0.5, 4)
     s = resolved(editing_mode="off")
-    assert (s["threshold"], s["editing_threshold"]) == (0.95, None)
+    assert (s.threshold, s.editing_threshold) == (0.95, None)
     with pytest.raises(SettingsError, match="unknown editing_mode 'fast'.*quality, speed, off"):
         resolved(editing_mode="fast")
 
@@ -705,7 +705,7 @@ def test_llada22_checkpoints_default_to_quality_mode(family, tmp_path):
     (v22 / "config.json").write_text(json.dumps(cfg))
     model22, tok22 = load_fixture(v22)
     s, _, _ = stream_events(model22, tok22, [[1, 2, 3]], max_tokens=4)
-    assert (s["editing_mode"], s["threshold"], s["editing_threshold"]) == ("quality", 0.7, 0.5)
+    assert (s.editing_mode, s.threshold, s.editing_threshold) == ("quality", 0.7, 0.5)
 
 
 def test_llada22_block_routing_is_refused(family, tmp_path):
@@ -733,8 +733,8 @@ def test_entropy_bounded_settings(family):
     def resolved(**kw):
         return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
 
-    assert resolved(sampler="entropy_bounded")["eb_threshold"] == 0.35  # generate.py's default
-    assert resolved()["threshold"] == 0.9 and resolved()["eb_threshold"] is None
+    assert resolved(sampler="entropy_bounded").eb_threshold == 0.35  # generate.py's default
+    assert resolved().threshold == 0.9 and resolved().eb_threshold is None
     with pytest.raises(
         SettingsError, match="eb_threshold only acts with sampler='entropy_bounded'"
     ):

@@ -67,7 +67,10 @@ def test_defaults_are_dreams_the_diffucoder_base_recipe():
         model = _model(_real(folder))
         spec = model.diffusion_spec
         s = resolve_settings(spec, {"max_tokens": 256}, checkpoint_settings(model, spec))
-        got = {k: s[k] for k in ("sampler", "alg", "alg_temp", "temperature", "top_p", "steps")}
+        got = {
+            k: getattr(s, k)
+            for k in ("sampler", "alg", "alg_temp", "temperature", "top_p", "steps")
+        }
         assert got == dict(
             sampler="dream", alg="entropy", alg_temp=0.0, temperature=0.2, top_p=0.95, steps=256
         )

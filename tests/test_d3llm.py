@@ -180,7 +180,7 @@ def test_defaults_are_the_d3llm_recipe(family):
         max_tokens=256, block_size=32, threshold=0.5, block_add_threshold=0.1,
         decoded_token_threshold=0.95, early_stop=True, temperature=0.0,
     )  # fmt: skip
-    assert {k: s[k] for k in recipe} == recipe
+    assert {k: getattr(s, k) for k in recipe} == recipe
     assert (s.block_length, s.steps) == (256, 256)  # the canvas is the engine's one block
     if form == "dream":
         assert (s.top_p, s.top_k) == (None, None)

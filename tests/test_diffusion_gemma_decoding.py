@@ -328,7 +328,7 @@ def test_defaults_come_from_generation_config(dg):
     assert s.entropy_bound == gen["sampler_config"]["entropy_bound"]
     names = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
     for name in names:
-        assert s[name] == gen[name], name
+        assert getattr(s, name) == gen[name], name
     assert s.min_canvas_length == s.max_canvas_length == C
 
     # A checkpoint's own values, the nested one included, win over the family's.

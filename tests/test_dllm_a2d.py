@@ -70,7 +70,7 @@ def test_spec_and_defaults_are_the_sample_script_recipe(loaded):
     assert model.generation_config["temperature"] == 0.6
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     want = dict(sampler="mdlm", block_length=32, steps=32, max_tokens=128, temperature=0.0)
-    assert {k: s[k] for k in want} == want
+    assert {k: getattr(s, k) for k in want} == want
     assert s.top_p is None and s.top_k is None
 
 

@@ -361,8 +361,8 @@ def test_defaults_are_the_readme_recipe(dream):
     assert s.steps == 20 and s.block_length == 20  # steps follow max_tokens
     assert resolve_settings(spec, {"max_tokens": 7}, {}).steps == 7
     assert resolve_settings(spec, {"max_tokens": 20, "steps": 5}, {}).steps == 5
-    assert settings_for(model, max_tokens=20, block_length=5)["block_length"] == 5
-    assert settings_for(model, max_tokens=20, sampler="quota")["block_length"] == 32
+    assert settings_for(model, max_tokens=20, block_length=5).block_length == 5
+    assert settings_for(model, max_tokens=20, sampler="quota").block_length == 32
     saved = model.generation_config
     model.generation_config = dict(saved, alg="topk_margin", steps=9, eps=0.01, alg_temp=0.5)
     try:

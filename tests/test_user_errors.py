@@ -261,14 +261,16 @@ def test_nan_weights_canvas_decoder(monkeypatch, loaded):
     decoder = canvas.CanvasDecoder.__new__(canvas.CanvasDecoder)
     decoder.model, decoder.nfe = Model(), 0
     decoder.rules = {}  # no structured-output constraint (run() sets it)
-    decoder.s = dict(
-        max_denoising_steps=4,
-        sampler="entropy",
-        t_min=0.1,
-        t_max=1.0,
-        entropy_bound=0.1,
-        stability_threshold=2,
-        confidence_threshold=0.1,
+    decoder.s = ResolvedSettings.from_dict(
+        dict(
+            max_denoising_steps=4,
+            sampler="entropy",
+            t_min=0.1,
+            t_max=1.0,
+            entropy_bound=0.1,
+            stability_threshold=2,
+            confidence_threshold=0.1,
+        )
     )
     decoder.spec = type("Spec", (), {"vocab_size": 8})()
     decoder.noise = type(

@@ -122,8 +122,7 @@ class Job:
 
 def _most_logprobs(jobs: List[Job]) -> Optional[int]:
     """The logprobs setting of a run: the most alternatives its rows ask for (None: none asks)."""
-    asked = [j.settings.logprobs for j in jobs]
-    asked = [k for k in asked if k is not None]
+    asked = [j.settings.logprobs for j in jobs if j.settings.logprobs is not None]
     return max(asked) if asked else None
 
 
