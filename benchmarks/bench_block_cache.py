@@ -83,8 +83,8 @@ def run_once(model, prompt, settings, backend_cls):
     wall = time.perf_counter() - tic
     b = decoder.backend
     steps = [t for _, t in b.times]
-    single = [t for n, t in b.times if n == settings["block_length"]]
-    folded = [t for n, t in b.times if n == 2 * settings["block_length"]]
+    single = [t for n, t in b.times if n == settings.block_length]
+    folded = [t for n, t in b.times if n == 2 * settings.block_length]
     return {
         "wall": wall,
         "nfe": decoder.nfe,

@@ -97,14 +97,14 @@ def main():
     f = resolve_settings(spec, {}, {})
     for name, settings in (
         (
-            f"CLI defaults: max_tokens={d['max_tokens']}, block_length={d['block_length']}, "
-            f"sampler={d['sampler']}, steps={d['steps']}",
+            f"CLI defaults: max_tokens={d.max_tokens}, block_length={d.block_length}, "
+            f"sampler={d.sampler}, steps={d.steps}",
             {},
         ),
         (
-            f"family defaults: max_tokens={f['max_tokens']}, block_length={f['block_length']}, "
-            f"sampler={f['sampler']}, steps={f['steps']}",
-            {k: f[k] for k in ("max_tokens", "block_length", "sampler", "steps")},
+            f"family defaults: max_tokens={f.max_tokens}, block_length={f.block_length}, "
+            f"sampler={f.sampler}, steps={f.steps}",
+            {k: getattr(f, k) for k in ("max_tokens", "block_length", "sampler", "steps")},
         ),
     ):
         r = run(model, tokenizer, problems, settings)

@@ -76,7 +76,7 @@ class ChatSession:
                 "this checkpoint's tokenizer has no chat template, so a conversation cannot be "
                 "laid out; use `mlx_dllm generate --ignore-chat-template` for raw prompts"
             )
-        self.settings = dict(settings or {})
+        self.overrides = dict(settings or {})
         self.system_prompt = system_prompt
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.reuse_kv = reuse_kv
@@ -108,7 +108,7 @@ class ChatSession:
             self.model,
             self.tokenizer,
             [self.prompt(messages)],
-            self.settings,
+            self.overrides,
             images=[seen] if seen else None,
         )
         ids, decoder = request.ids, request.decoder(self.model)

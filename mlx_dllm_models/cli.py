@@ -129,8 +129,8 @@ def generate_main(argv):
     from .loader import read_weights
     from .vision import is_processor, text_tokenizer
 
-    settings = chosen_settings(args)
-    settings.update(constraint_args(args))
+    overrides = chosen_settings(args)
+    overrides.update(constraint_args(args))
     chat_template_kwargs = template_kwargs(args)
 
     prompt = args.prompt
@@ -163,7 +163,7 @@ def generate_main(argv):
             [prompt],
             images=None if args.image is None else [args.image],
             suffix=args.suffix,
-            **settings,
+            **overrides,
         )
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
@@ -194,7 +194,7 @@ def generate_main(argv):
         view.draw(text, final=True)
     else:
         print()
-    if s.get("logprobs") is not None:
+    if s.logprobs is not None:
         print_logprobs(text_tok, entries)
     if args.verbose:
         print("=" * 10)

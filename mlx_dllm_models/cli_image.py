@@ -127,8 +127,8 @@ def image_main(args) -> int:
     from .loader import read_weights
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    settings = chosen_settings(args)
-    kwargs = {key: settings[name] for key, name in IMAGE_SETTINGS.items() if name in settings}
+    overrides = chosen_settings(args)
+    kwargs = {key: overrides[name] for key, name in IMAGE_SETTINGS.items() if name in overrides}
     kwargs.update(width=args.width, height=args.height, guidance_scale=args.guidance_scale)
     image = mask = None
     if args.image is not None:

@@ -39,14 +39,14 @@ def value_text(value) -> str:
     return "none" if value is None else str(value)
 
 
-def settings_table(spec, values, origins) -> str:
+def settings_table(spec, settings, origins) -> str:
     """The settings that act in this run (value, origin), then those that do not and why."""
     from .settings import BY_NAME, out_of_scope
 
     rows, idle = [], []
-    for name, value in values.items():
+    for name, value in settings.as_dict().items():
         why = spec.unused_settings.get(name)
-        scope = out_of_scope(BY_NAME[name], values)
+        scope = out_of_scope(BY_NAME[name], settings)
         if why:
             idle.append(f"{name} (not used by the {spec.family} family)")
         elif scope:
@@ -70,8 +70,8 @@ def settings_main(argv):
     model, _ = load_for_cli(args, weights=False)
     spec = model.diffusion_spec
     checkpoint = checkpoint_settings(model, spec)
-    values, origins = resolve_with_origins(spec, chosen_settings(args), checkpoint)
+    settings, origins = resolve_with_origins(spec, chosen_settings(args), checkpoint)
     where = args.model or "the embedded model"
     print(f"{where}: the {spec.family} family", file=sys.stdout)
-    print(settings_table(spec, values, origins))
+    print(settings_table(spec, settings, origins))
     return 0

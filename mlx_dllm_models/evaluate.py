@@ -66,7 +66,7 @@ class DiffusionLM(LM):
         self.use_chat_template = use_chat_template
         self.chat_template_args = dict(chat_template_args or {})
         self.mc_samples, self.cfg_scale, self.seed = mc_samples, cfg_scale, seed
-        self.settings = dict(settings or {})
+        self.overrides = dict(settings or {})
 
     @property
     def tokenizer_name(self) -> str:
@@ -116,7 +116,7 @@ class DiffusionLM(LM):
                 chunk = rows[start : start + self.batch_size]
                 prompts = [requests[i].args[0] for i in chunk]
                 texts = batch_generate_diffusion(
-                    self.model, self.tokenizer, prompts, max_tokens=n, **self.settings
+                    self.model, self.tokenizer, prompts, max_tokens=n, **self.overrides
                 ).texts
                 for i, text in zip(chunk, texts):
                     out[i] = _cut_at(text, requests[i].args[1].get("until"))

@@ -297,12 +297,12 @@ def batch_generate_diffusion(
     request = prepare(model, tokenizer, prompts, settings, images=images, suffix=suffix)
     s, ids = request.settings, request.ids
     out = [[] for _ in ids]
-    logprobs = None if s.get("logprobs") is None else [[] for _ in ids]
+    logprobs = None if s.logprobs is None else [[] for _ in ids]
     reasons = ["length"] * len(ids)
     nfe = 0
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    generated = s["max_tokens"] + len(request.suffix)
+    generated = s.max_tokens + len(request.suffix)
     for run in length_runs([len(row) + generated for row in ids]):
         pixels = request.pixel_values
         part = replace(

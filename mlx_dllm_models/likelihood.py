@@ -202,12 +202,12 @@ def greedy_matches(
     spec = _check_family(model, "greedy_matches")
     ids, cont = _pair(tokenizer, prompt, continuation)
     n = len(cont)
-    settings = dict(max_tokens=n, block_length=n, steps=n, sampler="quota", temperature=0.0)
+    overrides = dict(max_tokens=n, block_length=n, steps=n, sampler="quota", temperature=0.0)
     if cfg_scale:
-        settings["cfg_scale"] = cfg_scale
+        overrides["cfg_scale"] = cfg_scale
     if spec.confidence == "sampled":
-        settings["top_p"] = 1.0  # the model's own softmax, unfiltered
-    request = prepare(model, tokenizer, [ids], settings)
+        overrides["top_p"] = 1.0  # the model's own softmax, unfiltered
+    request = prepare(model, tokenizer, [ids], overrides)
     # No EOS handling: the whole span is compared, EOS included where the continuation has it.
     decoder = make_decoder(model, request.settings, ())
     got = []

@@ -21,6 +21,7 @@ from .engine.contracts import Decoder, DecoderInputs
 from .engine.registry import build_decoder, check_constraints
 from .errors import CheckpointError
 from .settings import SettingsError, resolve_settings
+from .settings_fields import ResolvedSettings
 from .spec import (
     BIDIRECTIONAL,
     GENERATION_CONFIG_KEYS,
@@ -44,7 +45,7 @@ class Request(DecoderInputs):
 
     ids: List[List[int]] = field(default_factory=list)  # one row per prompt
     # Positions of the caller's max_tokens that the family's default suffix takes (RND1's pad):
-    # settings["max_tokens"] counts the canvas's masks, this many fewer.
+    # settings.max_tokens counts the canvas's masks, this many fewer.
     reserved: int = 0
 
     def decoder(self, model) -> Decoder:
@@ -76,14 +77,14 @@ def prepare(
     Structured output: `json_schema`, `regex` or `lark` among the settings (one value for every
     prompt, or a list with one entry per prompt, None for an unconstrained one) constrain the
     generated text (structured.py); they are compiled here and never enter the settings."""
-    settings = dict(settings)
+    overrides = dict(settings)
     # A vision model of ours with the bare tokenizer mlx_vlm.load found: its own processor.
     tokenizer = model_processor(model, tokenizer)
-    wanted = {k: settings.pop(k) for k in CONSTRAINT_KEYS if settings.get(k) is not None}
+    wanted = {k: overrides.pop(k) for k in CONSTRAINT_KEYS if overrides.get(k) is not None}
     for k in CONSTRAINT_KEYS:
-        settings.pop(k, None)
+        overrides.pop(k, None)
     spec, s, ids, pixel_values = _prepare_rows(
-        model, tokenizer, prompts, settings, images, fit_context, default_suffix=suffix is None
+        model, tokenizer, prompts, overrides, images, fit_context, default_suffix=suffix is None
     )
     # What the run decodes under, once: a sampler may bring its layout (dllm's bd3lm).
     spec = for_settings(spec, s)
@@ -215,7 +216,7 @@ def _encode(tokenizer, prompt: Prompt) -> List[int]:
     return ids
 
 
-def _reserve_default_suffix(model, spec, settings, max_tokens: int) -> dict:
+def _reserve_default_suffix(model, spec, overrides, max_tokens: int) -> ResolvedSettings:
     """The settings resolved again with max_tokens less the default suffix's positions (the
     canvas's masks), so that what follows from max_tokens (one block over the generation, the
     schedule's masks) follows them, as in RND1's generate(max_new_tokens=max_tokens)."""
@@ -225,12 +226,12 @@ def _reserve_default_suffix(model, spec, settings, max_tokens: int) -> dict:
             f"max_tokens must be at least {reserved + 1} for the {spec.family} family: the last "
             f"{reserved} of its positions hold the pad token its reference always places there"
         )
-    lowered = dict(settings, max_tokens=max_tokens - reserved)
+    lowered = dict(overrides, max_tokens=max_tokens - reserved)
     return resolve_settings(spec, lowered, checkpoint_settings(model, spec))
 
 
 def _prepare_rows(
-    model, tokenizer, prompts, settings, images=None, fit_context=False, default_suffix=False
+    model, tokenizer, prompts, overrides, images=None, fit_context=False, default_suffix=False
 ):
     try:
         spec = getattr(model, "diffusion_spec", None)
@@ -243,7 +244,7 @@ def _prepare_rows(
             f"{type(model).__module__}.{type(model).__name__} is not a diffusion model of this "
             "package (it has no diffusion_spec); load it with mlx_dllm_models.load"
         )
-    s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
+    s = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
     pixel_values = None
     if images is not None and not isinstance(images, (list, tuple)):
         raise SettingsError(
@@ -258,7 +259,7 @@ def _prepare_rows(
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
     room = (limit or UNSTATED_CONTEXT) - longest
-    if fit_context and s["max_tokens"] > room:
+    if fit_context and s.max_tokens > room:
         if room < 1:
             raise SettingsError(
                 f"the prompt ({longest} tokens) fills the model's context of "
@@ -267,25 +268,25 @@ def _prepare_rows(
             )
         # Resolved again, so that what follows from max_tokens (a block over the whole
         # generation, its steps) follows the lowered value.
-        settings = dict(settings, max_tokens=room)
-        s = resolve_settings(spec, settings, checkpoint_settings(model, spec))
-    if limit is not None and longest + s["max_tokens"] > limit:
+        overrides = dict(overrides, max_tokens=room)
+        s = resolve_settings(spec, overrides, checkpoint_settings(model, spec))
+    if limit is not None and longest + s.max_tokens > limit:
         raise SettingsError(
-            f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds the model's context "
+            f"prompt ({longest} tokens) + max_tokens ({s.max_tokens}) exceeds the model's context "
             f"of {limit} positions; shorten the prompt or lower max_tokens"
         )
-    if limit is None and longest + s["max_tokens"] > UNSTATED_CONTEXT:
+    if limit is None and longest + s.max_tokens > UNSTATED_CONTEXT:
         raise SettingsError(
-            f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) exceeds {UNSTATED_CONTEXT} "
+            f"prompt ({longest} tokens) + max_tokens ({s.max_tokens}) exceeds {UNSTATED_CONTEXT} "
             "positions, this package's bound for a checkpoint whose config.json states no context "
             "length (max_position_embeddings); lower max_tokens, or add the field to config.json"
         )
     if default_suffix and spec.default_suffix:
-        s = _reserve_default_suffix(model, spec, settings, s["max_tokens"])
+        s = _reserve_default_suffix(model, spec, overrides, s.max_tokens)
     # A block (a canvas) is decoded whole even past max_tokens (block-causal layouts round up to
     # it, a canvas has a least length): one larger than the context would only allocate.
     for name in ("block_length", "min_canvas_length"):
-        size, bound = s.get(name), limit or UNSTATED_CONTEXT
+        size, bound = getattr(s, name), limit or UNSTATED_CONTEXT
         if size is not None and size > bound:
             raise SettingsError(
                 f"{name} ({size}) exceeds the model's context of {bound} positions; lower it"
@@ -425,9 +426,9 @@ def check_infill(model, spec, s, ids, suffix):
             )
     limit = spec.max_position_embeddings
     longest = max(len(p) for p in ids)
-    if limit is not None and longest + s["max_tokens"] + len(suffix) > limit:
+    if limit is not None and longest + s.max_tokens + len(suffix) > limit:
         raise SettingsError(
-            f"prompt ({longest} tokens) + max_tokens ({s['max_tokens']}) + suffix ({len(suffix)} "
+            f"prompt ({longest} tokens) + max_tokens ({s.max_tokens}) + suffix ({len(suffix)} "
             f"tokens) exceeds the model's context of {limit} positions; shorten them"
         )
     vocab = getattr(getattr(model, "args", None), "vocab_size", None) or spec.vocab_size
@@ -439,12 +440,12 @@ def check_infill(model, spec, s, ids, suffix):
 def eot_id(tokenizer, spec, s) -> Optional[int]:
     """The end-of-turn id that LLaDA's confidence_eos_eot_inf scores 0 (generate.py's 126348,
     <|eot_id|>), from the checkpoint's tokenizer; and a check that logits_eos_inf has an EOS."""
-    if s.get("logits_eos_inf") and not spec.eos_token_ids:
+    if s.logits_eos_inf and not spec.eos_token_ids:
         raise SettingsError(
             "logits_eos_inf suppresses the checkpoint's EOS, but its config.json has no "
             "eos_token_id; add it or drop logits_eos_inf"
         )
-    if not s.get("confidence_eos_eot_inf"):
+    if not s.confidence_eos_eot_inf:
         return None
     tok = text_tokenizer(tokenizer)
     vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}

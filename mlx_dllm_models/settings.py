@@ -20,6 +20,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from .errors import SettingsError  # noqa: F401  (raised here, so callers may catch it as settings')
 from .registry import MODEL_TYPES
 from .settings_families import DIFFUSION_MODE, Setting
+from .settings_fields import ResolvedSettings
 from .validators import (
     a_name,
     cli_optional_float,
@@ -191,13 +192,18 @@ def family_settings(family: str) -> Tuple[str, ...]:
     return tuple(s.name for s in _table("FAMILY_SETTINGS") if family in s.families)
 
 
-def resolve_settings(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
-    """Merge and validate settings for a family. Returns a plain dict with every shared setting and
-    every extra setting of the family (the rows its spec declares, `spec.settings`)."""
+def resolve_settings(
+    spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None
+) -> ResolvedSettings:
+    """Merge and validate settings for a family. Returns the resolved settings, holding every
+    shared setting and every extra setting of the family (the rows its spec declares,
+    `spec.settings`) as present."""
     return resolve_with_origins(spec, overrides, checkpoint)[0]
 
 
-def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None):
+def resolve_with_origins(
+    spec, overrides: Mapping[str, Any], checkpoint: Optional[Mapping] = None
+) -> Tuple[ResolvedSettings, Dict[str, str]]:
     """resolve_settings's values, and where each came from: "package", "family" (its spec),
     "sampler <name>", "preset <setting>=<mode>", "checkpoint" (its generation_config.json, or what
     its remote code implies), "explicit" (the caller's), "from <setting>" (block_length from
@@ -255,11 +261,14 @@ def resolve_with_origins(spec, overrides: Mapping[str, Any], checkpoint: Optiona
         # As every reference's default: as many steps as a block has positions, one token per step
         # for the quota sampler; so a new block_length alone keeps that rate.
         layer({"steps": values["block_length"]}, "from block_length")
-    _validate(spec, rows, values, explicit, set(from_checkpoint) - set(explicit))
+    resolved = ResolvedSettings.from_dict(values)
+    _validate(spec, rows, resolved, explicit, set(from_checkpoint) - set(explicit))
     for name, value in readings.items():
         origins[name] = "explicit"
-        layer(spec.own_readings[name](value, values), f"reading of {name}")
-    return values, origins
+        read = spec.own_readings[name](value, resolved)
+        resolved = replace(resolved, **read)
+        origins.update(dict.fromkeys(read, f"reading of {name}"))
+    return resolved, origins
 
 
 def _origin(names, from_checkpoint) -> str:
@@ -290,15 +299,15 @@ def _token_id_error(spec, name, v) -> Optional[str]:
 def out_of_scope(row, s) -> Optional[Tuple[str, Tuple[str, ...]]]:
     """("mode" or "sampler", the values it acts with) when the setting of `row` does not act under
     the resolved settings `s` (another mode's or sampler's); None when it does."""
-    scopes = (("mode", row.modes if "mode" in s else ()), ("sampler", row.samplers))
-    off = [(key, scope) for key, scope in scopes if scope and s[key] not in scope]
+    scopes = (("mode", row.modes if s.has("mode") else ()), ("sampler", row.samplers))
+    off = [(key, scope) for key, scope in scopes if scope and getattr(s, key) not in scope]
     return off[0] if off else None
 
 
 def _validate(spec, rows, s, explicit, from_checkpoint=frozenset()):
-    if s["sampler"] not in spec.samplers:
+    if s.sampler not in spec.samplers:
         raise SettingsError(
-            f"unknown sampler {s['sampler']!r} for the {spec.family} family; "
+            f"unknown sampler {s.sampler!r} for the {spec.family} family; "
             f"choose one of: {', '.join(spec.samplers)}" + _origin(["sampler"], from_checkpoint)
         )
     for name, row in rows.items():
@@ -309,30 +318,31 @@ def _validate(spec, rows, s, explicit, from_checkpoint=frozenset()):
             key, scope = off
             if given:
                 raise SettingsError(
-                    f"{name} only acts with {key}={scope[0]!r}, but {key} is {s[key]!r}; "
+                    f"{name} only acts with {key}={scope[0]!r}, but {key} is {getattr(s, key)!r}; "
                     f"pass {key}={scope[0]!r} or drop {name}"
                 )
             continue
-        if row.requires and given and s.get(row.requires) is None:
+        if row.requires and given and getattr(s, row.requires) is None:
             raise SettingsError(
                 f"{name} only acts when {row.requires} is set; pass {row.requires} or drop {name}"
             )
         if name in spec.unused_settings or row.check is None:
             continue
-        msg = row.check(name, s[name])
-        if msg is None and row.token_id and s[name] is not None:
-            msg = _token_id_error(spec, name, s[name])
+        value = getattr(s, name)
+        msg = row.check(name, value)
+        if msg is None and row.token_id and value is not None:
+            msg = _token_id_error(spec, name, value)
         if msg:
             raise SettingsError(msg + _origin([name], from_checkpoint))
     for rel in spec.relations:
-        first, second = s.get(rel.first), s.get(rel.second)
+        first, second = getattr(s, rel.first), getattr(s, rel.second)
         if first is not None and second is not None and not rel.holds(first, second):
             where = _origin([rel.first, rel.second], from_checkpoint)
-            raise SettingsError(rel.message.format(**s) + where)
+            raise SettingsError(rel.message.format(**s.as_dict()) + where)
     # The sampler's confidence (a sampler may bring its own: Dimple's "dream" reads the processed
     # distribution, where top-p acts at temperature 0 too).
-    confidence = spec.sampler_spec.get(s["sampler"], {}).get("confidence", spec.confidence)
-    if confidence == "raw" and s["temperature"] == 0:
+    confidence = spec.sampler_spec.get(s.sampler, {}).get("confidence", spec.confidence)
+    if confidence == "raw" and s.temperature == 0:
         for name in ("top_p", "top_k"):
             if name in explicit and not filters_nothing(name, explicit[name]):
                 raise SettingsError(

@@ -1,11 +1,13 @@
 """The CLI's index of the settings table: what the commands' parsers need of every row (name,
 help, the kind of its flag, its fixed values, the families and samplers it belongs to), and the
-values `--sampler` and `--cache` take, kept in settings_index.json beside this file.
+values `--sampler` and `--cache` take, kept in settings_index.json beside this file; and the
+source of settings_fields.py, the resolved settings' frozen dataclass (a field per row, typed by its
+flag's kind), so that a type checker sees every setting's name.
 
 settings.SETTINGS is collected from every family's model file, which imports mlx-lm (and
 transformers): seconds before a parser could refuse a misspelt flag. The index is read instead,
 with the standard library alone; the real table still validates every value once the checkpoint
-is known. The index is generated from the real table, and a test fails when it is stale:
+is known. Both files are generated from the real table, and a test fails when either is stale:
 
     python -m mlx_dllm_models.settings_index --write
 """
@@ -14,11 +16,13 @@ import argparse
 import functools
 import json
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Tuple
 
 INDEX_PATH = Path(__file__).with_name("settings_index.json")
+FIELDS_PATH = Path(__file__).with_name("settings_fields.py")
 WRITE_COMMAND = "python -m mlx_dllm_models.settings_index --write"
 
 
@@ -97,8 +101,58 @@ def choices() -> Dict[str, Tuple[str, ...]]:
     return {name: tuple(values) for name, values in read()["choices"].items()}
 
 
+# A flag's kind (validators.CLI_KINDS) -> the type of the setting's value.
+VALUE_TYPES = {
+    "int": "int",
+    "float": "float",
+    "str": "str",
+    "on/off": "bool",
+    "optional float": "float",
+}
+
+FIELDS_HEADER = f'''"""The resolved settings: a frozen dataclass with a field per row of the settings table, in its
+order, typed by the row's flag (settings_record.SettingsRecord: which of them a family has, and
+as_dict). Generated from settings.SETTINGS; do not edit, rewrite it with
+{WRITE_COMMAND}
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .settings_record import SettingsRecord
+
+
+@dataclass(frozen=True)
+class ResolvedSettings(SettingsRecord):
+'''
+
+
+def render_fields() -> str:
+    """settings_fields.py's text: a field per row, its default the package default (None for a
+    family's row), Optional where that default is None."""
+    from .settings import SETTINGS
+    from .settings_record import RECORD_NAMES
+
+    lines = [FIELDS_HEADER]
+    for s, row in zip(SETTINGS, build()["settings"]):
+        if s.name in RECORD_NAMES:
+            raise ValueError(f"setting {s.name}: the name is one of the resolved settings' methods")
+        kind = VALUE_TYPES[row["kind"]]
+        kind = kind if s.default is not None else f"Optional[{kind}]"
+        default = json.dumps(s.default) if isinstance(s.default, str) else repr(s.default)
+        comment = textwrap.fill(s.help, 100, initial_indent="    # ", subsequent_indent="    # ")
+        lines.append(f"{comment}\n    {s.name}: {kind} = {default}\n")
+    lines.append("    # The settings the family has, in resolution order (SettingsRecord).\n")
+    lines.append("    present: Tuple[str, ...] = ()\n")
+    return "".join(lines)
+
+
+def _differs(path: Path, text: str) -> bool:
+    return not path.is_file() or path.read_text(encoding="utf-8") != text
+
+
 def stale() -> bool:
-    return not INDEX_PATH.is_file() or INDEX_PATH.read_text(encoding="utf-8") != render(build())
+    return _differs(INDEX_PATH, render(build())) or _differs(FIELDS_PATH, render_fields())
 
 
 def main(argv=None) -> int:
@@ -106,16 +160,19 @@ def main(argv=None) -> int:
         prog="python -m mlx_dllm_models.settings_index",
         description="Check (default) or rewrite the CLI's index of the settings table.",
     )
-    p.add_argument("--write", action="store_true", help=f"rewrite {INDEX_PATH.name}")
+    p.add_argument(
+        "--write", action="store_true", help=f"rewrite {INDEX_PATH.name} and {FIELDS_PATH.name}"
+    )
     args = p.parse_args(argv)
     if args.write:
         INDEX_PATH.write_text(render(build()), encoding="utf-8")
-        print(f"wrote {INDEX_PATH}")
+        FIELDS_PATH.write_text(render_fields(), encoding="utf-8")
+        print(f"wrote {INDEX_PATH} and {FIELDS_PATH}")
         return 0
     if stale():
-        print(f"{INDEX_PATH} is stale: run {WRITE_COMMAND}", file=sys.stderr)
+        print(f"{INDEX_PATH} or {FIELDS_PATH} is stale: run {WRITE_COMMAND}", file=sys.stderr)
         return 1
-    print(f"{INDEX_PATH} matches the settings table")
+    print(f"{INDEX_PATH} and {FIELDS_PATH} match the settings table")
     return 0
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 from .settings_families import Relation, Setting
+from .settings_fields import ResolvedSettings
 
 # Attention layouts (see ARCHITECTURE.md, "Caches, by attention layout").
 BIDIRECTIONAL = "bidirectional"  # LLaDA 1.x, LLaDA-MoE, Dream
@@ -174,7 +175,7 @@ class DiffusionSpec:
     # Shared settings the family reads in its own terms: name -> read(value, resolved settings)
     # -> the settings it stands for (DiffusionGemma's temperature scales its t_max -> t_min
     # schedule); it raises SettingsError for a value it cannot honour.
-    own_readings: Mapping[str, Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = field(
+    own_readings: Mapping[str, Callable[[Any, ResolvedSettings], Mapping[str, Any]]] = field(
         default_factory=dict
     )
     # A GIDD-style noise (decoder "gidd"): (min_log_snr, max_log_snr, noise_type), the log-SNR
@@ -185,9 +186,9 @@ class DiffusionSpec:
     likelihood: Optional[str] = None
 
 
-def for_settings(spec: DiffusionSpec, settings: Mapping) -> DiffusionSpec:
+def for_settings(spec: DiffusionSpec, settings: ResolvedSettings) -> DiffusionSpec:
     """The spec a run of these settings decodes under: `spec` with the fields its sampler brings."""
-    fields = spec.sampler_spec.get(settings.get("sampler"))
+    fields = spec.sampler_spec.get(settings.sampler)
     return replace(spec, **fields) if fields else spec
 
 

@@ -56,17 +56,17 @@ class TraceRecorder:
         self.tokenizer = text_tokenizer(tokenizer)
         self.mask_id = spec.mask_token_id
         self.eos = sorted(getattr(decoder, "eos", ()))
-        self.max_tokens = settings["max_tokens"]
+        self.max_tokens = settings.max_tokens
         self.prompt_ids = list(prompt_ids)
         self.path = Path(path)
         self.vocab, self.image_id = image_ids(model, self.tokenizer)
         self.title = {
             "family": getattr(getattr(model, "args", None), "model_type", type(model).__module__),
             "decoder": type(decoder).__name__,
-            "mode": settings.get("mode"),
-            "sampler": settings.get("sampler"),
-            "steps": settings.get("steps"),
-            "block_length": settings.get("block_length"),
+            "mode": settings.mode,
+            "sampler": settings.sampler,
+            "steps": settings.steps,
+            "block_length": settings.block_length,
             "max_tokens": self.max_tokens,
         }
         decoder.step_confidence = True  # the events then carry each step's confidence

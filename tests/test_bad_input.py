@@ -62,9 +62,9 @@ def test_steps_follow_block_length_unless_set(loaded):
     from mlx_dllm_models.settings import resolve_settings
 
     spec = loaded[0].diffusion_spec
-    assert resolve_settings(spec, {})["steps"] == spec.defaults["block_length"]
-    assert resolve_settings(spec, {"block_length": 16})["steps"] == 16
-    assert resolve_settings(spec, {"block_length": 16, "steps": 4})["steps"] == 4
+    assert resolve_settings(spec, {}).steps == spec.defaults["block_length"]
+    assert resolve_settings(spec, {"block_length": 16}).steps == 16
+    assert resolve_settings(spec, {"block_length": 16, "steps": 4}).steps == 4
 
 
 @pytest.mark.parametrize("name", ["dimple", "lavida", "llada_v", "nemotron_vlm"])

@@ -29,6 +29,7 @@ from mlx_dllm_models.engine import (
 from mlx_dllm_models.engine.block_cache import PrefixCache
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.settings import SettingsError
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.llada2_generate import llada20_generate, llada21_generate
 from reference.sdar_generate import sdar_generate
 from reference.sdar_torch import load_reference
@@ -100,7 +101,7 @@ def test_prefix_cache_is_token_identical_to_full_recompute(family, name, kw):
         assert cached == full and reasons == full_reasons
         # The same denoising forwards, plus the prompt's prefill, and no commit forward.
         assert dec.nfe == full_dec.nfe + dec.backend.prefill_forwards
-        assert dec.backend.prefill_forwards == (1 if n >= dec.s["block_length"] else 0)
+        assert dec.backend.prefill_forwards == (1 if n >= dec.s.block_length else 0)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,7 @@ def test_cache_logits_match_the_full_window(family):
     the whole window under the block-causal mask, for the first block and the folded second."""
     _, model, _ = family("sdar")
     spec = model.diffusion_spec
-    settings = dict(block_length=4, max_tokens=12)
+    settings = ResolvedSettings.from_dict(dict(block_length=4, max_tokens=12))
     prompts = [tokens(6, 1), tokens(13, 2)]
     layout = Layout(prompts, 12, 4, True, spec.mask_token_id)
     x = layout.tokens
@@ -218,7 +219,7 @@ def test_sequential_commits_the_leftmost_masks():
     cand = mx.array([[False, True, True, False, True, True], [True, True, True, True, True, True]])
     conf = mx.array(np.linspace(0, 1, 12).reshape(2, 6).astype(np.float32))
     stats = type("S", (), {"confidence": conf})()
-    ctx = StepContext(0, 2, mx.array([3, 2]), None, {}, None)
+    ctx = StepContext(0, 2, mx.array([3, 2]), None, ResolvedSettings.from_dict({}), None)
     got = sequential_commit(stats, cand, ctx)
     assert got.tolist() == [
         [False, True, True, False, True, False],
@@ -501,7 +502,7 @@ def test_editing_never_touches_prompt_or_padding(family):
     s, ids, dec = stream_events(
         model, tok, prompts, max_tokens=25, editing_threshold=0.0, max_post_steps=3
     )
-    layout = Layout(ids, 25, s["block_length"], True, mask)
+    layout = Layout(ids, 25, s.block_length, True, mask)
     assert layout.pads == [32, 0] and layout.blocks() == [(20, 32), (32, 64)]
     seen = []
 
@@ -549,9 +550,9 @@ def test_editing_off_never_changes_a_committed_token(family):
 def test_cache_modes_select_backends(family):
     _, model, tok = family("sdar")
     spec = model.diffusion_spec
-    assert select_backend(spec, {"cache": "auto"}) is PrefixCache
-    assert select_backend(spec, {"cache": "prefix"}) is PrefixCache
-    assert select_backend(spec, {"cache": "none"}) is FullRecompute
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "auto"})) is PrefixCache
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "prefix"})) is PrefixCache
+    assert select_backend(spec, ResolvedSettings.from_dict({"cache": "none"})) is FullRecompute
 
 
 @pytest.mark.parametrize("name", ["sdar", "llada2_moe"])
@@ -667,8 +668,8 @@ def test_llada21_checkpoints_default_to_quality_mode(family, tmp_path):
         (model21, tok21, "quality", (0.7, 0.5)),
     ):
         s, _, _ = stream_events(m, t, [[1, 2, 3]], max_tokens=4)
-        assert s["editing_mode"] == mode
-        assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (*values, 16)
+        assert s.editing_mode == mode
+        assert (s.threshold, s.editing_threshold, s.max_post_steps) == (*values, 16)
     prompts = [tokens(7, 11), tokens(20, 12)]
     got, _, dec = run(model21, tok21, prompts, max_tokens=40)
     quality = dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16)
@@ -683,11 +684,11 @@ def test_editing_modes_and_explicit_settings(family):
         return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
 
     s = resolved(editing_mode="speed")
-    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.5, 0.0, 16)
+    assert (s.threshold, s.editing_threshold, s.max_post_steps) == (0.5, 0.0, 16)
     s = resolved(editing_mode="quality", threshold=0.8, max_post_steps=4)
-    assert (s["threshold"], s["editing_threshold"], s["max_post_steps"]) == (0.8, 0.5, 4)
+    assert (s.threshold, s.editing_threshold, s.max_post_steps) == (0.8, 0.5, 4)
     s = resolved(editing_mode="off")
-    assert (s["threshold"], s["editing_threshold"]) == (0.95, None)
+    assert (s.threshold, s.editing_threshold) == (0.95, None)
     with pytest.raises(SettingsError, match="unknown editing_mode 'fast'.*quality, speed, off"):
         resolved(editing_mode="fast")
 
@@ -704,7 +705,7 @@ def test_llada22_checkpoints_default_to_quality_mode(family, tmp_path):
     (v22 / "config.json").write_text(json.dumps(cfg))
     model22, tok22 = load_fixture(v22)
     s, _, _ = stream_events(model22, tok22, [[1, 2, 3]], max_tokens=4)
-    assert (s["editing_mode"], s["threshold"], s["editing_threshold"]) == ("quality", 0.7, 0.5)
+    assert (s.editing_mode, s.threshold, s.editing_threshold) == ("quality", 0.7, 0.5)
 
 
 def test_entropy_bounded_settings(family):
@@ -713,8 +714,8 @@ def test_entropy_bounded_settings(family):
     def resolved(**kw):
         return stream_events(model, tok, [[1, 2, 3]], max_tokens=4, **kw)[0]
 
-    assert resolved(sampler="entropy_bounded")["eb_threshold"] == 0.35  # generate.py's default
-    assert resolved()["threshold"] == 0.9 and resolved()["eb_threshold"] is None
+    assert resolved(sampler="entropy_bounded").eb_threshold == 0.35  # generate.py's default
+    assert resolved().threshold == 0.9 and resolved().eb_threshold is None
     with pytest.raises(
         SettingsError, match="eb_threshold only acts with sampler='entropy_bounded'"
     ):

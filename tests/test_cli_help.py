@@ -301,21 +301,21 @@ def test_resolution_says_where_each_value_came_from():
     explicit = {"sampler": "threshold", "seed": 3}
     values, origins = resolve_with_origins(spec, explicit, checkpoint)
     assert values == resolve_settings(spec, explicit, checkpoint)
-    assert origins.keys() == values.keys()
+    assert origins.keys() == values.as_dict().keys()
     assert origins["sampler"] == origins["seed"] == "explicit"
-    assert (values["max_tokens"], origins["max_tokens"]) == (64, "checkpoint")
-    assert (values["threshold"], origins["threshold"]) == (0.8, "sampler threshold")
+    assert (values.max_tokens, origins["max_tokens"]) == (64, "checkpoint")
+    assert (values.threshold, origins["threshold"]) == (0.8, "sampler threshold")
     assert (
         origins["editing_threshold"] == origins["max_post_steps"] == "preset editing_mode=quality"
     )
     assert origins["editing_mode"] == origins["block_length"] == "family"
-    assert (values["steps"], origins["steps"]) == (32, "from block_length")
+    assert (values.steps, origins["steps"]) == (32, "from block_length")
     assert origins["top_p"] == origins["cache"] == "package"
     # The explicit value beats the preset's; no block_length anywhere: one block of max_tokens.
     one_block = replace(spec, defaults={"block_length": None, "editing_mode": "quality"})
     values, origins = resolve_with_origins(one_block, {"editing_threshold": 0.5}, {})
-    assert (values["editing_threshold"], origins["editing_threshold"]) == (0.5, "explicit")
-    assert (values["block_length"], origins["block_length"]) == (128, "from max_tokens")
+    assert (values.editing_threshold, origins["editing_threshold"]) == (0.5, "explicit")
+    assert (values.block_length, origins["block_length"]) == (128, "from max_tokens")
 
 
 def settings_rows(text):
@@ -334,7 +334,7 @@ def test_settings_command_shows_what_generate_would_use(ckpt, capsys):
     chosen = dict(sampler="threshold", threshold=0.7, temperature=0.5, block_length=8)
     used = prepare(model, tok, ["hi"], chosen).settings
     for name, (text, _) in rows.items():
-        value = used[name]
+        value = getattr(used, name)
         expected = str(value).lower() if isinstance(value, bool) else str(value)
         assert text == ("none" if value is None else expected), name
     assert rows["threshold"] == ("0.7", "the command line")
@@ -345,7 +345,7 @@ def test_settings_command_shows_what_generate_would_use(ckpt, capsys):
     assert rows["cfg_scale"][1] == "the llada family's default"
     # The settings of other samplers are listed apart, with the samplers they act with.
     assert "factor" not in rows and "  factor (acts with sampler factor)" in out
-    assert set(rows) | {"factor"} <= set(used)
+    assert set(rows) | {"factor"} <= set(used.as_dict())
 
 
 def test_settings_command_refuses_bad_settings(ckpt, capsys):

@@ -47,6 +47,7 @@ def test_a_flag_parser_outside_the_kinds_is_refused(monkeypatch):
 def test_the_check_names_the_command_and_write_mends_it(tmp_path, monkeypatch, capsys):
     path = tmp_path / "settings_index.json"
     monkeypatch.setattr(settings_index, "INDEX_PATH", path)
+    monkeypatch.setattr(settings_index, "FIELDS_PATH", tmp_path / "settings_fields.py")
     assert settings_index.main([]) == 1  # no file
     path.write_text(settings_index.render({"settings": [], "choices": {}}), encoding="utf-8")
     assert settings_index.main([]) == 1

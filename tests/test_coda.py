@@ -39,8 +39,8 @@ def test_spec_and_defaults_are_the_published_recipe(loaded):
     assert model.generation_config["alg"] == "original"
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     want = dict(sampler="dream", alg="entropy", alg_temp=0.1, eps=1e-3, temperature=0.0)
-    assert {k: s[k] for k in want} == want
-    assert (s["max_tokens"], s["steps"], s["block_length"], s["top_p"], s["top_k"]) == (
+    assert {k: getattr(s, k) for k in want} == want
+    assert (s.max_tokens, s.steps, s.block_length, s.top_p, s.top_k) == (
         256,
         128,
         256,
@@ -49,7 +49,7 @@ def test_spec_and_defaults_are_the_published_recipe(loaded):
     )
     # The shared samplers keep one step per position of their blocks.
     q = resolve_settings(spec, {"sampler": "quota"}, {})
-    assert (q["block_length"], q["steps"]) == (32, 32)
+    assert (q.block_length, q.steps) == (32, 32)
 
 
 def test_head_is_never_tied_and_a_missing_head_is_named(ckpt):

@@ -67,12 +67,15 @@ def test_defaults_are_dreams_the_diffucoder_base_recipe():
         model = _model(_real(folder))
         spec = model.diffusion_spec
         s = resolve_settings(spec, {"max_tokens": 256}, checkpoint_settings(model, spec))
-        got = {k: s[k] for k in ("sampler", "alg", "alg_temp", "temperature", "top_p", "steps")}
+        got = {
+            k: getattr(s, k)
+            for k in ("sampler", "alg", "alg_temp", "temperature", "top_p", "steps")
+        }
         assert got == dict(
             sampler="dream", alg="entropy", alg_temp=0.0, temperature=0.2, top_p=0.95, steps=256
         )
         s = resolve_settings(spec, {"max_tokens": 768, "temperature": 0.1}, {})
-        assert (s["temperature"], s["steps"], s["block_length"]) == (0.1, 768, 768)
+        assert (s.temperature, s.steps, s.block_length) == (0.1, 768, 768)
 
 
 def test_d3llm_dream_coder_generation_config():
@@ -85,7 +88,7 @@ def test_d3llm_dream_coder_generation_config():
     assert checkpoint_settings(model, spec) == {"eps": 0.001}
     assert eos_ids(model, None, spec) == {151643}
     s = resolve_settings(spec, {"sampler": "d3llm"}, checkpoint_settings(model, spec))
-    assert (s["threshold"], s["block_size"], s["max_tokens"], s["temperature"]) == (0.5, 32, 256, 0)
+    assert (s.threshold, s.block_size, s.max_tokens, s.temperature) == (0.5, 32, 256, 0)
 
 
 def _tiny(path: Path, real: dict, specials: dict) -> Path:

@@ -26,6 +26,7 @@ from mlx_dllm_models.engine import registry as registry_module
 from mlx_dllm_models.engine.contracts import Restarts
 from mlx_dllm_models.request import Request, prepare
 from mlx_dllm_models.settings import SettingsError, resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_dllm_models"
@@ -127,7 +128,7 @@ def test_join_policy_reads_the_declarations(monkeypatch):
 
         @classmethod
         def joins_exactly(cls, settings):
-            return settings["max_tokens"] == 8
+            return settings.max_tokens == 8
 
         @classmethod
         def kv_kind(cls, settings):
@@ -142,7 +143,7 @@ def test_join_policy_reads_the_declarations(monkeypatch):
         (Exact, 9, (False, False, "kind")),
     ):
         monkeypatch.setattr(registry_module, "select_backend", lambda spec, s, b=backend: b)
-        got = join_policy(spec, {"max_tokens": max_tokens})
+        got = join_policy(spec, ResolvedSettings.from_dict({"max_tokens": max_tokens}))
         assert (got.joins, got.free_join, got.kv_kind) == want
         assert got.drops_rows and got.row_seeds  # the masked decoder's declarations
 

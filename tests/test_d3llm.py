@@ -22,6 +22,7 @@ from mlx_dllm_models.decoding import d3llm
 from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.d3llm_multi_block import multi_block_generate
 from reference.dream_torch import reference_forward
 from reference.llada_torch import torch_forward
@@ -179,12 +180,12 @@ def test_defaults_are_the_d3llm_recipe(family):
         max_tokens=256, block_size=32, threshold=0.5, block_add_threshold=0.1,
         decoded_token_threshold=0.95, early_stop=True, temperature=0.0,
     )  # fmt: skip
-    assert {k: s[k] for k in recipe} == recipe
-    assert (s["block_length"], s["steps"]) == (256, 256)  # the canvas is the engine's one block
+    assert {k: getattr(s, k) for k in recipe} == recipe
+    assert (s.block_length, s.steps) == (256, 256)  # the canvas is the engine's one block
     if form == "dream":
-        assert (s["top_p"], s["top_k"]) == (None, None)
+        assert (s.top_p, s.top_k) == (None, None)
     other = resolve_settings(spec, {}, {})
-    assert other["sampler"] != "d3llm" and other["block_size"] is None
+    assert other.sampler != "d3llm" and other.block_size is None
 
 
 def test_default_call_runs_through_generate(family):
@@ -215,7 +216,9 @@ def test_rule_pieces():
     assert d3llm.block_ids(gen, 2).tolist() == [[-1, 0, 0, 1, 1, 2, 2]]
     cand = mx.array([[False, False, True, True, True, True, True]])  # block 0 half decoded
     entropy = mx.array([[9.0, 9.0, 3.0, 0.1, 2.0, 0.0, 0.0]])
-    s = dict(block_size=2, threshold=0.5, block_add_threshold=0.5, decoded_token_threshold=1.0)
+    s = ResolvedSettings.from_dict(
+        dict(block_size=2, threshold=0.5, block_add_threshold=0.5, decoded_token_threshold=1.0)
+    )
     # Block 1 exists (block 0 passed 0.5), block 2 does not; block 1 is not fully active, so only
     # its low-entropy mask commits, and block 0 (fully active) commits its one mask.
     got = d3llm.d3llm_select(entropy, cand, gen, s, keeps_lowest=False)

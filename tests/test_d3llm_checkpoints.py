@@ -99,7 +99,7 @@ def test_the_sampler_brings_the_published_call(checkpoint):
     _, _, model, _, _ = checkpoint
     spec = model.diffusion_spec
     s = resolve_settings(spec, {"sampler": "d3llm"}, checkpoint_settings(model, spec))
-    assert {k: s[k] for k in PUBLISHED_CALL} == PUBLISHED_CALL
+    assert {k: getattr(s, k) for k in PUBLISHED_CALL} == PUBLISHED_CALL
 
 
 @pytest.mark.slow

@@ -318,13 +318,13 @@ def test_defaults_come_from_generation_config(dg):
     s, _, decoder = stream_events(model, proc, [PROMPT])
     assert isinstance(decoder, CanvasDecoder)
     gen = fx.GENERATION_CONFIG
-    assert s["sampler"] == "entropy"
-    assert s["max_tokens"] == gen["max_new_tokens"]
-    assert s["entropy_bound"] == gen["sampler_config"]["entropy_bound"]
+    assert s.sampler == "entropy"
+    assert s.max_tokens == gen["max_new_tokens"]
+    assert s.entropy_bound == gen["sampler_config"]["entropy_bound"]
     names = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
     for name in names:
-        assert s[name] == gen[name], name
-    assert s["min_canvas_length"] == s["max_canvas_length"] == C
+        assert getattr(s, name) == gen[name], name
+    assert s.min_canvas_length == s.max_canvas_length == C
 
     # A checkpoint's own values, the nested one included, win over the family's.
     saved = model.generation_config
@@ -334,7 +334,7 @@ def test_defaults_come_from_generation_config(dg):
         s, _, _ = stream_events(model, proc, [PROMPT])
     finally:
         model.generation_config = saved
-    assert (s["t_min"], s["max_tokens"], s["entropy_bound"]) == (0.2, 40, 0.5)
+    assert (s.t_min, s.max_tokens, s.entropy_bound) == (0.2, 40, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -441,7 +441,7 @@ def test_a_short_request_on_a_256_canvas_checkpoint_denoises_all_256(checkpoint)
     model = diffusion_gemma.Model(diffusion_gemma.ModelArgs.from_dict(cfg))  # lazy, never run
     spec = model.diffusion_spec
     s = resolve_settings(spec, {"max_tokens": 5}, {})
-    assert s["min_canvas_length"] == s["max_canvas_length"] == 256
+    assert s.min_canvas_length == s.max_canvas_length == 256
     assert make_decoder(model, s, ()).canvas_length(5) == 256
     s = resolve_settings(spec, {"max_tokens": 5, "min_canvas_length": 64}, {})
     assert make_decoder(model, s, ()).canvas_length(5) == 64
@@ -515,7 +515,7 @@ def test_batch_equals_one_by_one(dg):
     eos = [probe[5]]  # row 0 stops in its first canvas; the others decide for themselves
 
     def solo(prompt):
-        decoder = make_decoder(model, dict(s), eos)
+        decoder = make_decoder(model, s, eos)
         toks, hit = [], False
         for e in decoder.run([prompt]):
             if isinstance(e, BlockEvent):
@@ -524,7 +524,7 @@ def test_batch_equals_one_by_one(dg):
         return toks, hit
 
     alone = [solo(p) for p in prompts]
-    batch = make_decoder(model, dict(s), eos)
+    batch = make_decoder(model, s, eos)
     got = [[] for _ in prompts]
     hits = [False] * len(prompts)
     for e in batch.run(prompts):
@@ -555,4 +555,4 @@ def test_spec_names_the_canvas_loop(dg):
             resolve_settings(spec, {name: value})
     # temperature scales its t_max -> t_min schedule (tests/test_setting_surfaces.py).
     plain, cooler = resolve_settings(spec, {}), resolve_settings(spec, {"temperature": 0.5})
-    assert (cooler["t_min"], cooler["t_max"]) == (plain["t_min"] * 0.5, plain["t_max"] * 0.5)
+    assert (cooler.t_min, cooler.t_max) == (plain.t_min * 0.5, plain.t_max * 0.5)

@@ -23,6 +23,7 @@ from mlx_dllm_models.engine import join_policy, make_decoder, select_backend
 from mlx_dllm_models.models import a2d_qwen3
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, for_settings
 from reference.dllm_a2d import (
     bd3lm_sample,
@@ -69,8 +70,8 @@ def test_spec_and_defaults_are_the_sample_script_recipe(loaded):
     assert model.generation_config["temperature"] == 0.6
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
     want = dict(sampler="mdlm", block_length=32, steps=32, max_tokens=128, temperature=0.0)
-    assert {k: s[k] for k in want} == want
-    assert s["top_p"] is None and s["top_k"] is None
+    assert {k: getattr(s, k) for k in want} == want
+    assert s.top_p is None and s.top_k is None
 
 
 def test_bad_settings_and_configs_are_clear_errors(loaded, ckpt):
@@ -280,11 +281,21 @@ def test_bd3lm_greedy_tokens_match_the_block_sampler(loaded, ckpt, case, cache):
 
 def test_bd3lm_runs_on_the_exact_prefix_cache(loaded):
     model, _ = loaded
-    spec = for_settings(model.diffusion_spec, {"sampler": "bd3lm"})
+    spec = for_settings(model.diffusion_spec, ResolvedSettings.from_dict({"sampler": "bd3lm"}))
     assert (spec.attention, spec.blocks_end_at_prompt) == (BLOCK_CAUSAL, True)
     assert model.diffusion_spec.attention == BIDIRECTIONAL  # the model's own spec is MDLM's
-    assert select_backend(model.diffusion_spec, {"sampler": "bd3lm"}).__name__ == "PrefixCache"
-    assert select_backend(model.diffusion_spec, {"sampler": "mdlm"}).__name__ == "FullRecompute"
+    assert (
+        select_backend(
+            model.diffusion_spec, ResolvedSettings.from_dict({"sampler": "bd3lm"})
+        ).__name__
+        == "PrefixCache"
+    )
+    assert (
+        select_backend(
+            model.diffusion_spec, ResolvedSettings.from_dict({"sampler": "mdlm"})
+        ).__name__
+        == "FullRecompute"
+    )
     # The server joins rows at block boundaries only where the restart is exact: a short last
     # block would see a longer row's masks.
     for max_tokens, joins in ((8, True), (10, False)):

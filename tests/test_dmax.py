@@ -140,13 +140,15 @@ def test_forward_from_embeddings_is_the_forward_from_ids(dmax):
 def test_resolved_defaults_are_dinfers_evaluation_values(dmax):
     _, model, _ = dmax
     settings = resolve_settings(model.diffusion_spec, {})
-    assert {k: settings[k] for k in ("block_length", "threshold", "temperature", "max_tokens")} == {
+    assert {
+        k: getattr(settings, k) for k in ("block_length", "threshold", "temperature", "max_tokens")
+    } == {
         "block_length": 32,
         "threshold": 0.5,
         "temperature": 0.0,
         "max_tokens": 2048,
     }
-    assert settings["sampler"] == "threshold"
+    assert settings.sampler == "threshold"
     with pytest.raises(SettingsError, match="steps"):
         resolve_settings(model.diffusion_spec, {"steps": 8})
 

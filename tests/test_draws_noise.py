@@ -16,9 +16,14 @@ from mlx_dllm_models.engine.registry import draws_noise
 from mlx_dllm_models.models import dimple, dream
 from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.server.scheduler import Scheduler
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from mlx_dllm_models.spec import BIDIRECTIONAL, ENCODER_CANVAS, DiffusionSpec
 
 GREEDY = dict(temperature=0.0, alg_temp=None)
+
+
+def resolved(**values):
+    return ResolvedSettings.from_dict(values)
 
 
 def spec_of(samplers, **fields):
@@ -37,7 +42,7 @@ def spec_of(samplers, **fields):
     ],
 )
 def test_dreams_rule_draws_for_origin_and_a_ranking_temperature(settings, draws):
-    s = dict(GREEDY, sampler="dream", **settings)
+    s = resolved(**dict(GREEDY, sampler="dream", **settings))
     assert dream.SAMPLERS["dream"].draws(s) is draws
     assert draws_noise(spec_of(dream.SAMPLERS), s) is draws
 
@@ -54,22 +59,24 @@ def test_dreams_rule_draws_for_origin_and_a_ranking_temperature(settings, draws)
     ],
 )
 def test_dimples_rule_draws_for_its_random_orders_and_a_ranking_temperature(settings, draws):
-    s = dict(GREEDY, sampler="dimple", **settings)
+    s = resolved(**dict(GREEDY, sampler="dimple", **settings))
     assert draws_noise(spec_of(dimple.SAMPLERS), s) is draws
 
 
 def test_the_shared_rules_draw_only_for_random_remasking():
-    s = dict(GREEDY, alg="origin")  # another sampler's setting changes nothing here
+    s = resolved(**GREEDY, alg="origin")  # another sampler's setting changes nothing here
     assert COMMIT_RULES["random"] is random_commit and random_commit.draws(s)
     for name in ("quota", "threshold", "sequential", "mdlm", "p2"):
         assert not COMMIT_RULES[name].draws(s), name
-        assert not draws_noise(spec_of({}), dict(s, sampler=name)), name
-        assert draws_noise(spec_of({}), dict(s, sampler=name, temperature=0.5)), name
+        assert not draws_noise(spec_of({}), resolved(**GREEDY, alg="origin", sampler=name)), name
+        assert draws_noise(
+            spec_of({}), resolved(**dict(GREEDY, temperature=0.5), alg="origin", sampler=name)
+        ), name
 
 
 def test_a_canvas_starts_from_noise():
     canvas = spec_of({}, attention=ENCODER_CANVAS, decoder="canvas", vocab_size=16)
-    assert draws_noise(canvas, dict(GREEDY, sampler="entropy"))
+    assert draws_noise(canvas, resolved(**GREEDY, sampler="entropy"))
 
 
 @pytest.mark.slow
@@ -83,9 +90,9 @@ def test_a_dimple_request_with_a_ranking_temperature_gets_a_fresh_seed(fixture_d
     for _ in range(2):
         overrides = dict(base, alg_temp=0.5)
         request = service.prepare("hi", overrides)
-        assert overrides["seed"] == request.settings["seed"]
+        assert overrides["seed"] == request.settings.seed
         seeds.append(overrides["seed"])
     assert seeds[0] != seeds[1], "the same fresh seed twice"
     overrides = dict(base, alg_temp=0.0)
     request = service.prepare("hi", overrides)
-    assert overrides.get("seed") is None and request.settings["seed"] == 0
+    assert overrides.get("seed") is None and request.settings.seed == 0

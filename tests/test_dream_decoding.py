@@ -18,6 +18,7 @@ from mlx_dllm_models.decoding.schedule import transfer_schedule
 from mlx_dllm_models.engine import BlockEvent, StepEvent, make_decoder
 from mlx_dllm_models.request import checkpoint_settings, eos_ids
 from mlx_dllm_models.settings import SettingsError, resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.dream_torch import dream_generate, reference_forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,9 @@ def test_ranked_algs_match_reference_tokens(dream, ckpt, alg, case):
     assert got[0] == want
     # Steps whose count is 0 change nothing and are skipped; the others each take one forward.
     counts = np.array(
-        dream_rules.dream_schedule(mx.array([max_tokens]), steps, {"alg": alg, "eps": 1e-3})
+        dream_rules.dream_schedule(
+            mx.array([max_tokens]), steps, ResolvedSettings.from_dict({"alg": alg, "eps": 1e-3})
+        )
     )
     assert nfe == int((counts > 0).sum())
 
@@ -171,7 +174,9 @@ def test_parity_checks_can_fail(dream, ckpt):
         model.diffusion_spec = spec
     assert unshifted[0] != want
     dream_counts = np.array(
-        dream_rules.dream_schedule(mx.array([8]), 8, {"alg": "maskgit_plus", "eps": 1e-3})
+        dream_rules.dream_schedule(
+            mx.array([8]), 8, ResolvedSettings.from_dict({"alg": "maskgit_plus", "eps": 1e-3})
+        )
     )
     engine_counts = np.array(transfer_schedule(mx.array([8]), 8))
     assert (
@@ -186,7 +191,11 @@ def test_timesteps_and_counts_match_torch():
             np.testing.assert_array_equal(dream_rules.timesteps(steps, eps), t)
             masks = np.array([1, 5, 8, 31, 128])
             got = np.array(
-                dream_rules.dream_schedule(mx.array(masks), steps, {"alg": "entropy", "eps": eps})
+                dream_rules.dream_schedule(
+                    mx.array(masks),
+                    steps,
+                    ResolvedSettings.from_dict({"alg": "entropy", "eps": eps}),
+                )
             )
             for m, row in zip(masks, got):
                 left, want = torch.tensor(float(m)), []
@@ -347,18 +356,18 @@ def test_defaults_are_the_readme_recipe(dream):
     assert model.generation_config["alg"] == "origin" and model.generation_config["steps"] == 512
     spec = model.diffusion_spec
     s = resolve_settings(spec, {"max_tokens": 20}, checkpoint_settings(model, spec))
-    assert (s["sampler"], s["alg"], s["alg_temp"], s["eps"]) == ("dream", "entropy", 0.0, 1e-3)
-    assert (s["temperature"], s["top_p"], s["top_k"]) == (0.2, 0.95, None)
-    assert s["steps"] == 20 and s["block_length"] == 20  # steps follow max_tokens
-    assert resolve_settings(spec, {"max_tokens": 7}, {})["steps"] == 7
-    assert resolve_settings(spec, {"max_tokens": 20, "steps": 5}, {})["steps"] == 5
-    assert settings_for(model, max_tokens=20, block_length=5)["block_length"] == 5
-    assert settings_for(model, max_tokens=20, sampler="quota")["block_length"] == 32
+    assert (s.sampler, s.alg, s.alg_temp, s.eps) == ("dream", "entropy", 0.0, 1e-3)
+    assert (s.temperature, s.top_p, s.top_k) == (0.2, 0.95, None)
+    assert s.steps == 20 and s.block_length == 20  # steps follow max_tokens
+    assert resolve_settings(spec, {"max_tokens": 7}, {}).steps == 7
+    assert resolve_settings(spec, {"max_tokens": 20, "steps": 5}, {}).steps == 5
+    assert settings_for(model, max_tokens=20, block_length=5).block_length == 5
+    assert settings_for(model, max_tokens=20, sampler="quota").block_length == 32
     saved = model.generation_config
     model.generation_config = dict(saved, alg="topk_margin", steps=9, eps=0.01, alg_temp=0.5)
     try:
         s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-        assert (s["alg"], s["steps"], s["eps"], s["alg_temp"]) == ("entropy", 128, 0.01, 0.5)
+        assert (s.alg, s.steps, s.eps, s.alg_temp) == ("entropy", 128, 0.01, 0.5)
         model.generation_config = dict(saved, eps=2.0)
         with pytest.raises(SettingsError, match=r"eps must be in \(0, 1\)"):
             settings_for(model)

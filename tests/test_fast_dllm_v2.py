@@ -19,6 +19,7 @@ from mlx_dllm_models.decoding.samplers import StepContext
 from mlx_dllm_models.decoding.stats import TokenStats
 from mlx_dllm_models.decoding.sub_block import sub_block_commit, sub_block_index
 from mlx_dllm_models.masks import block_causal_mask
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.fast_dllm_v2_torch import Reference
 
 checkpoint, loaded = checkpoint_fixtures(
@@ -171,7 +172,9 @@ def test_sub_block_index_reads_a_window_from_the_block_end():
 
 
 def _ctx(floor, threshold=0.9, sub=4, block=8):
-    settings = {"threshold": threshold, "sub_block_length": sub, "block_length": block}
+    settings = ResolvedSettings.from_dict(
+        {"threshold": threshold, "sub_block_length": sub, "block_length": block}
+    )
     spec = type("S", (), {"strict_threshold": True})()
     return StepContext(0, block, mx.array(floor), None, settings, spec)
 
@@ -220,10 +223,10 @@ def test_defaults_are_the_model_cards_recipe(loaded):
     model, _ = loaded
     spec = model.diffusion_spec
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-    assert (s["block_length"], s["sampler"], s["sub_block_length"]) == (32, "sub_block", 8)
-    assert (s["threshold"], s["temperature"], s["max_tokens"], s["steps"]) == (0.9, 0.0, 512, 32)
+    assert (s.block_length, s.sampler, s.sub_block_length) == (32, "sub_block", 8)
+    assert (s.threshold, s.temperature, s.max_tokens, s.steps) == (0.9, 0.0, 512, 32)
     # The fixture's generation_config.json holds Qwen2.5's AR sampling values: unread.
-    assert s["top_p"] != 0.8 and s["top_k"] != 20
+    assert s.top_p != 0.8 and s.top_k != 20
     assert spec.logit_shift == 1 and spec.seeds_block_start and spec.eos_ends_block
     assert spec.mask_token_id == fx.MASK and spec.eos_token_ids == (fx.IM_END,)
 

@@ -198,9 +198,11 @@ def test_loads_with_the_reference_defaults(loaded, fixture_dir):
     assert model.args.expert_capacity == llada2_fixture.EXPERT_CAPACITY
     assert model.diffusion_spec.edit_token_ids == (DELETE, SPLIT)
     s, _, _ = stream_events(*loaded, [[1, 2, 3]], max_tokens=4)
-    got = [s[k] for k in ("editing_mode", "threshold", "editing_threshold", "max_post_steps")]
+    got = [
+        getattr(s, k) for k in ("editing_mode", "threshold", "editing_threshold", "max_post_steps")
+    ]
     assert got == ["speed", 0.5, 0.0, 16]
-    assert (s["block_length"], s["steps"]) == (BLOCK, BLOCK)
+    assert (s.block_length, s.steps) == (BLOCK, BLOCK)
 
 
 def test_grammar_constraints_are_refused_with_edits_on(loaded):

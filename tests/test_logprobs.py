@@ -151,7 +151,7 @@ def test_block_causal_masked_decoding_sdar(sdar_model):
 
     def forward(prompt, canvas, span):
         x = _full(prompt, canvas)
-        mask = block_causal_mask(x.shape[1], s["block_length"])
+        mask = block_causal_mask(x.shape[1], s.block_length)
         return model(x, mask=mask)[0, len(prompt) :]
 
     check_masked(model, prompt, steps, tokens, entries, forward)

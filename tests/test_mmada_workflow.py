@@ -106,6 +106,6 @@ def test_text_defaults_are_generate_pys_main(ckpt):
     model, _ = load(str(ckpt))
     got = resolve_settings(model.diffusion_spec, {}, {})
     want = dict(max_tokens=128, block_length=128, steps=128, temperature=1.0, sampler="quota")
-    assert {k: got[k] for k in want} == want
+    assert {k: getattr(got, k) for k in want} == want
     page = Path(__file__).resolve().parents[1] / "docs" / "families" / "mmada.md"
     assert "128 tokens in one block of 128, 128 steps, temperature 1" in page.read_text()

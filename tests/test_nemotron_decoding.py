@@ -287,9 +287,9 @@ def test_a_block_stops_at_an_eos_with_no_mask_before_it(loaded, vlm):
     stop_id = Counter(plain[1:L]).most_common(1)[0][0]  # present in the first block
     settings = resolve_settings(spec, {"max_tokens": 3 * L}, {})
     # The diffusion-mode default: confidence-thresholded unmasking at 0.9 (see the model's spec).
-    assert (settings["sampler"], settings["threshold"]) == ("threshold", 0.9)
+    assert (settings.sampler, settings.threshold) == ("threshold", 0.9)
     x, ref_nfe = hf_generate(
-        VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, stop_id, threshold=settings["threshold"]
+        VlmForward(vlm), [prompt], 3 * L, L, fx.MASK, stop_id, threshold=settings.threshold
     )
     want = [int(t) for t in x[0, len(prompt) :]]
     want = want[: want.index(stop_id)]

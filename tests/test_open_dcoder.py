@@ -58,8 +58,8 @@ def test_spec_and_defaults_are_sample_py_recipe(loaded):
     # MDMGenerationConfig(max_new_tokens=128, steps=128, temperature=0.5, top_k=200, alg="p2",
     # alg_temp=0.5): one block over the canvas.
     want = dict(sampler="p2", max_tokens=128, steps=128, block_length=128, temperature=0.5)
-    assert {k: s[k] for k in want} == want
-    assert (s["top_k"], s["top_p"], s["alg_temp"], s["alg"], s["eps"]) == (
+    assert {k: getattr(s, k) for k in want} == want
+    assert (s.top_k, s.top_p, s.alg_temp, s.alg, s.eps) == (
         200,
         None,
         0.5,

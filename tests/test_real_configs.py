@@ -552,8 +552,8 @@ def _resolved(name):
 def test_settings_from_real_generation_config(name, setting, value):
     _require(name, "config.json")
     resolved = _resolved(name)
-    assert setting in resolved, f"{setting} is not a setting of this family"
-    assert resolved[setting] == value
+    assert resolved.has(setting), f"{setting} is not a setting of this family"
+    assert getattr(resolved, setting) == value
 
 
 # ------------------------------------------------------------------------- special tokens

@@ -21,6 +21,7 @@ from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.models import rnd1
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import family_settings, resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from reference.rnd1_sampling import generate, reference_forward
 
 DATA = Path(__file__).parent / "data" / "radicalnumerics__RND1-Base-0910"
@@ -37,12 +38,12 @@ def test_spec_and_defaults_are_the_readme_recipe(loaded):
     spec = model.diffusion_spec
     assert spec.samplers[0] == "rnd1"
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-    assert (s["sampler"], s["temperature"], s["top_p"], s["top_k"]) == ("rnd1", 0.01, None, None)
-    assert s["eb_gamma"] is None  # RND1GenerationConfig's default: the quota schedule
-    assert (s["max_tokens"], s["steps"], s["block_length"]) == (256, 256, 256)
-    assert resolve_settings(spec, {"max_tokens": 40}, {})["block_length"] == 40
+    assert (s.sampler, s.temperature, s.top_p, s.top_k) == ("rnd1", 0.01, None, None)
+    assert s.eb_gamma is None  # RND1GenerationConfig's default: the quota schedule
+    assert (s.max_tokens, s.steps, s.block_length) == (256, 256, 256)
+    assert resolve_settings(spec, {"max_tokens": 40}, {}).block_length == 40
     q = resolve_settings(spec, {"sampler": "quota"}, {})
-    assert (q["block_length"], q["steps"]) == (32, 32)
+    assert (q.block_length, q.steps) == (32, 32)
 
 
 # --------------------------------------------------------------------------------- schedule
@@ -51,7 +52,7 @@ def test_spec_and_defaults_are_the_readme_recipe(loaded):
 @pytest.mark.parametrize("steps", [1, 2, 3, 7, 12, 64, 100, 256])
 def test_schedule_is_the_references_float32_arithmetic(steps):
     masks = np.array([1, 5, 12, 31, 100, 255])
-    got = np.array(rnd1_rules.rnd1_schedule(mx.array(masks), steps, {}))
+    got = np.array(rnd1_rules.rnd1_schedule(mx.array(masks), steps, ResolvedSettings.from_dict({})))
     for m, row in zip(masks, got):
         total = torch.tensor([[int(m)]])
         left, want = int(m), []
@@ -114,7 +115,9 @@ def test_greedy_tokens_match_the_reference(loaded, ckpt, case):
     assert got[0] == want
     # The reference runs a forward at every step while masks are left; steps that commit nothing
     # are skipped here.
-    counts = np.array(rnd1_rules.rnd1_schedule(mx.array([max_tokens]), steps, {}))
+    counts = np.array(
+        rnd1_rules.rnd1_schedule(mx.array([max_tokens]), steps, ResolvedSettings.from_dict({}))
+    )
     assert nfe == int((counts > 0).sum()) <= min(steps, max_tokens) and nfe <= ref_nfe <= steps
 
 

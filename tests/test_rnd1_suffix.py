@@ -79,4 +79,4 @@ def test_the_servers_lowered_max_tokens_leaves_room_for_the_pad(loaded):
     limit = model.diffusion_spec.max_position_embeddings
     p = prompt(7, 0)
     request = prepare(model, tok, [p], {"max_tokens": limit}, fit_context=True)
-    assert len(p) + request.settings["max_tokens"] + len(request.suffix) == limit
+    assert len(p) + request.settings.max_tokens + len(request.suffix) == limit

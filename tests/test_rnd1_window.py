@@ -70,14 +70,14 @@ def test_the_readme_call_builds_the_references_window(loaded, ckpt, monkeypatch)
 def test_the_default_canvas_is_max_tokens_less_the_pad(loaded):
     model, tok = loaded
     request = prepare(model, tok, [PROMPT], {"max_tokens": 16})
-    assert request.settings["max_tokens"] == 15 and request.suffix == [ENDOFTEXT]
-    assert request.settings["block_length"] == 15 and request.reserved == 1
+    assert request.settings.max_tokens == 15 and request.suffix == [ENDOFTEXT]
+    assert request.settings.block_length == 15 and request.reserved == 1
     # The recipe's max_new_tokens=256 is 255 masks under the reference's 256 steps.
     request = prepare(model, tok, [PROMPT], {})
-    assert (request.settings["max_tokens"], request.settings["steps"]) == (255, 256)
+    assert (request.settings.max_tokens, request.settings.steps) == (255, 256)
     # An explicit suffix is infilling: max_tokens masks between prompt and suffix.
     request = prepare(model, tok, [PROMPT], {"max_tokens": 16}, suffix=[40, 41])
-    assert request.settings["max_tokens"] == 16 and request.reserved == 0
+    assert request.settings.max_tokens == 16 and request.reserved == 0
     with pytest.raises(SettingsError, match="max_tokens must be at least 2 for the rnd1 family"):
         prepare(model, tok, [PROMPT], {"max_tokens": 1})
 

@@ -205,7 +205,7 @@ def test_diffusion_gemma_temperature_scales_its_schedule(gemma):
         return out.choices[0].message.content
 
     for t in (1.0, 0.5):
-        scaled = dict(t_min=schedule["t_min"] * t, t_max=schedule["t_max"] * t)
+        scaled = dict(t_min=schedule.t_min * t, t_max=schedule.t_max * t)
         want = single(model, processor, prompt, seed=5, **scaled, **DG)[1]
         assert ask(temperature=t, top_p=1, seed=5) == want, t
     assert ask(seed=5) == ask(temperature=1, seed=5)

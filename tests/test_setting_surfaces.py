@@ -82,7 +82,7 @@ def test_diffusion_gemma_temperature_is_one_scale_everywhere(gemma, capsys, temp
     _, model, _, _ = gemma
     spec = model.diffusion_spec
     schedule = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-    scaled = dict(t_min=schedule["t_min"] * temperature, t_max=schedule["t_max"] * temperature)
+    scaled = dict(t_min=schedule.t_min * temperature, t_max=schedule.t_max * temperature)
     want = _api(gemma, temperature=temperature)
     if temperature:  # the schedule the scale stands for (0 is greedy, no schedule's)
         assert _api(gemma, **scaled) == want
@@ -104,7 +104,7 @@ def test_temperature_0_is_the_greedy_limit(gemma):
 def test_a_lower_temperature_is_another_schedule(gemma):
     assert _api(gemma, temperature=1.0) == _api(gemma)
     resolved = resolve_settings(gemma[1].diffusion_spec, {"temperature": 0.25, "t_max": 2.0})
-    assert resolved["t_max"] == 0.5  # the caller's own t_max, scaled
+    assert resolved.t_max == 0.5  # the caller's own t_max, scaled
 
 
 @pytest.mark.parametrize(

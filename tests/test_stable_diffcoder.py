@@ -57,8 +57,8 @@ def test_defaults_are_the_model_cards_call(loaded):
     }
     resolved = resolve_settings(spec, {}, {})
     # One token a step: 512 steps over 512 / 4 blocks is 4 a block.
-    assert (resolved["steps"], resolved["block_length"], resolved["max_tokens"]) == (4, 4, 512)
-    assert (resolved["sampler"], resolved["temperature"]) == ("quota", 0.0)
+    assert (resolved.steps, resolved.block_length, resolved.max_tokens) == (4, 4, 512)
+    assert (resolved.sampler, resolved.temperature) == ("quota", 0.0)
     assert (spec.mask_token_id, spec.eos_token_ids) == (fixture.MASK, (fixture.EOS,))
     assert spec.confidence == "raw" and spec.quota_base == "masks" and spec.logit_shift == 0
 

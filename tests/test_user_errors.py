@@ -28,6 +28,7 @@ from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.decoding import dream as dream_rules
 from mlx_dllm_models.engine import make_decoder
 from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.settings_fields import ResolvedSettings
 from mlx_dllm_models.tiny import build_tiny_llada
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,14 +188,16 @@ def test_nan_weights_canvas_decoder(monkeypatch, loaded):
     decoder = canvas.CanvasDecoder.__new__(canvas.CanvasDecoder)
     decoder.model, decoder.nfe = Model(), 0
     decoder.rules = {}  # no structured-output constraint (run() sets it)
-    decoder.s = dict(
-        max_denoising_steps=4,
-        sampler="entropy",
-        t_min=0.1,
-        t_max=1.0,
-        entropy_bound=0.1,
-        stability_threshold=2,
-        confidence_threshold=0.1,
+    decoder.s = ResolvedSettings.from_dict(
+        dict(
+            max_denoising_steps=4,
+            sampler="entropy",
+            t_min=0.1,
+            t_max=1.0,
+            entropy_bound=0.1,
+            stability_threshold=2,
+            confidence_threshold=0.1,
+        )
     )
     decoder.spec = type("Spec", (), {"vocab_size": 8})()
     decoder.noise = type(
@@ -235,7 +238,7 @@ def _run(model, tok, kw, **more):
 def test_dream_schedule_beyond_its_steps_is_one_step():
     """Ranked algorithms at a huge `steps`: every count but the last is 0 (checked against the
     exact loop at 20000 steps), so the schedule is that one step, whatever `steps` is."""
-    settings = {"alg": "maskgit_plus", "eps": 1e-3}
+    settings = ResolvedSettings.from_dict({"alg": "maskgit_plus", "eps": 1e-3})
     ratio = dream_rules._transfer_ratios(20000, 1e-3)
     assert not (np.float32(8) * ratio[:-1] >= 1).any()
     for steps in (20000, 10**9):
@@ -251,7 +254,9 @@ def test_dream_schedule_beyond_its_steps_is_one_step():
 
 def test_dream_origin_refuses_a_runaway_step_count():
     with pytest.raises(SettingsError, match="alg='origin' runs one forward per step"):
-        dream_rules.dream_schedule(mx.array([8]), 10**9, {"alg": "origin", "eps": 1e-3})
+        dream_rules.dream_schedule(
+            mx.array([8]), 10**9, ResolvedSettings.from_dict({"alg": "origin", "eps": 1e-3})
+        )
 
 
 def test_editing_stops_when_it_revisits_a_state(tmp_path):

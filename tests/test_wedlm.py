@@ -100,7 +100,7 @@ def test_spec_and_defaults_are_the_reference_engines_recipe(loaded):
     spec = model.diffusion_spec
     assert (spec.decoder, spec.samplers) == ("wedlm", ("wedlm",))
     s = resolve_settings(spec, {}, checkpoint_settings(model, spec))
-    got = {k: s[k] for k in wedlm.WEDLM_DEFAULTS}
+    got = {k: getattr(s, k) for k in wedlm.WEDLM_DEFAULTS}
     assert got == {
         "sampler": "wedlm",
         "block_length": 16,
@@ -111,7 +111,7 @@ def test_spec_and_defaults_are_the_reference_engines_recipe(loaded):
         "top_k": None,
         "max_tokens": 512,
     }
-    assert s["cache"] == "auto"
+    assert s.cache == "auto"
 
 
 def test_a_generation_config_is_not_read(loaded):

@@ -59,7 +59,7 @@ def entropy_bounded_commit(stats, cand, ctx):
     e = -(p * mx.log(p)).sum(axis=-1, keepdims=True)  # (B, 1)
     masked = cand.sum(axis=-1, keepdims=True)
     running = mx.cumsum(mx.broadcast_to(e, cand.shape), axis=-1)  # n * E, n = 1..L
-    n = (running < ctx.settings["eb_threshold"]).sum(axis=-1, keepdims=True)
+    n = (running < ctx.settings.eb_threshold).sum(axis=-1, keepdims=True)
     k = mx.maximum(mx.maximum(mx.minimum(n, masked), 1), ctx.floor[:, None])
     leftmost_first = -mx.arange(cand.shape[-1], dtype=mx.float32)
     return quota_commit(mx.broadcast_to(leftmost_first, cand.shape), cand, k[:, 0])

@@ -52,19 +52,19 @@ def block_progress(cand: mx.array, blocks: mx.array, count: int):
 
 def d3llm_select(entropy, cand, generated, settings, keeps_lowest: bool) -> mx.array:
     """(B, L) bool: the masks the step commits (see the module's docstring)."""
-    size = settings["block_size"]
+    size = settings.block_size
     blocks = block_ids(generated, size)
     count = -(-generated.shape[-1] // size)
     masks, progress = block_progress(cand, blocks, count)
     # A block opens the next once passed; the blocks that exist run to the first one not passed.
-    passed = (progress >= settings["block_add_threshold"]) | (masks == 0)
+    passed = (progress >= settings.block_add_threshold) | (masks == 0)
     before = mx.cumsum((~passed).astype(mx.int32), axis=-1) - (~passed).astype(mx.int32)
     exists = before == 0
     previous = mx.concatenate([mx.ones_like(progress[:, :1]), progress[:, :-1]], axis=-1)
-    active = previous >= settings["decoded_token_threshold"]
+    active = previous >= settings.decoded_token_threshold
     in_use = mx.take_along_axis(exists, mx.maximum(blocks, 0), axis=-1) & cand
     h = mx.where(in_use, entropy, mx.inf)
-    thr = settings["threshold"]
+    thr = settings.threshold
     hit = in_use & ((h <= thr) if keeps_lowest else (h < thr))
     if keeps_lowest:  # LLaDA's topk: the lowest-entropy candidate is always taken
         lowest = mx.arange(h.shape[-1]) == mx.argmin(h, axis=-1, keepdims=True)
@@ -114,5 +114,5 @@ def d3llm_schedule(masks: mx.array, steps: int, settings) -> mx.array:
 d3llm_commit = CommitRule(
     d3llm_commit,
     schedule=d3llm_schedule,
-    fills_after_eos=lambda settings: bool(settings.get("early_stop")),
+    fills_after_eos=lambda settings: bool(settings.early_stop),
 )

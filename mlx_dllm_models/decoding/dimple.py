@@ -45,9 +45,9 @@ DIMPLE_ONLY_ALGS = ("origin-ratio", "autoregressive")
 def dimple_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     """(B, steps) floors: nothing before the last step, which commits every mask left (the
     reference's last step commits them all, by its threshold branch or its fallback count)."""
-    if settings["alg"] not in DIMPLE_ALGS:
+    if settings.alg not in DIMPLE_ALGS:
         raise SettingsError(
-            f"alg={settings['alg']!r} is not one of sampler 'dimple''s algorithms "
+            f"alg={settings.alg!r} is not one of sampler 'dimple''s algorithms "
             f"({', '.join(DIMPLE_ALGS)}); use sampler='dream' for Dream's"
         )
     out = np.zeros((masks.shape[0], max(steps, 1)), np.int32)
@@ -77,17 +77,17 @@ def fallback_counts(left: mx.array, total: mx.array, step: int, steps: int, eps:
 def dimple_commit(stats, cand, ctx):
     """Commit rule of sampler "dimple" (see the module docstring)."""
     s = ctx.settings
-    alg = s["alg"]
+    alg = s.alg
     last = ctx.step >= ctx.steps - 1
     total = ctx.generated.sum(axis=1)  # the row's canvas: every position started masked
-    n, ratio = fallback_counts(cand.sum(axis=1), total, ctx.step, ctx.steps, s["eps"])
+    n, ratio = fallback_counts(cand.sum(axis=1), total, ctx.step, ctx.steps, s.eps)
     if alg == "origin-ratio":
         counted = cand & (uniform(ctx.key, cand.shape) < ratio[:, None])
     elif alg == "autoregressive":  # the leftmost mask of each row
         counted = quota_commit(-mx.arange(cand.shape[1], dtype=mx.float32)[None], cand, 1)
     else:
         counted = quota_commit(_score(stats, cand, ctx), cand, n)
-    threshold = s.get("alg_p_threshold")
+    threshold = s.alg_p_threshold
     if not threshold:
         return counted
     # The alg's own score meets the threshold (entropy's, a negative entropy, never does).
@@ -105,7 +105,7 @@ DIMPLE_SCORES = {
 
 def _score(stats, cand, ctx):
     """The ranked algorithms' score (origin's: random, a random subset of n)."""
-    if ctx.settings["alg"] == "origin":
+    if ctx.settings.alg == "origin":
         return uniform(ctx.key, cand.shape)  # randperm's random subset
     return ranked_score(DIMPLE_SCORES, "Dimple", stats, ctx)
 
@@ -113,10 +113,8 @@ def _score(stats, cand, ctx):
 def _draws(settings) -> bool:
     # origin's subset and origin-ratio's transfers are random; the ranked algorithms draw their
     # positions under alg_temp > 0 (autoregressive ranks by column alone).
-    alg = settings["alg"]
-    return alg in ("origin", "origin-ratio") or (
-        alg in DIMPLE_SCORES and bool(settings.get("alg_temp"))
-    )
+    alg = settings.alg
+    return alg in ("origin", "origin-ratio") or (alg in DIMPLE_SCORES and bool(settings.alg_temp))
 
 
 dimple_commit = CommitRule(dimple_commit, schedule=dimple_schedule, draws=_draws)

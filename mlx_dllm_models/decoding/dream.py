@@ -125,7 +125,7 @@ def dream_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     so its floor is 0: a (B, 1) zero schedule, however many steps."""
     m = np.array(masks, dtype=np.int64)
     most = int(m.max()) if m.size else 0
-    if settings["alg"] == "origin":
+    if settings.alg == "origin":
         if steps > max(most, 1) * MAX_ORIGIN_STEPS_PER_MASK:
             raise SettingsError(
                 f"steps={steps} for {most} masks: alg='origin' runs one forward per step (as "
@@ -137,15 +137,15 @@ def dream_schedule(masks: mx.array, steps: int, settings) -> mx.array:
         if steps == 1:
             out[:, 0] = m
         return mx.array(out.astype(np.int32))
-    if steps > 1 and _ranked_all_at_last(most, steps, settings["eps"]):
+    if steps > 1 and _ranked_all_at_last(most, steps, settings.eps):
         return mx.array(m[:, None].astype(np.int32))
     if steps > MAX_SCHEDULED_STEPS:
         raise SettingsError(
-            f"steps={steps} with eps={settings['eps']}: Dream's schedule would have to be computed "
+            f"steps={steps} with eps={settings.eps}: Dream's schedule would have to be computed "
             f"step by step; use steps <= {MAX_SCHEDULED_STEPS}, or a larger eps"
         )
     out = np.zeros((m.shape[0], steps), np.int64)
-    ratio = _transfer_ratios(steps, settings["eps"])
+    ratio = _transfer_ratios(steps, settings.eps)
     left = m.copy()
     for i in range(steps):
         n = left if i == steps - 1 else (left.astype(np.float32) * ratio[i]).astype(np.int64)
@@ -177,11 +177,11 @@ def ranked_score(scores, name: str, stats, ctx) -> mx.array:
     algorithms they are) under `alg_temp` (none or 0: greedily). Drawing k positions without
     replacement from softmax(score / alg_temp) is taking the k best of score / alg_temp + Gumbel
     noise."""
-    alg = ctx.settings["alg"]
+    alg = ctx.settings.alg
     if alg not in scores:
         raise ValueError(f"unknown {name} alg {alg!r}")
     score = scores[alg](stats)
-    temperature = ctx.settings.get("alg_temp")
+    temperature = ctx.settings.alg_temp
     if not temperature:
         return score
     return score / temperature + _gumbel(ctx.key, score.shape)
@@ -190,9 +190,9 @@ def ranked_score(scores, name: str, stats, ctx) -> mx.array:
 def dream_commit(stats, cand, ctx):
     """Commit rule of sampler "dream" (see the module docstring); ctx.floor is dream_schedule's."""
     s = ctx.settings
-    alg = s["alg"]
+    alg = s.alg
     if alg == "origin":
-        p = float(_transfer_ratio(ctx.step, ctx.steps, s["eps"]))
+        p = float(_transfer_ratio(ctx.step, ctx.steps, s.eps))
         hit = uniform(ctx.key, cand.shape) < mx.array(p, dtype=mx.float32)
         return (cand & hit) | quota_commit(stats.confidence, cand, ctx.floor)
     return quota_commit(
@@ -203,12 +203,12 @@ def dream_commit(stats, cand, ctx):
 def _exact_floor(settings) -> bool:
     # The ranked algorithms commit exactly the schedule: a step whose count is 0 changes nothing,
     # so the engine skips its forward. origin's commits are random: every step runs.
-    return settings["alg"] != "origin"
+    return settings.alg != "origin"
 
 
 def _draws(settings) -> bool:
     # origin's transfers are random; the ranked algorithms draw their positions under alg_temp > 0.
-    return settings["alg"] == "origin" or bool(settings.get("alg_temp"))
+    return settings.alg == "origin" or bool(settings.alg_temp)
 
 
 dream_commit = CommitRule(

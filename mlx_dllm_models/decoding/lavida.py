@@ -69,7 +69,7 @@ def lavida_quotas(masks: int, steps: int, schedule: str, shift: float) -> List[i
 
 def lavida_schedule(masks: mx.array, steps: int, settings) -> mx.array:
     """(B, K) int32 floors: each row's quotas, zeros after."""
-    schedule, shift = settings.get("schedule") or "shift", settings.get("schedule_shift")
+    schedule, shift = settings.schedule or "shift", settings.schedule_shift
     shift = 3.0 if shift is None else shift  # the reference's schedule_kwargs default
     rows = [lavida_quotas(m, steps, schedule, shift) for m in masks.tolist()]
     width = max([len(r) for r in rows] + [1])

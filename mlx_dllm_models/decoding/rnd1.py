@@ -54,7 +54,7 @@ def rnd1_schedule(masks: mx.array, steps: int, settings) -> mx.array:
             f"{MAX_SCHEDULED_STEPS} (steps beyond the number of masks commit nothing anyway)"
         )
     m = np.array(masks, dtype=np.int64)
-    if settings.get("eb_gamma") is not None:
+    if settings.eb_gamma is not None:
         out = np.zeros((m.shape[0], steps), np.int32)
         out[:, -1] = m
         return mx.array(out)
@@ -80,7 +80,7 @@ def rnd1_commit(stats, cand, ctx):
     """Commit rule of sampler "rnd1": the step's quota (rnd1_schedule's) of lowest-entropy masks;
     with eb_gamma, the entropy-bounded set (and at the last step, whose quota is every mask left,
     the rest)."""
-    gamma = ctx.settings.get("eb_gamma")
+    gamma = ctx.settings.eb_gamma
     if gamma is None:
         return quota_commit(-stats.processed_entropy, cand, ctx.floor)
     hit = entropy_bounded(stats.confidence, stats.processed_entropy, cand, gamma)
@@ -92,6 +92,6 @@ rnd1_commit = CommitRule(
     schedule=rnd1_schedule,
     # Without eb_gamma the rule commits exactly the schedule: a step whose count is 0 changes
     # nothing and is skipped (the reference runs its forward anyway).
-    exact_floor=lambda settings: settings.get("eb_gamma") is None,
+    exact_floor=lambda settings: settings.eb_gamma is None,
     stats_extras=("processed_entropy",),
 )

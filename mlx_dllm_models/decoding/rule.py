@@ -6,6 +6,7 @@ from typing import Callable, Mapping, Tuple
 
 import mlx.core as mx
 
+from ..settings_fields import ResolvedSettings
 from .schedule import transfer_schedule
 
 
@@ -17,11 +18,11 @@ def default_schedule(masks, steps, settings):
     return transfer_schedule(masks, min(steps, most))
 
 
-def never(settings: Mapping) -> bool:
+def never(settings: ResolvedSettings) -> bool:
     return False
 
 
-def always(settings: Mapping) -> bool:
+def always(settings: ResolvedSettings) -> bool:
     return True
 
 

@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from ..settings_fields import ResolvedSettings
 from .block import entropy_bounded_commit, sequential_commit
 from .d3llm import d3llm_commit
 from .dllm import dllm_commit
@@ -37,7 +38,7 @@ class StepContext:
     steps: int  # the block's step budget
     floor: mx.array  # (B,) per-row quota of this step from the schedule; rules union it in
     key: Optional[mx.array]  # PRNG key for rules that draw (None at temperature 0 unless needed)
-    settings: dict
+    settings: ResolvedSettings
     spec: object
     # (B, L) the window's positions the rows decode (the d3llm rule counts its blocks on them).
     generated: Optional[mx.array] = None
@@ -51,18 +52,18 @@ def _quota(stats, cand, ctx):
 
 
 def _threshold(stats, cand, ctx):
-    thr, strict = ctx.settings["threshold"], ctx.spec.strict_threshold
+    thr, strict = ctx.settings.threshold, ctx.spec.strict_threshold
     hit = threshold_commit(stats.confidence, cand, thr, strict=strict)
     return hit | quota_commit(stats.confidence, cand, ctx.floor)
 
 
 def _factor(stats, cand, ctx):
-    hit = factor_commit(stats.confidence, cand, ctx.settings["factor"])
+    hit = factor_commit(stats.confidence, cand, ctx.settings.factor)
     return hit | quota_commit(stats.confidence, cand, ctx.floor)
 
 
 def _entropy(stats, cand, ctx):
-    hit = entropy_commit(stats.entropy, cand, ctx.settings["entropy_bound"])
+    hit = entropy_commit(stats.entropy, cand, ctx.settings.entropy_bound)
     return hit | quota_commit(-stats.entropy, cand, ctx.floor)
 
 

@@ -28,13 +28,13 @@ def sub_block_commit(stats, cand, ctx):
     sub-block order, then by confidence, so that fewer steps than positions still complete the
     block."""
     s = ctx.settings
-    sub = sub_block_index(cand.shape[-1], s["block_length"], s["sub_block_length"])[None, :]
+    sub = sub_block_index(cand.shape[-1], s.block_length, s.sub_block_length)[None, :]
     sub = mx.broadcast_to(sub, cand.shape)
     big = mx.array(cand.shape[-1], dtype=sub.dtype)
     current = mx.where(cand, sub, big).min(axis=-1, keepdims=True)  # (B, 1) first open sub-block
     active = cand & (sub == current)
     conf = stats.confidence
-    hits = threshold_commit(conf, active, s["threshold"], strict=ctx.spec.strict_threshold)
+    hits = threshold_commit(conf, active, s.threshold, strict=ctx.spec.strict_threshold)
     # Earlier sub-blocks first: confidences lie in [0, 1], so 2 per sub-block orders them.
     order = conf.astype(mx.float32) - 2.0 * sub.astype(mx.float32)
     return hits | quota_commit(order, cand, ctx.floor)

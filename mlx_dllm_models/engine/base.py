@@ -131,12 +131,12 @@ def split_rows(keys: mx.array, num: int) -> List[mx.array]:
 def sample_tokens(logits, settings, spec, key, suppress=()):
     """Per-position token of the AR head (or a draft): argmax at temperature 0, else a sample of
     the processed distribution (temperature, top-k, top-p)."""
-    greedy = settings["temperature"] == 0
+    greedy = settings.temperature == 0
     return token_stats(
         logits,
-        temperature=settings["temperature"],
-        top_k=None if greedy else settings["top_k"],
-        top_p=None if greedy else settings["top_p"],
+        temperature=settings.temperature,
+        top_k=None if greedy else settings.top_k,
+        top_p=None if greedy else settings.top_p,
         key=None if greedy else key,
         suppress_ids=suppress,
         order=spec.sampling_order,

@@ -46,7 +46,7 @@ def seed_block_start(backend, x, logits, start):
     With the logprobs setting, the backend's `seed_log_probs` are that position's (masked.py)."""
     spec, decoded = backend.spec, backend.decoded
     seed = mx.argmax(suppress_logits(logits, (spec.mask_token_id, *spec.suppressed_token_ids)), -1)
-    if backend.settings.get("logprobs") is not None:
+    if backend.settings.logprobs is not None:
         backend.seed_log_probs = log_probs(logits)
     put = decoded[:, start] & (x[:, start] == spec.mask_token_id)
     x[:, start] = mx.where(put, seed.astype(x.dtype), x[:, start])
@@ -82,7 +82,7 @@ class PrefixCache(Backend):
                 "the prefix cache needs a block-aligned layout (block-causal families)"
             )
         self.model, self.spec, self.settings = model, spec, settings
-        self.block = settings["block_length"]
+        self.block = settings.block_length
         self.width = layout.width
         self.pads = list(layout.pads) if any(layout.pads) else None
         self.on_columns = layout.prompt_end  # dllm's BD3LM: blocks end at the prompt's end
@@ -157,13 +157,13 @@ class PrefixCache(Backend):
         return PriorKV(x[0, :committed].tolist(), self.cache, self._kind())
 
     def _kind(self):
-        return self.kv_kind({"block_length": self.block})
+        return self.kv_kind(self.settings)
 
     @classmethod
     def kv_kind(cls, settings) -> str:
         """The PriorKV.kind a run under these settings leaves and can resume from: block-causal
         K/V depend on the block partition."""
-        return f"block-causal (block_length {settings['block_length']})"
+        return f"block-causal (block_length {settings.block_length})"
 
     def begin_block(self, x, start, stop):
         if not seeds_at(self.spec, self.block, start):

@@ -166,19 +166,19 @@ class CanvasDecoder(Decoder):
         self.constraints = inputs.constraints  # one structured.Constraint (or None) per prompt
         self.spec = inputs.spec
         self.s = settings = inputs.settings
-        if settings["sampler"] not in self.samplers:
-            raise ValueError(f"sampler {settings['sampler']!r} has no rule in the canvas decoder")
+        if settings.sampler not in self.samplers:
+            raise ValueError(f"sampler {settings.sampler!r} has no rule in the canvas decoder")
         if self.spec.vocab_size is None:
             raise TypeError(f"{self.spec.family}: canvas decoding needs DiffusionSpec.vocab_size")
         self.eos = set(int(e) for e in inputs.eos_token_ids)
-        self.noise = CanvasNoise(settings["seed"], inputs.row_seeds)
+        self.noise = CanvasNoise(settings.seed, inputs.row_seeds)
         # One entry per prompt: the processor's pixel values for that prompt, or None.
         self.images = inputs.pixel_values
         self.nfe = 0
 
     def canvas_length(self, remaining: int) -> int:
         s = self.s
-        return max(s["min_canvas_length"], min(remaining, s["max_canvas_length"]))
+        return max(s.min_canvas_length, min(remaining, s.max_canvas_length))
 
     def run(
         self,
@@ -199,22 +199,22 @@ class CanvasDecoder(Decoder):
         self.rules = {}  # row -> CanvasConstraint
         for row, c in enumerate(constraints or ()):
             if c is not None:
-                self.rules[row] = CanvasConstraint(c, self.eos, s["max_tokens"])
+                self.rules[row] = CanvasConstraint(c, self.eos, s.max_tokens)
                 if consumed:
                     self.rules[row].matcher.try_consume_tokens(list(consumed[row]))
         batch = self._encode_prompts(prompts)
         total = 0
         while True:
-            length = self.canvas_length(s["max_tokens"] - total)
+            length = self.canvas_length(s.max_tokens - total)
             state = yield from self._denoise(batch, length, cancelled)
             if state is None:  # every row was cancelled
                 return
-            argmax, wanted = state.argmax, min(length, s["max_tokens"] - total)
+            argmax, wanted = state.argmax, min(length, s.max_tokens - total)
             if state.last is not None:
                 argmax = self._constrained(batch.rows, argmax, state.last, state.lp, wanted)
             new, logprobs = self._read(argmax, state.lp, wanted)
             rows = batch.rows
-            at_limit = [total + wanted >= s["max_tokens"]] * len(rows)
+            at_limit = [total + wanted >= s.max_tokens] * len(rows)
             event = block_event(rows, new, at_limit, self.eos, self.nfe, logprobs)
             yield event
             total += wanted
@@ -316,15 +316,15 @@ class CanvasDecoder(Decoder):
         """One canvas: yields a CanvasStepEvent per denoising step, returns its final _Canvas
         (None once every row was cancelled)."""
         s, model, vocab = self.s, self.model, self.spec.vocab_size
-        steps = s["max_denoising_steps"]
+        steps = s.max_denoising_steps
         B = len(batch.rows)
         canvas = self.noise.ids(batch.rows, length, vocab)
         st = _Canvas(
             canvas, canvas, mx.zeros((B, length), mx.bool_), mx.zeros((B,), mx.bool_), [False] * B
         )
         # The canvas is the argmax of each row's last step: its log-probabilities are that step's.
-        if s.get("logprobs") is not None:
-            st.lp = PositionLogprobs(s["logprobs"], (), B, length)
+        if s.logprobs is not None:
+            st.lp = PositionLogprobs(s.logprobs, (), B, length)
         # Constrained rows read their canvas out of the last step's logits (a stopped row keeps
         # those of its last step).
         constrained = any(r in self.rules for r in batch.rows)
@@ -364,12 +364,12 @@ class CanvasDecoder(Decoder):
         `logits` (`remaining`: steps left, this one included): `st` updated (evaluated); returns
         the positions kept (accepted or revealed)."""
         s, vocab = self.s, self.spec.vocab_size
-        steps, length = s["max_denoising_steps"], st.canvas.shape[1]
-        temperature = linear_temperature(remaining, steps, s["t_min"], s["t_max"])
+        steps, length = s.max_denoising_steps, st.canvas.shape[1]
+        temperature = linear_temperature(remaining, steps, s.t_min, s.t_max)
         # A canvas cannot be stable for more steps than it runs: a larger stability_threshold
         # stops nothing more, and would size the argmax history (k, B, C) by the setting.
-        stability = min(s["stability_threshold"], steps)
-        threshold = s["sampler"] == "threshold"
+        stability = min(s.stability_threshold, steps)
+        threshold = s.sampler == "threshold"
         uniform = self._draw(self.noise.uniform, rows, st.done, length)
         stats = canvas_stats(logits, temperature, uniform)
         if threshold:
@@ -377,11 +377,11 @@ class CanvasDecoder(Decoder):
             if remaining == 1:  # the last step accepts whatever is left
                 accept = candidates
             else:
-                accept = threshold_commit(stats.confidence, candidates, s["threshold"])
+                accept = threshold_commit(stats.confidence, candidates, s.threshold)
             keep = st.revealed | accept
         else:
             everywhere = mx.ones(st.canvas.shape, dtype=mx.bool_)
-            accept = keep = entropy_commit(stats.entropy, everywhere, s["entropy_bound"])
+            accept = keep = entropy_commit(stats.entropy, everywhere, s.entropy_bound)
         accepted = mx.where(accept, stats.sample, st.canvas)
         if self.step_confidence:
             st.confidence = stats.confidence
@@ -399,7 +399,7 @@ class CanvasDecoder(Decoder):
         if st.lp is not None:  # a row that has stopped keeps its last step's
             st.lp.put(log_probs(logits), new_argmax, ~st.stopped[:, None])
         stop, st.history = stable_and_confident(
-            st.history, new_argmax, stats.entropy, stability, s["confidence_threshold"]
+            st.history, new_argmax, stats.entropy, stability, s.confidence_threshold
         )
         if threshold:
             stop = stop | keep.all(axis=-1)

@@ -198,9 +198,9 @@ class CausalPrefixCache(Backend):
         the restart would encode the committed blocks with the prompt (not block by block), and a
         thinking budget would be counted from the restart."""
         return (
-            settings["max_tokens"] % settings["block_length"] == 0
-            and settings.get("causal_context", True)
-            and settings.get("end_think_token_id") is None
+            settings.max_tokens % settings.block_length == 0
+            and settings.causal_context is not False
+            and settings.end_think_token_id is None
         )
 
     def __init__(self, model, spec, layout, settings):
@@ -209,14 +209,14 @@ class CausalPrefixCache(Backend):
         self.model, self.spec, self.settings = model, spec, settings
         self.pads = list(layout.pads) if any(layout.pads) else None
         self.prompt_end = layout.starts[0]
-        self.causal_context = settings.get("causal_context") is not False  # True: the default
-        segments = None if self.causal_context else (self.prompt_end, settings["block_length"])
+        self.causal_context = settings.causal_context is not False  # True: the default
+        segments = None if self.causal_context else (self.prompt_end, settings.block_length)
         self.fwd = self.forwards(model, layout.width, self.pads, segments)
         # The thinking budget (both set or neither: the settings table's `requires`).
-        self.end_think = settings.get("end_think_token_id")
-        self.max_thinking = settings.get("max_thinking_tokens")
+        self.end_think = settings.end_think_token_id
+        self.max_thinking = settings.max_thinking_tokens
         self.generated = layout.generated
-        self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
+        self.key = mx.random.split(mx.random.key(settings.seed))[1]
         self.seed = None  # (B,) the AR head's token for the next block's first position
         # (B, V) the AR head's log-probabilities there, with the logprobs setting (masked.py reads
         # them as that position's, which no denoising step decides)
@@ -229,7 +229,7 @@ class CausalPrefixCache(Backend):
         self.nfe += 1
         logits = self.fwd.causal(x, start, stop, head_span=(stop - start - 1, stop - start))
         self.seed = sample_tokens(logits[:, -1], self.settings, self.spec, next_key(self))
-        if self.settings.get("logprobs") is not None:
+        if self.settings.logprobs is not None:
             self.seed_log_probs = log_probs(logits[:, -1])
 
     def _encode(self, x, start, stop):
@@ -271,7 +271,7 @@ class CausalPrefixCache(Backend):
     def kv_kind(cls, settings) -> Optional[str]:
         """The PriorKV.kind a run under these settings leaves (kv_prefix) and can resume from;
         None: it leaves nothing reusable (a bidirectional prompt, see resume)."""
-        return "causal" if settings.get("causal_context", True) else None
+        return "causal" if settings.causal_context is not False else None
 
     def begin_block(self, x, start, stop):
         if self.pending is not None:

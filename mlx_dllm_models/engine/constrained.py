@@ -194,10 +194,10 @@ class RowConstraints:
         masked = mask_logits(logits[lrows, first_cols], allowed_tokens(mx.array(words), vocab))
         first = token_stats(
             masked[:, None, :],
-            temperature=settings["temperature"],
-            top_k=settings["top_k"],
-            top_p=settings["top_p"],
-            key=None if settings["temperature"] == 0 else key[mx.array(rows)],
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            key=None if settings.temperature == 0 else key[mx.array(rows)],
             suppress_ids=(spec.mask_token_id, *spec.suppressed_token_ids),
             order=spec.sampling_order,
         ).x0[:, 0]

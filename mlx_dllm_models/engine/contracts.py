@@ -20,7 +20,6 @@ from typing import (
     ClassVar,
     Iterator,
     List,
-    Mapping,
     Optional,
     Protocol,
     Sequence,
@@ -32,6 +31,7 @@ import mlx.core as mx
 
 from ..cache import PriorKV
 from ..settings import SettingsError
+from ..settings_fields import ResolvedSettings
 from ..spec import DiffusionSpec
 
 
@@ -41,11 +41,11 @@ class Restarts:
     join_reencodes: ClassVar[bool] = True
 
     @classmethod
-    def joins_exactly(cls, settings: Mapping) -> bool:
+    def joins_exactly(cls, settings: ResolvedSettings) -> bool:
         return False
 
     @classmethod
-    def kv_kind(cls, settings: Mapping) -> Optional[str]:
+    def kv_kind(cls, settings: ResolvedSettings) -> Optional[str]:
         return None
 
 
@@ -68,7 +68,7 @@ class Backend(Restarts):
     seed_log_probs: Optional[mx.array] = None
 
     @classmethod
-    def check_settings(cls, spec: DiffusionSpec, settings: Mapping) -> None:
+    def check_settings(cls, spec: DiffusionSpec, settings: ResolvedSettings) -> None:
         """Refuse (SettingsError), before decoding starts, settings the backend cannot honour."""
 
     def resume(self, x: mx.array, prior: PriorKV) -> None:
@@ -123,7 +123,7 @@ class DecoderInputs:
     # The spec the run decodes under: the family's with the fields its sampler brings
     # (spec.for_settings), never recomputed by a decoder.
     spec: DiffusionSpec
-    settings: dict  # resolved: every setting of the family, validated
+    settings: ResolvedSettings  # every setting of the family, validated
     eos_token_ids: Set[int] = field(default_factory=set)
     pixel_values: Optional[List[Any]] = None  # per row, None for a row without images
     eot_token_id: Optional[int] = None  # LLaDA's confidence_eos_eot_inf
@@ -165,7 +165,7 @@ class Decoder(Restarts):
     step_confidence: bool = False
 
     @classmethod
-    def draws(cls, spec: DiffusionSpec, settings: Mapping) -> bool:
+    def draws(cls, spec: DiffusionSpec, settings: ResolvedSettings) -> bool:
         """Whether a run of these settings draws from the seed's stream beyond the token sampling
         of temperature > 0 (which every loop does), so that the seed changes its tokens."""
         return False

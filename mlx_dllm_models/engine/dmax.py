@@ -119,14 +119,14 @@ class DMaxDecoder(Decoder):
 
     def __init__(self, model, inputs: DecoderInputs, backend=None):
         s = inputs.settings
-        if s["temperature"] != 0:
+        if s.temperature != 0:
             raise SettingsError(
                 "the dmax decoder decodes at temperature 0, as DMax's evaluation does (its "
                 "sampled path is not transcribed); pass temperature=0"
             )
         self.model, self.spec, self.s = model, inputs.spec, s
-        self.block_length, self.threshold = int(s["block_length"]), float(s["threshold"])
-        self.max_tokens = int(s["max_tokens"])
+        self.block_length, self.threshold = int(s.block_length), float(s.threshold)
+        self.max_tokens = int(s.max_tokens)
         self.eos = set(int(e) for e in inputs.eos_token_ids)
         self.mask_embedding = model.embed(mx.array([inputs.spec.mask_token_id]))[0]
         self.nfe = 0

@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..decoding.block import token_edits
 from ..decoding.levenshtein import apply_edit_ops, levenshtein_fill, transfer_floor
 from ..decoding.llada import suppress_logits
+from ..settings_fields import ResolvedSettings
 
 # `_joint_decode_block`'s max_steps_per_block: the forwards one block may take (LLaDA2.2).
 MAX_STEPS_PER_BLOCK = 1000
@@ -44,12 +45,12 @@ class BlockEditing:
         self.masked = None  # (B,) rows with masks at the current step's start
 
     @classmethod
-    def open(cls, settings: dict, spec, cand: mx.array) -> Optional["BlockEditing"]:
+    def open(cls, settings: ResolvedSettings, spec, cand: mx.array) -> Optional["BlockEditing"]:
         """The editing of a block whose candidates are `cand`; None when editing is off."""
-        threshold = settings.get("editing_threshold")
+        threshold = settings.editing_threshold
         if threshold is None:
             return None
-        max_post = settings.get("max_post_steps") or 0
+        max_post = settings.max_post_steps or 0
         if spec.edit_token_ids:
             return LevenshteinEditing(threshold, max_post, spec, cand, settings)
         return cls(threshold, max_post, spec.strict_threshold, cand)
@@ -116,7 +117,7 @@ class LevenshteinEditing(BlockEditing):
         super().__init__(threshold, max_post, spec.strict_threshold, cand)
         self.edit_ids = tuple(spec.edit_token_ids)
         self.mask_id = spec.mask_token_id
-        self.fill_threshold, self.steps = settings["threshold"], settings["steps"]
+        self.fill_threshold, self.steps = settings.threshold, settings.steps
         n = cand.shape[0]
         self.original = cand
         self.initial = cand.astype(mx.int32).sum(axis=1)

@@ -61,11 +61,11 @@ class FastDLLMCache(Backend):
     @classmethod
     def check_settings(cls, spec, settings):
         """Settings the approximate caches cannot honour, refused before decoding starts."""
-        if settings["sampler"] not in SHARED_SAMPLERS:
+        if settings.sampler not in SHARED_SAMPLERS:
             raise SettingsError(
                 f"cache={cls.name!r} follows Fast-dLLM's block-wise decoding and works with the "
                 f"shared samplers ({', '.join(SHARED_SAMPLERS)}); sampler "
-                f"{settings['sampler']!r} decodes with its own schedule: use cache='none' with it, "
+                f"{settings.sampler!r} decodes with its own schedule: use cache='none' with it, "
                 "or a shared sampler"
             )
 
@@ -79,8 +79,8 @@ class FastDLLMCache(Backend):
         self.model, self.spec, self.settings = model, spec, settings
         self.shift = spec.logit_shift
         self.width = layout.width
-        self.cfg_scale = settings.get("cfg_scale") or 0.0
-        self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
+        self.cfg_scale = settings.cfg_scale or 0.0
+        self.key = mx.random.split(mx.random.key(settings.seed))[1]
         self.nfe = 0
         self.full_forwards = 0  # forwards over the whole sequence (one per block unless refresh)
         vars(self).update(self._row_state(layout))

@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..cache import Positions
 from ..decoding.llada import guided_logits, unconditional_tokens
 from ..masks import block_causal_mask, every_key, padding_mask
+from ..settings_fields import ResolvedSettings
 from ..spec import BLOCK_CAUSAL
 from .block_cache import seed_block_start, seeds_at
 from .contracts import Backend
@@ -45,7 +46,7 @@ class FullRecompute(Backend):
     def joins_exactly(cls, settings) -> bool:
         return True
 
-    def __init__(self, model, spec, layout: Layout, settings: dict):
+    def __init__(self, model, spec, layout: Layout, settings: ResolvedSettings):
         self.model = model
         self.shift = spec.logit_shift
         self.nfe = 0
@@ -54,7 +55,7 @@ class FullRecompute(Backend):
         if spec.attention == BLOCK_CAUSAL:
             self.mask = block_causal_mask(
                 width,
-                settings["block_length"],
+                settings.block_length,
                 left_padding=layout.pads if any(layout.pads) else None,
                 on_columns=layout.prompt_end,
                 ends=layout.right_ends,
@@ -71,7 +72,7 @@ class FullRecompute(Backend):
         self.spec, self.settings = spec, settings
         self.decoded = layout.decoded
         self.seed_log_probs = None
-        self.cfg_scale = settings.get("cfg_scale") or 0.0
+        self.cfg_scale = settings.cfg_scale or 0.0
         if self.cfg_scale:
             # Classifier-free guidance (LLaDA): the unconditional rows follow the conditional ones
             # in the same forward, with the same padding.
@@ -88,7 +89,7 @@ class FullRecompute(Backend):
         pass
 
     def begin_block(self, x, start, stop):
-        if not seeds_at(self.spec, self.settings["block_length"], start):
+        if not seeds_at(self.spec, self.settings.block_length, start):
             return x
         # The block's seed (spec.seeds_block_start): under the block-causal mask the logit before
         # the block sees the finished blocks only, whatever the masks after it hold.

@@ -56,17 +56,17 @@ class GiddDecoder(Decoder):
         self.model = model
         self.spec = spec = inputs.spec
         self.s = settings = inputs.settings
-        if settings["sampler"] not in self.samplers:
+        if settings.sampler not in self.samplers:
             raise SettingsError(
-                f"sampler {settings['sampler']!r} has no rule in GIDD's decoder; choose one of: "
+                f"sampler {settings.sampler!r} has no rule in GIDD's decoder; choose one of: "
                 + ", ".join(self.samplers)
             )
-        if settings.get("logprobs") is not None:
+        if settings.logprobs is not None:
             raise SettingsError("the gidd decoder does not report logprobs; leave logprobs unset")
         if not spec.noise_log_snr or spec.vocab_size is None or not spec.max_position_embeddings:
             raise TypeError(f"{spec.family}: GIDD decoding needs the spec's noise and sizes")
         self.eos = set(int(e) for e in inputs.eos_token_ids)
-        self.noise = CanvasNoise(settings["seed"], inputs.row_seeds)
+        self.noise = CanvasNoise(settings.seed, inputs.row_seeds)
         self.nfe = 0
 
     def run(
@@ -93,23 +93,23 @@ class GiddDecoder(Decoder):
                 f"a GIDD prompt needs 1 to {total - 1} tokens (its canvas spans the context, "
                 f"max_position_embeddings {total}); got {P}"
             )
-        end = min(P + s["max_tokens"], total)
+        end = min(P + s.max_tokens, total)
         noisy = self.noise.uniform(rows, total - P)
         ids = self.noise.ids(rows, total - P, vocab)
         x = mx.concatenate(
             [mx.array(prompts, dtype=mx.int32), prior(noisy, ids, min_snr, noise_type, mask_id)],
             axis=1,
         )
-        log_snrs = log_snr_schedule(s["steps"], s["noise_schedule"], min_snr, max_snr)
+        log_snrs = log_snr_schedule(s.steps, s.noise_schedule, min_snr, max_snr)
         start = P
         while rows:
-            stop = min(start + s["block_length"], total)
+            stop = min(start + s.block_length, total)
             cache = self.model.prefix_cache()
             self.model(x[:, :start], cache=cache)
             mx.eval([(c.keys, c.values) for c in cache])
             self.nfe += 1
             logits = None
-            for step in range(s["steps"], 0, -1):
+            for step in range(s.steps, 0, -1):
                 keep = [i for i, r in enumerate(rows) if r not in cancelled]
                 if not keep:
                     return
@@ -157,16 +157,16 @@ class GiddDecoder(Decoder):
     def _step(self, rows, z, logits, log_snrs, step: int) -> mx.array:
         s, spec = self.s, self.spec
         _, _, noise_type = spec.noise_log_snr
-        mask_id, temperature = spec.mask_token_id, s["temperature"]
-        top_k, top_p = s["top_k"], s["top_p"]
-        if s["sampler"] == "ancestral":
+        mask_id, temperature = spec.mask_token_id, s.temperature
+        top_k, top_p = s.top_k, s.top_p
+        if s.sampler == "ancestral":
             x_hat = token_probs(logits, temperature, top_k, top_p)
             weights = ancestral_probs(
                 z, x_hat, (log_snrs[step], log_snrs[step - 1]), noise_type, mask_id
             )
             return draw(weights, self.noise.uniform(rows, z.shape[1]))
         picked = adaptive_positions(
-            z, logits, log_snrs[step], noise_type, mask_id, s["tokens_per_step"]
+            z, logits, log_snrs[step], noise_type, mask_id, s.tokens_per_step
         )
         if temperature == 0:
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)

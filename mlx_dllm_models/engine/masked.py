@@ -57,7 +57,7 @@ _WARNED_BLOCK_LENGTHS = set()
 def _warn_untrained_block_length(spec, settings):
     """Block-causal checkpoints are trained with one block size; another one runs, but quality
     depends on it. Said once per process for each (family, trained, chosen) size."""
-    trained, chosen = spec.trained_block_length, settings["block_length"]
+    trained, chosen = spec.trained_block_length, settings.block_length
     key = (spec.family, trained, chosen)
     if trained is None or chosen == trained or key in _WARNED_BLOCK_LENGTHS:
         return
@@ -163,7 +163,7 @@ class MaskedBlockDecoder(Decoder):
     @classmethod
     def draws(cls, spec, settings) -> bool:
         """The commit rule's draws (random remasking, Dream's origin or alg_temp, ...)."""
-        rule = commit_rule(spec, settings["sampler"])
+        rule = commit_rule(spec, settings.sampler)
         return rule is not None and bool(rule.draws(settings))
 
     def __init__(self, model, inputs: DecoderInputs, backend: Type[Backend]):
@@ -177,30 +177,30 @@ class MaskedBlockDecoder(Decoder):
         self.s = settings
         self.eos = set(int(e) for e in inputs.eos_token_ids)
         self.suffix = list(inputs.suffix)  # infilling: the tokens after every row's canvas
-        if settings.get("cfg_scale") and not backend.guidance:
+        if settings.cfg_scale and not backend.guidance:
             raise SettingsError(
-                f"cfg_scale is not supported with cache={settings.get('cache')!r}: guidance runs "
+                f"cfg_scale is not supported with cache={settings.cache!r}: guidance runs "
                 "the unconditional rows beside the conditional ones in each forward, which that "
                 "backend does not; pass cache='none' or drop cfg_scale"
             )
         # LLaDA generate.py's Appendix B.4 options: logits_eos_inf touches the checkpoint's EOS
         # (config.json's eos_token_id, upstream's 126081), confidence_eos_eot_inf its end of turn
         # (upstream's 126348, <|eot_id|>), resolved from the tokenizer by the caller.
-        self.logits_suppressed = self.spec.eos_token_ids if settings.get("logits_eos_inf") else ()
+        self.logits_suppressed = self.spec.eos_token_ids if settings.logits_eos_inf else ()
         self.logits_suppressed += self.spec.logit_suppressed_token_ids
         self.confidence_suppressed = ()
-        if settings.get("confidence_eos_eot_inf"):
+        if settings.confidence_eos_eot_inf:
             if inputs.eot_token_id is None:
                 raise ValueError("confidence_eos_eot_inf needs the end-of-turn token id")
             self.confidence_suppressed = confidence_suppressed_ids(
-                self.spec.eos_token_ids, inputs.eot_token_id, settings["temperature"]
+                self.spec.eos_token_ids, inputs.eot_token_id, settings.temperature
             )
         self.backend_cls = backend
         self.backend: Optional[BlockBackend] = None
         self.tokens = None  # the last run's (B, W) tokens, for kv_prefix
-        rule = commit_rule(self.spec, settings["sampler"])
+        rule = commit_rule(self.spec, settings.sampler)
         if rule is None:
-            raise ValueError(f"sampler {settings['sampler']!r} has no commit rule in the engine")
+            raise ValueError(f"sampler {settings.sampler!r} has no commit rule in the engine")
         self.rule = rule
         self.schedule = rule.schedule
         self.exact_floor = bool(rule.exact_floor(settings))
@@ -209,7 +209,7 @@ class MaskedBlockDecoder(Decoder):
         self.fills_after_eos = bool(rule.fills_after_eos(settings)) and bool(self.eos)
         # Alternatives listed per token (None: no log-probabilities); never the ids a step cannot
         # propose.
-        self.top_logprobs = settings.get("logprobs")
+        self.top_logprobs = settings.logprobs
         self.unproposed = (self.spec.mask_token_id, *self.spec.suppressed_token_ids)
         _warn_untrained_block_length(self.spec, settings)
 
@@ -256,10 +256,10 @@ class MaskedBlockDecoder(Decoder):
         constrained = constraints is not None and any(c is not None for c in constraints)
         if self.reopens and constrained:
             raise SettingsError(
-                f"sampler {self.s['sampler']!r} re-masks committed tokens, which a grammar "
+                f"sampler {self.s.sampler!r} re-masks committed tokens, which a grammar "
                 "constraint cannot take back; use another sampler for structured output"
             )
-        if constrained and self.spec.edit_token_ids and self.s.get("editing_threshold") is not None:
+        if constrained and self.spec.edit_token_ids and self.s.editing_threshold is not None:
             raise SettingsError(
                 "LLaDA2.2's insert/delete edits move and re-mask committed tokens, which a grammar "
                 "constraint cannot take back; use editing_mode='off' for structured output"
@@ -284,8 +284,8 @@ class MaskedBlockDecoder(Decoder):
         s, spec = self.s, self.spec
         layout = Layout(
             prompts,
-            s["max_tokens"] if budgets is None else budgets,
-            s["block_length"],
+            s.max_tokens if budgets is None else budgets,
+            s.block_length,
             spec.attention == BLOCK_CAUSAL,
             spec.mask_token_id,
             suffix=self.suffix,
@@ -305,7 +305,7 @@ class MaskedBlockDecoder(Decoder):
                     "run without prior"
                 )
             backend.resume(x, prior)
-        seeds = self.seeds or [s["seed"]] * len(prompts)
+        seeds = self.seeds or [s.seed] * len(prompts)
         key = mx.stack([mx.random.key(seed) for seed in seeds])
         return _Batch(x, list(range(len(prompts))), layout, backend, key, min(layout.starts))
 
@@ -319,7 +319,7 @@ class MaskedBlockDecoder(Decoder):
         extra = stop - blk.lo if batch.constraints is not None else 0
         # A block that opens with no candidate in any row (its seeds finished every row) takes
         # no step, whatever its schedule.
-        steps = (editing.step_bound(self.s["steps"]) if editing else self.s["steps"]) + extra
+        steps = (editing.step_bound(self.s.steps) if editing else self.s.steps) + extra
         for step in range(steps if editing is not None or any(blk.rows_left) else 0):
             if cancelled and not self._drop_cancelled(batch, blk, cancelled):
                 return None
@@ -353,7 +353,7 @@ class MaskedBlockDecoder(Decoder):
         # and would end with as many masks as the prompt held.
         lo = layout.window_start(x, mask_id, start)
         if self.spec.whole_block_window:
-            lo = min(lo, start - start % s["block_length"])
+            lo = min(lo, start - start % s.block_length)
         if batch.constraints is not None:
             batch.x = x = batch.constraints.open_block(x, lo, stop, layout)
         gen = layout.decoded[:, lo:stop] | layout.infill[:, lo:stop]
@@ -363,8 +363,8 @@ class MaskedBlockDecoder(Decoder):
         if self.spec.quota_base == "masks":
             base = cand.sum(axis=1)
         else:
-            base = mx.full((x.shape[0],), s["block_length"], mx.int32)
-        schedule = self.schedule(base, s["steps"], s)
+            base = mx.full((x.shape[0],), s.block_length, mx.int32)
+        schedule = self.schedule(base, s.steps, s)
         editing = BlockEditing.open(s, self.spec, cand)
         # Host reads stall the device: one per step at most. The block's first read brings which
         # rows have a candidate and the schedule's per-step maxima (a step whose floor is 0
@@ -408,10 +408,10 @@ class MaskedBlockDecoder(Decoder):
             suppress = blk.editing.suppressed(suppress)
         stats = token_stats(
             logits,
-            temperature=s["temperature"],
-            top_k=s["top_k"],
-            top_p=s["top_p"],
-            key=None if s["temperature"] == 0 else (k_stats if idx is None else k_stats[idx]),
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            key=None if s.temperature == 0 else (k_stats if idx is None else k_stats[idx]),
             suppress_ids=suppress,
             confidence=spec.confidence,
             order=spec.sampling_order,
@@ -479,10 +479,10 @@ class MaskedBlockDecoder(Decoder):
         else:  # past the schedule's columns: no floor
             floor = mx.zeros((cand.shape[0],), mx.int32)
         if idx is None:
-            ctx = StepContext(step, s["steps"], floor, key, s, self.spec, blk.gen)
+            ctx = StepContext(step, s.steps, floor, key, s, self.spec, blk.gen)
             commit, reopen = self._rule(stats, cand, ctx)
             return commit, stats.x0, reopen
-        ctx = StepContext(step, s["steps"], floor[idx], key[idx], s, self.spec, blk.gen[idx])
+        ctx = StepContext(step, s.steps, floor[idx], key[idx], s, self.spec, blk.gen[idx])
         sub, sub_reopen = self._rule(stats, cand[idx], ctx)
         commit = mx.zeros(cand.shape, dtype=mx.bool_)
         commit[idx] = sub

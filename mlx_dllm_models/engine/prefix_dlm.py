@@ -25,6 +25,8 @@ join a running batch by a restart: the restart would move the committed tokens i
 which attends to no answer column.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from ..decoding.logprobs import log_probs
@@ -44,7 +46,7 @@ class PrefixDLMCache(CausalPrefixCache):
 
     def __init__(self, model, spec, layout, settings):
         # causal_context=False: the prompt is encoded bidirectionally and seeds no block.
-        super().__init__(model, spec, layout, dict(settings, causal_context=False))
+        super().__init__(model, spec, layout, replace(settings, causal_context=False))
         self.width = layout.width
         # The answer (and an infilling suffix) is one segment after the prompt.
         self.fwd = self.forwards(model, layout.width, self.pads, (self.prompt_end, layout.width))
@@ -57,7 +59,7 @@ class PrefixDLMCache(CausalPrefixCache):
         logits = self.fwd.mixed(x, 0, 0, p, head_span=(p - 1, p))
         self.fwd.keep(p)
         self.seed = mx.argmax(logits[:, -1], axis=-1)
-        if self.settings.get("logprobs") is not None:  # the seeded column's, for masked.py
+        if self.settings.logprobs is not None:  # the seeded column's, for masked.py
             self.seed_log_probs = log_probs(logits[:, -1])
 
     def begin_block(self, x, start, stop):

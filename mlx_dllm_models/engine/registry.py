@@ -79,7 +79,7 @@ def select_backend(spec: DiffusionSpec, settings) -> Optional[Type[Backend]]:
     decoder keeps its own cache). `spec`: the family's, or the effective one (a Request's)."""
     spec = for_settings(spec, settings)  # a sampler may bring its layout (dllm's bd3lm)
     table = BACKENDS[spec.attention]
-    cache = settings.get("cache") or "auto"
+    cache = settings.cache or "auto"
     if cache == "auto":
         return next(iter(table.values()), None)
     if cache not in table:
@@ -126,7 +126,7 @@ def join_policy(spec: DiffusionSpec, settings) -> Batching:
         # A joined row restarts with what is left of its max_tokens; when that is not whole
         # blocks, its short last block would share columns with a longer row's masks, which it
         # attends to (block-causal within the block) and which a run of its own does not have.
-        joins = joins and settings["max_tokens"] % settings["block_length"] == 0
+        joins = joins and settings.max_tokens % settings.block_length == 0
     kind = judge.kv_kind(settings) if judge is not None else None
     # Rows draw from streams of their own seeds unless the backend draws for the whole batch.
     own_streams = decoder.row_seeds and not (backend is not None and backend.draws_batch_wide)
@@ -136,7 +136,7 @@ def join_policy(spec: DiffusionSpec, settings) -> Batching:
 def select_decoder(spec: DiffusionSpec, settings) -> Type[Decoder]:
     """The loop of the `mode` setting or the spec's `decoder`: the family's own (`spec.decoders`),
     else the shared table's."""
-    name = settings.get("mode") or spec.decoder
+    name = settings.mode or spec.decoder
     table = {**DECODERS, **spec.decoders}
     if name not in table:
         raise SettingsError(
@@ -152,7 +152,7 @@ def draws_noise(spec: DiffusionSpec, settings) -> bool:
     the masked loop's commit rule, e.g. random remasking or Dream's and Dimple's random orders,
     and the canvas's noise)."""
     spec = for_settings(spec, settings)
-    return settings["temperature"] > 0 or select_decoder(spec, settings).draws(spec, settings)
+    return settings.temperature > 0 or select_decoder(spec, settings).draws(spec, settings)
 
 
 def check_constraints(spec: DiffusionSpec, settings) -> None:
@@ -162,11 +162,11 @@ def check_constraints(spec: DiffusionSpec, settings) -> None:
     if not decoder.takes_constraints:
         raise SettingsError(
             f"structured output (json_schema / regex / lark) is not supported by the "
-            f"{spec.family} family's {settings.get('mode') or spec.decoder} decoder "
+            f"{spec.family} family's {settings.mode or spec.decoder} decoder "
             f"({decoder.__name__}); "
             f"{decoder.constraint_alternative}"
         )
-    if settings.get("max_thinking_tokens") is not None:
+    if settings.max_thinking_tokens is not None:
         raise SettingsError(
             "a constraint (json_schema / regex / lark) and the thinking budget "
             "(max_thinking_tokens) cannot go together: the budget forces end_think_token_id into "

@@ -45,11 +45,11 @@ def _probs(logits, settings, spec, suppress=()):
     scores = logits.astype(mx.float32)
     for op in spec.sampling_order:
         if op == "temperature":
-            scores = scores / settings["temperature"]
+            scores = scores / settings.temperature
         elif op == "top_k":
-            scores = filter_logits(scores, top_k=settings["top_k"])
+            scores = filter_logits(scores, top_k=settings.top_k)
         elif op == "top_p":
-            scores = filter_logits(scores, top_p=settings["top_p"])
+            scores = filter_logits(scores, top_p=settings.top_p)
     if suppress:  # after the filters, as token_stats does
         scores[..., mx.array(list(suppress))] = float("-inf")
     return mx.softmax(scores, axis=-1)
@@ -147,7 +147,7 @@ class SelfSpeculativeDecoder(Decoder):
         asks the decoder first): each row is AR decoding, whose next tokens depend on the tokens
         so far only, whatever forwards produced them and whichever rows share them; except that
         the thinking budget counts new tokens from the request's start, not the restart's."""
-        return settings.get("end_think_token_id") is None
+        return settings.end_think_token_id is None
 
     @classmethod
     def kv_kind(cls, settings):
@@ -162,7 +162,7 @@ class SelfSpeculativeDecoder(Decoder):
         # The causal-prefix backend the registry picked for the `cache` setting brings the
         # batch's forwards, each row at columns of its own (a KV cache, or full recompute).
         self.row_forwards = backend.row_forwards
-        self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
+        self.key = mx.random.split(mx.random.key(settings.seed))[1]
         self.nfe = 0
         self.drafted = 0  # drafts verified
         self.accepted = 0  # drafts kept
@@ -181,9 +181,9 @@ class SelfSpeculativeDecoder(Decoder):
         max_tokens (default: the setting's), `cancelled` a set the caller may grow while the run
         goes on (a row in it leaves at its next round), as MaskedBlockDecoder.run takes them."""
         adapter = getattr(self.model, "has_draft_adapter", False)
-        linear = adapter or self.s.get("draft_threshold") is not None
+        linear = adapter or self.s.draft_threshold is not None
         constraints = self.constraints if constraints is None else constraints
-        budgets = [self.s["max_tokens"]] * len(prompts) if budgets is None else budgets
+        budgets = [self.s.max_tokens] * len(prompts) if budgets is None else budgets
         rows = []
         for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
             c = None if constraints is None else constraints[row]
@@ -195,7 +195,7 @@ class SelfSpeculativeDecoder(Decoder):
     def _end_thinking(self, new: List[int], out: List[int]) -> List[int]:
         """`new`, the round's tokens (new tokens number len(out).. of a row that has produced
         `out`), cut after the marker when ar_generate's thinking budget forces it among them."""
-        marker, budget = self.s.get("end_think_token_id"), self.s.get("max_thinking_tokens")
+        marker, budget = self.s.end_think_token_id, self.s.max_thinking_tokens
         at = None if marker is None else budget - len(out)
         if at is None or not 0 <= at < len(new) or marker in out or marker in new[:at]:
             return new
@@ -204,9 +204,9 @@ class SelfSpeculativeDecoder(Decoder):
     def _logprobs(self, new: List[int], logits):
         """With the logprobs setting, the entries of a row's newly confirmed tokens; `logits`: the
         causal rows that gave them, in order (one more read)."""
-        if self.s.get("logprobs") is None:
+        if self.s.logprobs is None:
             return None
-        return entries(one_row_a_token(logits, len(new)), new, self.s["logprobs"])
+        return entries(one_row_a_token(logits, len(new)), new, self.s.logprobs)
 
     def _confidence(self, news, logits) -> Optional[List[List[float]]]:
         """With `step_confidence`, each row's newly confirmed tokens' probabilities under the
@@ -230,7 +230,7 @@ class SelfSpeculativeDecoder(Decoder):
         for r, new in zip(rows, news):
             r.out += new
         at_limit = [len(r.out) >= r.budget for r in rows]
-        if self.s.get("logprobs") is None:
+        if self.s.logprobs is None:
             logprobs = None
         event = block_event([r.index for r in rows], news, at_limit, self.eos, self.nfe, logprobs)
         if confidence is not None:  # cut as the tokens are
@@ -260,7 +260,7 @@ class SelfSpeculativeDecoder(Decoder):
         left = r.budget - len(r.out)
         r.drafts = r.drafts[: left - 1]  # a round returns the kept drafts and one token more
         k = len(r.drafts)
-        w = min(self.s["block_length"], left - k - 1)
+        w = min(self.s.block_length, left - k - 1)
         w = w if w >= 2 else 0
         known = len(r.ids)
         ids = r.ids + r.drafts + [self.spec.mask_token_id] * w
@@ -271,7 +271,7 @@ class SelfSpeculativeDecoder(Decoder):
     def _greedy(self, rows, logits, plans):
         """At temperature 0, each unconstrained row's causal tokens at its verified rows and its
         window's drafts, read in one sync (None for a row that reads its own)."""
-        if self.s["temperature"] != 0:
+        if self.s.temperature != 0:
             return [None] * len(rows)
         lazy = [
             None
@@ -325,7 +325,7 @@ class SelfSpeculativeDecoder(Decoder):
         drafts, q = [], None
         if kept_all and window_logits.shape[0]:
             drafts = greedy[1] if greedy is not None else self._tokens(window_logits, (mask_id,))
-            if self.s["temperature"] != 0:
+            if self.s.temperature != 0:
                 q = _probs(window_logits, self.s, self.spec, suppress=(mask_id,))
         r.drafts, r.q = self._drafts(drafts, q, r.constraint)
         return new
@@ -348,14 +348,14 @@ class SelfSpeculativeDecoder(Decoder):
         if not forced:
             return drafts, q
         n = len(forced)
-        if q is not None or (self.s["temperature"] != 0 and not drafts):
+        if q is not None or (self.s.temperature != 0 and not drafts):
             width = self.model.args.vocab_size if q is None else q.shape[-1]
             one_hot = (mx.arange(width)[None] == mx.array(forced)[:, None]).astype(mx.float32)
             q = one_hot if q is None else mx.concatenate([one_hot, q[n:]])[: max(n, len(drafts))]
         return forced + drafts[n:], q
 
     def _verified(self, verify, drafts, q, ar=None):
-        if self.s["temperature"] == 0:
+        if self.s.temperature == 0:
             ar = self._tokens(verify) if ar is None else ar
             n = next((i for i in range(len(drafts)) if ar[i] != drafts[i]), len(drafts))
             return drafts[:n] + [ar[n]]
@@ -369,8 +369,8 @@ class SelfSpeculativeDecoder(Decoder):
         of the proposal) reaches it, at least its most confident one (linear_spec_generate's
         threshold > 0); a row already filled is left as it is."""
         s, spec, model = self.s, self.spec, self.model
-        mask_id, threshold = spec.mask_token_id, s.get("draft_threshold")
-        width, b = s["block_length"] - 1, len(rows)
+        mask_id, threshold = spec.mask_token_id, s.draft_threshold
+        width, b = s.block_length - 1, len(rows)
         starts = [len(r.ids) - 1 for r in rows]
         drafts = mx.full((b, width), mask_id, dtype=mx.int32)
         masked = mx.ones((b, width), dtype=mx.bool_)
@@ -389,7 +389,7 @@ class SelfSpeculativeDecoder(Decoder):
                 p = mx.softmax(logits.astype(mx.float32), axis=-1)
                 confidence = mx.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
                 reveal = threshold_commit(confidence, masked, threshold) & masked
-            if s["temperature"] != 0:
+            if s.temperature != 0:
                 probs = _probs(logits, s, spec, suppress=(mask_id,))
                 q = probs if q is None else mx.where(reveal[..., None], probs, q)
             drafts = mx.where(reveal, tokens, drafts)
@@ -409,7 +409,7 @@ class SelfSpeculativeDecoder(Decoder):
         ids = [r.ids + d for r, d in zip(rows, drafts)]
         starts = [len(r.ids) - 1 for r in rows]
         self.nfe += 1
-        window = self.s["block_length"]
+        window = self.s.block_length
         logits = run.mixed(ids, starts, [len(x) for x in ids], [(0, window)] * len(rows))
         news = []
         for r, verify, d, q in zip(rows, logits, drafts, qs):
@@ -427,7 +427,7 @@ class SelfSpeculativeDecoder(Decoder):
         to the final K/V before it and to itself; a causal forward over the block with the
         adapter off verifies the drafts; the kept ones and the causal next token are returned.
         The first round is the prompts' causal prefill and its next token."""
-        model, window = self.model, self.s["block_length"]
+        model, window = self.model, self.s.block_length
         width = max(len(r.ids) + r.budget for r in rows) + window
         run = self.row_forwards(model, len(rows), width)
         _set_draft_adapter(model, False)

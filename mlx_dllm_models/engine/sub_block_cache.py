@@ -84,21 +84,21 @@ class SubBlockCache(PrefixCache):
 
     @classmethod
     def check_settings(cls, spec, settings):
-        if settings.get("sampler") != "sub_block" or not spec.seeds_block_start:
+        if settings.sampler != "sub_block" or not spec.seeds_block_start:
             raise SettingsError(
                 "cache='sub_block' is Fast-dLLM v2's sub-block cache: it needs the sub_block "
                 "sampler of that family; pass sampler='sub_block' or another cache"
             )
-        if settings["steps"] < settings["block_length"]:
+        if settings.steps < settings.block_length:
             raise SettingsError(
-                f"cache='sub_block' decodes one sub-block a step, so steps ({settings['steps']}) "
-                f"must be at least block_length ({settings['block_length']}); raise steps or "
+                f"cache='sub_block' decodes one sub-block a step, so steps ({settings.steps}) "
+                f"must be at least block_length ({settings.block_length}); raise steps or "
                 "pass another cache"
             )
 
     def __init__(self, model, spec, layout, settings):
         super().__init__(model, spec, layout, settings)
-        self.sub = settings["sub_block_length"]
+        self.sub = settings.sub_block_length
         self.filled = None  # (B,) rows whose block K/V a full forward of this block left
 
     def begin_block(self, x, start, stop):

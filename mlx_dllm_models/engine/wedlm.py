@@ -176,7 +176,7 @@ class WeDLMDecoder(Decoder):
         self.s = settings = inputs.settings
         self.eos = set(int(e) for e in inputs.eos_token_ids)
         self.backend = backend
-        self.key = mx.random.split(mx.random.key(settings["seed"]))[1]
+        self.key = mx.random.split(mx.random.key(settings.seed))[1]
         self.nfe = 0
         self.confidence = {}  # row -> its window's confidence at the last step (step_confidence)
 
@@ -185,7 +185,7 @@ class WeDLMDecoder(Decoder):
         (one (n, V) array a row, n its window's length); a constrained row (of `rows`, the
         windows' row indices) fills the grammar's prefix instead."""
         s = self.s
-        greedy = s["temperature"] == 0
+        greedy = s.temperature == 0
         width = max(len(w.tokens) for w in windows)
         padded = mx.stack([mx.pad(x, ((0, width - x.shape[0]), (0, 0))) for x in logits])
         # Over every window row: the position penalty counts window columns, filled ones too. The
@@ -193,15 +193,15 @@ class WeDLMDecoder(Decoder):
         # token values, say what is filled.
         stats = token_stats(
             padded,
-            temperature=s["temperature"],
-            top_k=None if greedy else s["top_k"],
-            top_p=None if greedy else s["top_p"],
+            temperature=s.temperature,
+            top_k=None if greedy else s.top_k,
+            top_p=None if greedy else s.top_p,
             key=None if greedy else next_key(self),
             order=self.spec.sampling_order,
         )
         masked = [[not f for f in w.filled] + [False] * (width - len(w.filled)) for w in windows]
         pick = wedlm_commit(
-            stats.entropy, mx.array(masked), s["entropy_threshold"], s["pos_penalty_factor"]
+            stats.entropy, mx.array(masked), s.entropy_threshold, s.pos_penalty_factor
         )
         if self.step_confidence:  # each window's, read before its masks are filled
             self.confidence = dict(zip(rows, stats.confidence.tolist()))
@@ -220,8 +220,8 @@ class WeDLMDecoder(Decoder):
                 chosen = [k for k, p in enumerate(row_pick) if p]
                 tokens = [proposals[k] for k in chosen]
             lps = None
-            if s.get("logprobs") is not None:
-                lps = entries(x[mx.array(chosen)], tokens, s["logprobs"])
+            if s.logprobs is not None:
+                lps = entries(x[mx.array(chosen)], tokens, s.logprobs)
             for n, k in enumerate(chosen):
                 window.tokens[k] = tokens[n]
                 window.filled[k] = True
@@ -237,16 +237,16 @@ class WeDLMDecoder(Decoder):
         words = [r.mask() for r in rules]
         size = next((len(w) for w in words if w is not None), 1)
         words = np.stack([np.zeros(size, np.uint32) if w is None else w for w in words])
-        greedy = s["temperature"] == 0
+        greedy = s.temperature == 0
         masked = mask_logits(
             mx.stack([x[0] for x in logits]), allowed_tokens(mx.array(words), vocab)
         )
         return (
             token_stats(
                 masked[:, None, :],
-                temperature=s["temperature"],
-                top_k=None if greedy else s["top_k"],
-                top_p=None if greedy else s["top_p"],
+                temperature=s.temperature,
+                top_k=None if greedy else s.top_k,
+                top_p=None if greedy else s.top_p,
                 key=None if greedy else next_key(self),
                 suppress_ids=(self.spec.mask_token_id,),
                 order=self.spec.sampling_order,
@@ -256,7 +256,7 @@ class WeDLMDecoder(Decoder):
         )
 
     def _step_event(self, rows, outs, windows) -> StepEvent:
-        limit, mask_id = self.s["max_tokens"], self.spec.mask_token_id
+        limit, mask_id = self.s.max_tokens, self.spec.mask_token_id
         canvases = []
         for r in rows:
             canvas = (outs[r] + windows[r].tokens)[:limit]
@@ -289,11 +289,11 @@ class WeDLMDecoder(Decoder):
         s = self.s
         constraints = self.constraints if constraints is None else constraints
         self.rules = {
-            row: WindowConstraint(c, self.eos, s["max_tokens"], consumed[row] if consumed else ())
+            row: WindowConstraint(c, self.eos, s.max_tokens, consumed[row] if consumed else ())
             for row, c in enumerate(constraints or ())
             if c is not None
         }
-        size, limit = s["block_length"], s["max_tokens"]
+        size, limit = s.block_length, s.max_tokens
         prompts = [[int(t) for t in p] for p in prompts]
         # A row's window reaches at most 2 * size columns past its committed ones (size, then as
         # many refilled masks as the prefix it commits); the first forward, the prompt and size.
@@ -341,7 +341,7 @@ class WeDLMDecoder(Decoder):
         of the rows that committed tokens (None when none did), each cut at max_tokens (the
         reference's scheduler stops appending there) and at its first EOS (kept, then cut by
         block_event); and how many tokens each row's window lost."""
-        limit = self.s["max_tokens"]
+        limit = self.s.max_tokens
         with_tokens, tokens, at_limit, logprobs, pruned = [], [], [], [], []
         for i, r in enumerate(rows):
             new, lps = windows[r].prune()
@@ -360,7 +360,7 @@ class WeDLMDecoder(Decoder):
             logprobs.append(list(lps[: len(new)]))
         if not with_tokens:
             return None, pruned
-        lp = logprobs if self.s.get("logprobs") is not None else None
+        lp = logprobs if self.s.logprobs is not None else None
         return block_event(with_tokens, tokens, at_limit, self.eos, self.nfe, lp), pruned
 
 

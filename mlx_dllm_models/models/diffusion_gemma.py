@@ -177,7 +177,7 @@ def scaled_schedule(temperature, settings) -> dict:
     greedier; 0 is its limit, greedy denoising (every step takes the argmax,
     decoding.canvas.greedy_stats) from the seed's noise canvas."""
     if is_number(temperature) and math.isfinite(temperature) and temperature >= 0:
-        scaled = {name: settings[name] * temperature for name in ("t_min", "t_max")}
+        scaled = {"t_min": settings.t_min * temperature, "t_max": settings.t_max * temperature}
         if scaled["t_max"] < math.inf:
             return scaled
     raise SettingsError(

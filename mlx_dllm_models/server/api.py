@@ -51,6 +51,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -246,9 +247,10 @@ class Service:
             )
         s = request.settings
         # Lowered to what fits, where it did not (with the positions the default suffix takes).
-        overrides["max_tokens"] = s["max_tokens"] + request.reserved
+        overrides["max_tokens"] = s.max_tokens + request.reserved
         if overrides.get("seed") is None and draws_noise(request):
-            overrides["seed"] = s["seed"] = secrets.randbelow(2**63)
+            overrides["seed"] = secrets.randbelow(2**63)
+            request.settings = replace(s, seed=overrides["seed"])
         return request
 
     def build_prompt(self, request, template_kwargs=None):

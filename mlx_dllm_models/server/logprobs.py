@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 
 from ..engine import TokenLogprob
 from ..settings import MAX_LOGPROBS
+from ..settings_fields import ResolvedSettings
 
 # What OpenAI writes for a log-probability too small to represent (-inf here).
 FLOOR = -9999.0
@@ -153,10 +154,10 @@ class Logprobs:
         self.chars = 0  # characters of the tokens sent (their text offsets start here)
 
     @classmethod
-    def of(cls, settings: dict, tokenizer, object_type: str) -> Optional["Logprobs"]:
+    def of(cls, settings: ResolvedSettings, tokenizer, object_type: str) -> Optional["Logprobs"]:
         """The logprobs of a request whose resolved settings are `settings`; None when it asked
         for none."""
-        if settings.get("logprobs") is None:
+        if settings.logprobs is None:
             return None
         return cls(tokenizer, chat=object_type.startswith("chat"))
 

@@ -53,11 +53,13 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional
 
 from ..distributed import lost_rank, lost_rank_exits, share
 from ..engine import Batching, join_policy, make_decoder
 from ..request import Request, prepare
+from ..settings_fields import ResolvedSettings
 from .image_jobs import ImageQueue
 from .prompt_cache import PromptCache
 from .worker import on_worker_thread
@@ -109,7 +111,7 @@ class Job:
         return self.request.ids[0]
 
     @property
-    def settings(self) -> Dict[str, Any]:
+    def settings(self) -> ResolvedSettings:
         return self.request.settings
 
     @property
@@ -120,14 +122,13 @@ class Job:
 
 def _most_logprobs(jobs: List[Job]) -> Optional[int]:
     """The logprobs setting of a run: the most alternatives its rows ask for (None: none asks)."""
-    asked = [j.settings.get("logprobs") for j in jobs]
-    asked = [k for k in asked if k is not None]
+    asked = [j.settings.logprobs for j in jobs if j.settings.logprobs is not None]
     return max(asked) if asked else None
 
 
 def _row_logprobs(event, i: int, job: Job):
     """Row i's TokenLogprobs with the alternatives its job asked for; None when it asked none."""
-    k = job.settings.get("logprobs")
+    k = job.settings.logprobs
     if k is None or event.logprobs is None:
         return None
     return [entry._replace(top=entry.top[:k]) for entry in event.logprobs[i]]
@@ -411,7 +412,7 @@ class Scheduler:
             own_seed = batching.row_seeds or job.fresh_seed
             shared = {
                 k: v
-                for k, v in s.items()
+                for k, v in s.as_dict().items()
                 if k != "logprobs"
                 and (k != "max_tokens" or not batching.joins)
                 and (k != "seed" or not own_seed)
@@ -439,13 +440,13 @@ class Scheduler:
         if not jobs:
             group.run, group.jobs = None, []
             return
-        budgets = [j.settings["max_tokens"] - len(j.tokens) for j in jobs]
+        budgets = [j.settings.max_tokens - len(j.tokens) for j in jobs]
         # The run's seed is its first row's: a group's rows may have seeds of their own (see _admit).
-        settings = dict(
+        settings = replace(
             group.settings,
             max_tokens=max(budgets),
             logprobs=_most_logprobs(jobs),
-            seed=jobs[0].settings["seed"],
+            seed=jobs[0].settings.seed,
         )
         images = None
         if any(j.pixel_values is not None for j in jobs):
@@ -457,7 +458,7 @@ class Scheduler:
             images=images,
             eot_token_id=group.eot_token_id,
             suffix=group.suffix,
-            row_seeds=[j.settings["seed"] for j in jobs] if group.batching.row_seeds else None,
+            row_seeds=[j.settings.seed for j in jobs] if group.batching.row_seeds else None,
         )
         prompts = [j.ids + j.tokens for j in jobs]
         group.cancelled = set()
