@@ -105,7 +105,7 @@ def run_both(ckpt, model, prompt, monkeypatch, **settings):
     spec = model.diffusion_spec
     s = resolve_settings(spec, settings)
     decoder = make_decoder(model, s, spec.eos_token_ids)
-    decoder.noise = Recorded(s["seed"])
+    decoder.noise = Recorded(s.seed)
     ours = []
 
     def draw(weights, uniforms):
@@ -123,21 +123,21 @@ def run_both(ckpt, model, prompt, monkeypatch, **settings):
         prior_uniforms,
         prior_ids,
         lambda n: next(steps)[:n],
-        max_length=s["max_tokens"],
-        block_length=s["block_length"],
-        steps=s["steps"],
-        temperature=s["temperature"],
-        sampling_method=s["sampler"],
-        noise_schedule=s["noise_schedule"],
-        tokens_per_step=s["tokens_per_step"],
-        top_p=s["top_p"],
-        top_k=s["top_k"],
+        max_length=s.max_tokens,
+        block_length=s.block_length,
+        steps=s.steps,
+        temperature=s.temperature,
+        sampling_method=s.sampler,
+        noise_schedule=s.noise_schedule,
+        tokens_per_step=s.tokens_per_step,
+        top_p=s.top_p,
+        top_k=s.top_k,
         theirs=lambda: next(ours),
     )
     assert next(steps, None) is None and next(ours, None) is None  # every draw was read
     # The reference's canvas as the package returns it: the decoded blocks after the prompt,
     # max_tokens at most, cut before the first EOS.
-    want = canvas[len(prompt) : min(decoded_to, len(prompt) + s["max_tokens"])]
+    want = canvas[len(prompt) : min(decoded_to, len(prompt) + s.max_tokens)]
     return (tokens, nfe), (cut_at_eos(want, {fixture.EOS}), ref_nfe)
 
 
