@@ -62,6 +62,19 @@ RESAMPLE_BICUBIC = 3
 MAX_STORED_FEATURES = 1 << 15
 
 
+class TextConfig:
+    """mlx-vlm's loader rebuilds `text_config` and `vision_config` through the module's
+    `TextConfig.from_dict` / `VisionConfig.from_dict`; here they stay the plain dicts ModelArgs
+    reads."""
+
+    @staticmethod
+    def from_dict(params):
+        return dict(params)
+
+
+VisionConfig = TextConfig
+
+
 @dataclass
 class ModelArgs(BaseModelArgs):
     model_type: str = NAME
