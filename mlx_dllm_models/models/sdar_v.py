@@ -51,6 +51,8 @@ SETTINGS = sdar.SETTINGS
 # deterministic default here, as for the text model.
 REFERENCE_DEFAULTS = {"sampler": "quota", "steps": 4, "block_length": 4, "max_tokens": 2048}
 EOS_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>")
+# generate.py's stopping_criteria_idx: those two tokens' ids in SDAR-VL's (Qwen3's) vocabulary.
+STOP_TOKEN_IDS = (151645, 151643)
 
 # The checkpoint's preprocessor_config.json (LlavaOnevisionImageProcessor): SigLIP's mean and std,
 # bicubic resampling.
@@ -90,6 +92,8 @@ class ModelArgs(BaseModelArgs):
     multimodal_projector_bias: bool = True
     use_image_newline_parameter: bool = True
     tie_word_embeddings: bool = False
+    # Not in SDAR-VL's config (generate.py hard-codes STOP_TOKEN_IDS); a tiny fixture names its own.
+    stop_token_ids: Optional[List[int]] = None
 
     def __post_init__(self):
         checks = [
@@ -113,6 +117,12 @@ class ModelArgs(BaseModelArgs):
         # The text model's head follows the top-level flag (SDAR's text_config names none, and
         # Qwen3's default, tied, is not the checkpoint's).
         text = dict(self.text_config, tie_word_embeddings=self.tie_word_embeddings)
+        # The answer ends at the text config's EOS and at generate.py's stopping ids.
+        eos = text.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        stops = STOP_TOKEN_IDS if self.stop_token_ids is None else self.stop_token_ids
+        vocab = text.get("vocab_size", 0)
+        text["eos_token_id"] = eos + [t for t in stops if t not in eos and 0 <= t < vocab]
         self.text = sdar.ModelArgs.from_dict(text)
         self.vocab_size = self.text.vocab_size
         self.hidden_size = self.text.hidden_size
