@@ -56,6 +56,20 @@ def test_image_features_match_reference(loaded, ckpt, size):
     assert_close(got, want)
 
 
+def test_anyres_features_past_the_patch_cap_are_downsampled_as_the_reference(fixture_dir):
+    """anyres_max_1: a 2 x 3 tile image is past the cap (ratio > 1.1), so its unpadded grid is
+    downsampled bilinearly (torch's interpolate, align_corners False) before the newlines."""
+    from mlx_dllm_models import load
+
+    path = build_once(fixture_dir / "sdar_v_max1", build_sdar_v, vision_aspect_ratio="anyres_max_1")
+    model, processor = load(path)
+    pixels, size = processor.preprocess(random_picture(5, (100, 160)))
+    got = np.array(model.image_features(pixels, size))
+    want = ref.image_features(path, pixels, size).numpy()
+    assert got.shape == want.shape and got.shape[0] < (pixels.shape[0] - 1) * 16
+    assert_close(got, want)
+
+
 def test_block_causal_logits_over_an_image_prompt_match_reference(loaded, ckpt):
     model, _ = loaded
     slots = model.image_slots(tile(2))

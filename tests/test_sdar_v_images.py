@@ -123,3 +123,28 @@ def test_mlx_lm_and_mlx_vlm_load_and_convert_handle_the_checkpoint(loaded, path,
         converted, converted_processor = load(folder)
         got = stream_tokens(converted, converted_processor, prompt, image=image, **SETTINGS)
         assert got == want
+
+
+@pytest.mark.parametrize("size", [(40, 70), (150, 60), (56, 56), (300, 20), (500, 480)])
+def test_prompt_ids_equal_llava_onevision_processors_with_image_pads(loaded, size):
+    """transformers' LlavaOnevisionProcessor (what the checkpoint's processor_config.json names)
+    repeats `<|image_pad|>` once per feature it counts for the image (`_get_number_of_features`;
+    the processor itself is built without its video processor, which needs torchvision): this
+    processor's ids are that prompt with a feature id at each of those places."""
+    from transformers import LlavaOnevisionProcessor
+
+    model, processor = loaded
+    tower = model.onevision.vision_config
+    counter = object.__new__(LlavaOnevisionProcessor)
+    counter.image_processor = processor.images
+    counter.num_image_tokens = (tower.image_size // tower.patch_size) ** 2
+    counter.vision_feature_select_strategy = "full"
+    counter.vision_aspect_ratio = model.args.vision_aspect_ratio
+    image = picture(12, size)
+    count = counter._get_number_of_features(*size, tower.image_size, tower.image_size)
+    text = chat(processor, "look:", None, "what is it?")
+    want = processor.tokenizer.encode(text.replace(PAD, PAD * count), add_special_tokens=False)
+    got = processor(text=[text], images=[image])["input_ids"][0]
+    pad = model.args.image_token_index
+    assert [pad if t >= model.args.vocab_size else t for t in got] == want
+    assert count > counter.num_image_tokens
