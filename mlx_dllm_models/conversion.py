@@ -387,7 +387,15 @@ def guard_mlx_vlm_utils(utils) -> None:
             return load_processor(model_path, *args, **kwargs)
         kwargs["trust_remote_code"] = False
         with quiet_transformers():
-            return load_processor(model_path, *args, **kwargs)
+            try:
+                return load_processor(model_path, *args, **kwargs)
+            except ImportError:
+                # The transformers processor a processor_config.json names needs a library
+                # that is not installed (SDAR-VL's LlavaOnevisionProcessor: torchvision, for its
+                # video processor); `load` replaces it with the model's own, around the tokenizer.
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
 
     utils.load_processor = guarded_load_processor
 

@@ -148,3 +148,20 @@ def test_prompt_ids_equal_llava_onevision_processors_with_image_pads(loaded, siz
     pad = model.args.image_token_index
     assert [pad if t >= model.args.vocab_size else t for t in got] == want
     assert count > counter.num_image_tokens
+
+
+def test_a_transformers_processor_gives_way_to_the_models_own(loaded):
+    """Where torchvision is installed, mlx_vlm.load builds the LlavaOnevisionProcessor the
+    checkpoint's processor_config.json names; the model's processor (feature ids, not image
+    tokens) takes its place, around its tokenizer."""
+    from mlx_dllm_models.vision import model_processor
+
+    model, processor = loaded
+
+    class TransformersProcessor:
+        image_processor = processor.images
+        tokenizer = processor.tokenizer
+
+    got = model_processor(model, TransformersProcessor())
+    assert type(got) is type(processor) and got.model is model
+    assert model_processor(model, processor) is processor
