@@ -97,23 +97,48 @@ def run(model, processor, prompt, **kw):
     return out, ids, decoder
 
 
+# generate.py's demo call (block_length = denoising_steps = 4, low_confidence_static), and
+# block_diffusion_generate's own defaults (block_length 8, denoising_steps 8,
+# low_confidence_dynamic at confidence_threshold 0.9).
+CALLS = {
+    "demo": (
+        {},
+        dict(block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static"),
+    ),
+    "function": (
+        dict(sampler="threshold", block_length=8, steps=8, threshold=0.9),
+        dict(
+            block_length=8,
+            denoising_steps=8,
+            remasking_strategy="low_confidence_dynamic",
+            confidence_threshold=0.9,
+        ),
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("text, gen", [("describe", 24), ("what is in the picture here?", 29)])
-def test_generate_at_the_reference_defaults_matches_its_tokens_and_forwards(
-    loaded, ckpt, text, gen
-):
-    """generate.py's demo call (block_length = denoising_steps = 4, low_confidence_static,
-    stopping at <|im_end|> / <|endoftext|>), greedy, on the chat template's prompt with an image:
-    the same tokens, and the reference's forwards less the one store forward per finished block
-    that the exact block cache folds into the next block's first forward."""
+@pytest.mark.parametrize(
+    "call, text, gen",
+    [
+        ("demo", "describe", 24),
+        ("demo", "what is in the picture here?", 29),
+        ("function", "hi", 30),
+    ],
+)
+def test_generate_matches_the_references_tokens_and_forwards(loaded, ckpt, call, text, gen):
+    """Greedy, on the chat template's prompt with an image: the same tokens, and the reference's
+    forwards less the one store forward per finished block that the exact block cache folds into
+    the next block's first forward. The package's defaults are the demo call's."""
     model, processor = loaded
     spec = model.diffusion_spec
     assert spec.defaults["sampler"] == "quota"
     assert (spec.defaults["block_length"], spec.defaults["steps"]) == (4, 4)
+    settings, reference = CALLS[call]
     picture = random_picture(4, (70, 130))
     messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    got, ids, dec = run(model, processor, prompt, images=[[picture]], max_tokens=gen)
+    got, ids, dec = run(model, processor, prompt, images=[[picture]], max_tokens=gen, **settings)
     pixels, size = processor.preprocess(picture)
     feats = ref.image_features(ckpt, pixels, size)
     x, ref_forwards = sdar_generate(
@@ -121,11 +146,9 @@ def test_generate_at_the_reference_defaults_matches_its_tokens_and_forwards(
         torch.tensor([as_reference_ids(model, ids)]),
         MASK,
         gen_length=gen,
-        block_length=4,
-        denoising_steps=4,
         temperature=0.0,
-        remasking_strategy="low_confidence_static",
         stopping_criteria_idx=[IM_END, ENDOFTEXT],
+        **reference,
     )
     want = cut_at_eos(x[0, len(ids) : len(ids) + gen], {IM_END, ENDOFTEXT})
     assert got == want and len(got) > 4
