@@ -387,7 +387,15 @@ def guard_mlx_vlm_utils(utils) -> None:
             return load_processor(model_path, *args, **kwargs)
         kwargs["trust_remote_code"] = False
         with quiet_transformers():
-            return load_processor(model_path, *args, **kwargs)
+            try:
+                return load_processor(model_path, *args, **kwargs)
+            except ImportError:
+                # The transformers processor a processor_config.json names needs a library
+                # that is not installed (SDAR-VL's LlavaOnevisionProcessor: torchvision, for its
+                # video processor); `load` replaces it with the model's own, around the tokenizer.
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
 
     utils.load_processor = guarded_load_processor
 
@@ -423,8 +431,11 @@ def guard_mlx_lm_utils(utils) -> None:
 
         @functools.wraps(save)
         def guarded_save(dst_path, src_path_or_repo, model, tokenizer, config, *args, **kwargs):
+            # save_config pops vision_config from `config` itself.
+            vision = config.get("vision_config") if isinstance(config, dict) else None
             save(dst_path, src_path_or_repo, model, tokenizer, config, *args, **kwargs)
             if isinstance(config, dict) and config.get("model_type") in MODEL_TYPES:
+                keep_vision_config(dst_path, model, vision)
                 finish_conversion(dst_path, src_path_or_repo)
 
         utils.save = guarded_save
@@ -432,6 +443,19 @@ def guard_mlx_lm_utils(utils) -> None:
         convert = sys.modules.get("mlx_lm.convert")
         if convert is not None and getattr(convert, "save", None) is save:
             convert.save = guarded_save
+
+
+def keep_vision_config(dst_path, model, vision) -> None:
+    """mlx-lm's save keeps `vision_config` only for a tower at `model.model.vision_tower`; a
+    model of ours whose tower sits at `model.vision_tower` (SDAR-VL's checkpoint names) needs that
+    config (`vision`) as much to load again."""
+    if not vision or getattr(model, "vision_tower", None) is None:
+        return
+    path = Path(dst_path) / "config.json"
+    written = _read_json(path)
+    if isinstance(written, dict) and "vision_config" not in written:
+        written["vision_config"] = vision
+        path.write_text(json.dumps(written, indent=4, sort_keys=True) + "\n")
 
 
 def _read_json(file: Path):

@@ -42,6 +42,8 @@ MODEL_TYPES = {
     "dimple": "dimple",
     # LaViDa-Dream (Dream 7B with LaViDa's SigLIP path; LaViDa-LLaDA is a llava_llada).
     "llava_dream": "llava_dream",
+    # SDAR-VL (SDAR's body with LLaVA-OneVision's SigLIP path).
+    "sdar_v": "sdar_v",
     # kuleshov-group's BD3-LM (bd3lm-owt-block_size4 / 8 / 16: a 110M DiT over GPT-2's tokenizer).
     "bd3lm": "bd3lm",
     # Gen-Verse's MMaDA-8B (LLaDA 8B's body; text-to-image through MAGVIT-v2 tokens, images.py).
@@ -70,4 +72,5 @@ VLM_MODEL_TYPES = {
     "nemotron_labs_diffusion_vlm": "nemotron_labs_diffusion_vlm",
     "dimple": "dimple",
     "llava_dream": "llava_dream",
+    "sdar_v": "sdar_v",
 }

@@ -131,8 +131,11 @@ def model_processor(model, tokenizer):
     returned as it is. `mlx_vlm.load` of such a checkpoint, which ships no processor config,
     finds a bare tokenizer: this is what `load` would have returned with the model."""
     make = getattr(model, "load_processor", None)
-    if make is None or is_processor(tokenizer):
+    if make is None or getattr(tokenizer, "model", None) is model:
         return tokenizer
+    # Another processor (the transformers one a checkpoint's processor_config.json names, e.g.
+    # SDAR-VL's LlavaOnevisionProcessor, which expands image tokens itself): its tokenizer.
+    tokenizer = text_tokenizer(tokenizer)
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     if not isinstance(tokenizer, TokenizerWrapper):

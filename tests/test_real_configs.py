@@ -80,6 +80,19 @@ def _check_sdar(name, model, args, spec):
     assert (rope.dims, rope.base, rope.traditional) == (128, 1000000.0, False)
 
 
+def _check_sdar_v(name, model, args, spec):
+    """SDAR-VL 4B: SDAR-4B's text model, SigLIP-so400m (27 layers, features of the last), anyres
+    over 6 x 6 tiles of 384 (anyres_max_9), image newline."""
+    text = args.text
+    assert (text.hidden_size, text.num_hidden_layers, text.head_dim) == (2560, 36, 128)
+    assert text.tie_word_embeddings is False and args.image_token_index == 151655
+    assert len(args.image_grid_pinpoints) == 36 and args.vision_aspect_ratio == "anyres_max_9"
+    assert len(model.vision_tower.vision_model.encoder.layers) == 27
+    assert model.image_newline.shape == (2560,)
+    rope = _rope_of(model)
+    assert (rope.dims, rope.base, rope.traditional) == (128, 1000000.0, False)
+
+
 def _check_sdar_moe(name, model, args, spec):
     assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (128, 8, 768)
     assert (
@@ -206,6 +219,15 @@ CHECKPOINTS = {
     # generation_config.json: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
     "JetLM__SDAR-8B-Chat": facts(_check_sdar, **SDAR, tokens=IM_END),
     "JetLM__SDAR-30B-A3B-Chat": facts(_check_sdar_moe, **SDAR, tokens=IM_END),
+    # generate.py's stopping ids (151643, 151645) follow the text config's EOS in the spec.
+    "JetLM__SDAR-VL-4B": facts(
+        _check_sdar_v,
+        QWEN_MASK,
+        (151643, 151645),
+        32768,
+        trained_block=4,
+        tokens={**IM_END, "<|image_pad|>": 151655},
+    ),
     "inclusionAI__LLaDA2.0-mini": facts(**LLADA2),
     "inclusionAI__LLaDA2.1-mini": facts(**LLADA2),
     # Transcriptions (tests/data/README.md): config.json only. The two sizes share the facts.
@@ -437,6 +459,11 @@ SETTINGS = [
     # SDAR README: JetEngine (dynamic_threshold=0.9) and LMDeploy (dllm_confidence_threshold=0.9,
     # greedy) examples; generate.py's script default is 0.85.
     ("JetLM__SDAR-8B-Chat", "threshold", 0.9, None),
+    # SDAR-VL generate.py's demo call: block_length = denoising_steps = 4, low_confidence_static.
+    ("JetLM__SDAR-VL-4B", "block_length", 4, None),
+    ("JetLM__SDAR-VL-4B", "steps", 4, None),
+    ("JetLM__SDAR-VL-4B", "sampler", "quota", None),
+    ("JetLM__SDAR-VL-4B", "temperature", 0.0, None),
     ("JetLM__SDAR-30B-A3B-Chat", "block_length", 4, None),
     ("JetLM__SDAR-30B-A3B-Chat", "steps", 4, None),
     ("JetLM__SDAR-30B-A3B-Chat", "temperature", 0.0, None),

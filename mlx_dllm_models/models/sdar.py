@@ -48,7 +48,9 @@ SDAR_CONFIG_KEYS = (
 )
 
 
-def sdar_spec(args) -> DiffusionSpec:
+def sdar_spec(args, defaults=None, **fields) -> DiffusionSpec:
+    """SDAR's spec; a family on SDAR's body (SDAR-VL) gives its own `defaults` over these and
+    further spec `fields`."""
     # generate.py: low_confidence_dynamic keeps tokens with probability > threshold (BLOCK_READING);
     # sample_with_temperature_topk_topp: temperature, then top-k, then top-p. Its
     # generation_config.json holds Qwen3's AR sampling defaults (temperature 0.6, top_k 20, top_p
@@ -71,7 +73,9 @@ def sdar_spec(args) -> DiffusionSpec:
             # default here (the README evaluates with greedy decoding).
             "temperature": 0.0,
             "max_tokens": 128,
+            **(defaults or {}),
         },
+        **fields,
     )
 
 
