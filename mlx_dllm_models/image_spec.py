@@ -60,6 +60,15 @@ class ImageSpec:
     uncond_text: str = ""
     # Whether an image and a mask may give the canvas's codes (MMaDA's inpainting).
     inpaints: bool = True
+    # Whether an image alone is edited by the text (Lumina-DiMOO's image-to-image "edit" prompt),
+    # with its prompt texts, its guidance (text; image: against the prompt without the image)
+    # and the largest side of its input crops.
+    edits: bool = False
+    edit_template: str = "{}"
+    edit_uncond_text: str = ""
+    edit_guidance_scale: float = 0.0
+    image_guidance_scale: float = 0.0
+    edit_side: int = 512
 
     def __post_init__(self):
         for name, value, allowed in (

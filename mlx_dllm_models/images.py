@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .engine.maskgit import STEP_RULES, Draws, ImageDecoder, seeded_draws
 from .errors import SettingsError
 from .image_codes import aligned, grid_tokens, start_codes
-from .image_layout import GRID_TOKENS, grid_rows
+from .image_layout import GRID_TOKENS, edit_picture, edit_pixels, edit_rows, grid_rows, image_part
 from .image_spec import ImageSpec
 from .models import magvitv2, vqmodel
-from .vision import text_tokenizer
+from .vision import read_images, text_tokenizer
 
 # ImageSpec.vq_kind -> (its module: load, to_uint8; its model class; the upstream it reads)
 VQ_KINDS = {
@@ -176,21 +177,25 @@ def seeds_of(seed, n: int) -> List[int]:
     return seeds
 
 
-def checked_settings(spec: ImageSpec, prompts, steps, guidance_scale, given):
+def checked_settings(spec: ImageSpec, prompts, steps, guidance_scale, images, masks):
+    editing = spec.edits and any(image is not None for image in images)
+    default = spec.edit_guidance_scale if editing else spec.guidance_scale
     steps = spec.steps if steps is None else steps
-    guidance_scale = spec.guidance_scale if guidance_scale is None else guidance_scale
+    guidance_scale = default if guidance_scale is None else guidance_scale
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise SettingsError(f"steps must be a positive integer, got {steps!r}")
     if not isinstance(guidance_scale, (int, float)) or not guidance_scale >= 0:
         raise SettingsError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
     if not prompts:
         raise SettingsError("no prompts: give at least one")
-    if not spec.inpaints and any(x is not None for x in given):
+    if not spec.inpaints and any(mask is not None for mask in masks):
         raise SettingsError(
-            f"{spec.family}: no inpainting or editing here (its released code has no "
-            "inpainting; its editing is not implemented): generate from text alone"
+            f"{spec.family}: no inpainting here (its released code has none): give the image "
+            "alone, which the prompt edits"
         )
-    return steps, guidance_scale
+    if editing and any(image is None for image in images):
+        raise SettingsError(f"{spec.family}: a batch edits an image in every row or in none")
+    return steps, guidance_scale, editing
 
 
 def grid_layout(processor, spec: ImageSpec, prompts, shape):
@@ -208,6 +213,36 @@ def grid_layout(processor, spec: ImageSpec, prompts, shape):
     )
 
 
+def edit_layout(processor, spec, vq, prompts, images, size, offset, image_guidance):
+    """(the ImageDecoder keywords of an editing batch (image_layout.py), its token grid)."""
+    pictures = [edit_picture(p, spec.edit_side) for p in read_images(images)]
+    sizes = {p.size for p in pictures}
+    if len(sizes) > 1 or size not in (None, next(iter(sizes))):
+        raise SettingsError(
+            f"{spec.family}: an edited image keeps its input's crop size ({sorted(sizes)}): "
+            "leave width and height out, and edit images of one aspect in a batch"
+        )
+    w, h = next(iter(sizes))
+    shape = (h // vq.downsample, w // vq.downsample)
+    codes = vq.get_code(mx.array(np.concatenate([edit_pixels(p) for p in pictures])))
+    ids = {name: spec.special_tokens[name] for name in GRID_TOKENS}
+    parts = [image_part(ids, row, *shape, offset) for row in codes.tolist()]
+    rows, pads, uncond, width, columns = edit_rows(
+        hf_tokenizer(processor), spec, ids, prompts, parts, shape
+    )
+    (no_text, no_text_pads), (no_image, no_image_pads) = uncond
+    layout = dict(
+        ids=rows,
+        pads=pads,
+        uncond_prefix=no_text,
+        uncond_pads=no_text_pads,
+        text_len=width,
+        columns=columns,
+        extra_uncond=[(no_image, no_image_pads, image_guidance)],
+    )
+    return layout, shape
+
+
 def decoder_for(
     model,
     processor,
@@ -220,19 +255,34 @@ def decoder_for(
     guidance_scale,
     images=None,
     masks=None,
+    image_guidance_scale=None,
 ):
-    rows, cols = grid(spec, vq, width, height)
-    n_tokens = rows * cols
     images = aligned(images, len(prompts), "images")
     masks = aligned(masks, len(prompts), "masks")
-    steps, guidance_scale = checked_settings(spec, prompts, steps, guidance_scale, images + masks)
+    steps, guidance_scale, editing = checked_settings(
+        spec, prompts, steps, guidance_scale, images, masks
+    )
     offset = codebook_offset(processor, spec)
-    if spec.layout == "system_user_grid":
+    if editing:
+        image_guidance = spec.image_guidance_scale
+        if image_guidance_scale is not None:
+            image_guidance = image_guidance_scale
+        if not isinstance(image_guidance, (int, float)) or not image_guidance >= 0:
+            raise SettingsError(
+                f"image_guidance_scale must be a number >= 0, got {image_guidance_scale!r}"
+            )
+        size = None if width is None and height is None else (width, height)
+        layout, (rows, cols) = edit_layout(
+            processor, spec, vq, prompts, images, size, offset, image_guidance
+        )
+    elif spec.layout == "system_user_grid":
+        rows, cols = grid(spec, vq, width, height)
         layout = grid_layout(processor, spec, prompts, (rows, cols))
     else:
+        rows, cols = grid(spec, vq, width, height)
         codes = start_codes(vq, images, masks, rows, cols)
-        ids, pads = t2i_rows(processor, spec, prompts, n_tokens, codes, offset)
-        blank, uncond_pads = t2i_rows(processor, spec, [""] * len(prompts), n_tokens)
+        ids, pads = t2i_rows(processor, spec, prompts, rows * cols, codes, offset)
+        blank, uncond_pads = t2i_rows(processor, spec, [""] * len(prompts), rows * cols)
         text_len = spec.max_text_len + 1
         layout = dict(
             ids=ids,
@@ -241,11 +291,11 @@ def decoder_for(
             uncond_pads=uncond_pads,
             text_len=text_len,
         )
-    if guidance_scale == 0:
+    if guidance_scale == 0 and not layout.get("extra_uncond"):
         layout.update(uncond_prefix=None, uncond_pads=())
     decoder = ImageDecoder(
         model,
-        n_tokens=n_tokens,
+        n_tokens=rows * cols,
         offset=offset,
         codebook_size=spec.codebook_size,
         mask_token_id=spec.mask_token_id,
@@ -278,6 +328,8 @@ def stream_batch(
     max_text_len: Optional[int] = None,
     images: Optional[Sequence[Any]] = None,
     masks: Optional[Sequence[Any]] = None,
+    image_guidance_scale: Optional[float] = None,
+    edit_side: Optional[int] = None,
     vq_model=None,
     draws: Optional[Draws] = None,
     on_step: Optional[Callable[[int, int], None]] = None,
@@ -286,14 +338,21 @@ def stream_batch(
 
         `seed`: row i draws from `seed + i` (or `seed[i]`); `max_text_len`: the prompt's text columns
         less one (the reference's max_seq_length, 512); `images` / `masks` (one a prompt, None for
-    none): inpainting, the image encoded, the tokens under the mask's white cells decoded; `vq_model`: a MAGVITv2 or its folder (default:
-        the checkpoint's vq_model/); `draws`: the step's uniforms instead of seeded ones (tests);
+    none): inpainting, the image encoded, the tokens under the mask's white cells decoded; for a
+        model that edits (image_spec.edits), `images` alone: each image edited by its prompt, with
+        `image_guidance_scale` (the guidance against the prompt without the image) and
+        `edit_side` (the crops' largest square side, 512; a multiple of 32); `vq_model`: a
+        VQ model of the spec's kind or its folder (default: the checkpoint's); `draws`: the step's uniforms instead of seeded ones (tests);
         `on_step(step, steps)`: called after every step (a progress bar), images decoded or not."""
     spec = image_spec_of(model)
     if max_text_len is not None:
         if not isinstance(max_text_len, int) or max_text_len < 1:
             raise SettingsError(f"max_text_len must be a positive integer, got {max_text_len!r}")
         spec = replace(spec, max_text_len=max_text_len)
+    if edit_side is not None:
+        if not isinstance(edit_side, int) or edit_side < 32 or edit_side % 32:
+            raise SettingsError(f"edit_side must be a positive multiple of 32, got {edit_side!r}")
+        spec = replace(spec, edit_side=edit_side)
     if not isinstance(every, int) or every < 1:
         raise SettingsError(f"every must be a positive integer, got {every!r}")
     if isinstance(prompts, str):
@@ -311,6 +370,7 @@ def stream_batch(
         guidance_scale,
         images,
         masks,
+        image_guidance_scale,
     )
     if draws is None:
         entries = spec.codebook_size if STEP_RULES[spec.rule][1] else None

@@ -207,7 +207,7 @@ def test_defaults_and_refusals(loaded):
     assert (spec.steps, spec.guidance_scale, spec.temperature) == (64, 4.0, 1.0)
     assert (spec.codebook_size, spec.num_vq_tokens, spec.vq_subfolder) == (8192, 4096, "vqvae")
     blank = np.zeros((16, 16, 3), np.uint8)
-    with pytest.raises(SettingsError, match="no inpainting or editing"):
+    with pytest.raises(SettingsError, match="no inpainting here"):
         generate_image(model, tok, "a cat", image=blank, mask=blank, width=16, height=16)
     with pytest.raises(SettingsError, match="not a multiple of 4"):
         generate_image(model, tok, "a cat", width=18, height=16)

@@ -90,7 +90,7 @@ def test_server_returns_a_decodable_png_of_the_requested_size(ckpt, loaded):
         assert [(i.format, i.size) for i in images] == [("PNG", (32, 16))] * 2
         want = generate_image(*loaded, "a red cat", width=32, height=16, steps=2, seed=4)
         np.testing.assert_array_equal(np.asarray(images[0].convert("RGB")), np.asarray(want))
-        with pytest.raises(openai.BadRequestError, match="no inpainting or editing"):
+        with pytest.raises(openai.BadRequestError, match="no inpainting here"):
             client.images.edit(
                 image=("in.png", png(16), "image/png"),
                 mask=("mask.png", png(16), "image/png"),

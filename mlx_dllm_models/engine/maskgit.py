@@ -79,6 +79,7 @@ class ImageDecoder:
         uncond_pads: Sequence[int] = (),
         columns: Optional[Sequence[int]] = None,
         rule: str = "muse",
+        extra_uncond: Sequence[Tuple[mx.array, Sequence[int], float]] = (),
     ):
         self.model = model
         self.ids = ids
@@ -90,6 +91,9 @@ class ImageDecoder:
         self.text_len = text_len
         self.uncond_prefix = uncond_prefix
         self.uncond_pads = list(uncond_pads)
+        # Further unconditional rows (prefix, pads, scale): Lumina-DiMOO's editing guides against
+        # the prompt without the image too, `c + g (c - u) + g_img (c - u_img)`.
+        self.extra_uncond = list(extra_uncond)
         L = ids.shape[1]
         if columns is None:
             columns = range(L - n_tokens - 1, L - 1)
@@ -109,20 +113,30 @@ class ImageDecoder:
     def logits(self, guidance_scale: float) -> mx.array:
         """(B, N, C) guided codebook logits of the image columns."""
         B, L = self.ids.shape
-        guide = self.uncond_prefix is not None and guidance_scale > 0
-        batch, pads = self.ids, self.pads
-        if guide:
-            uncond = mx.concatenate([self.uncond_prefix, self.ids[:, self.text_len :]], axis=1)
-            batch = mx.concatenate([self.ids, uncond], axis=0)
-            pads = self.pads + self.uncond_pads
+        uncond = []
+        if self.uncond_prefix is not None:
+            uncond = [(self.uncond_prefix, self.uncond_pads, guidance_scale)] + self.extra_uncond
+            if not any(scale > 0 for _, _, scale in uncond):
+                uncond = []
+        image = self.ids[:, self.text_len :]
+        batch = mx.concatenate(
+            [self.ids] + [mx.concatenate([prefix, image], axis=1) for prefix, _, _ in uncond]
+        )
+        pads = self.pads + [p for _, row_pads, _ in uncond for p in row_pads]
         logits = self.model(batch, mask=padding_mask(pads, L), head_span=self.span)
         self.nfe += 1
         if self.gather is not None:
             logits = mx.take(logits, self.gather, axis=1)
         logits = logits[..., self.offset : self.offset + self.codebook_size].astype(mx.float32)
-        if guide:
+        if not uncond:
+            return logits
+        if len(uncond) == 1:
             return guided(logits[:B], logits[B:], guidance_scale)
-        return logits
+        cond = logits[:B]
+        out = cond
+        for i, (_, _, scale) in enumerate(uncond, start=1):
+            out = out + scale * (cond - logits[i * B : (i + 1) * B])
+        return out
 
     def run(
         self, *, steps: int, guidance_scale: float, temperature: float, draws: Draws

@@ -38,6 +38,20 @@ CODEBOOK_SIZE = 8192
 SYSTEM_PROMPT = "Generate an image according to the text prompt."
 TEXT_TEMPLATE = "<system>" + SYSTEM_PROMPT + "</system><user>{}</user>"
 UNCOND_TEXT = "<system>" + SYSTEM_PROMPT + "</system><user><uncondition></user>"
+# utils/prompt_utils.py's generate_image_to_image_prompt for edit types "edit_*"; inference_i2i.py's
+# argparse defaults (cfg_scale 2.5, cfg_img 4.0, as its README runs them) and crops of at most
+# 512 x 512.
+EDIT_PROMPT = (
+    "Generate an image applying the following editing instruction based on the original image."
+)
+EDIT_DEFAULTS = {
+    "edits": True,
+    "edit_template": "<system>" + EDIT_PROMPT + "</system><user>{}</user>",
+    "edit_uncond_text": "<system>" + EDIT_PROMPT + "</system><user><uncondition></user>",
+    "edit_guidance_scale": 2.5,
+    "image_guidance_scale": 4.0,
+    "edit_side": 512,
+}
 
 # inference_t2i.py's argparse defaults (its README command passes the same timesteps and cfg).
 IMAGE_DEFAULTS = {
@@ -82,4 +96,5 @@ def image_spec(args) -> Optional[ImageSpec]:
         uncond_text=UNCOND_TEXT,
         inpaints=False,
         **IMAGE_DEFAULTS,
+        **EDIT_DEFAULTS,
     )

@@ -9,8 +9,9 @@ Decoding codes as Lumina-DiMOO's decode_vq_to_image does: `decode(codes, force_n
 shape=(1, h, w, latent_channels))` looks the codes up in the codebook (lookup_from_codebook),
 then post_quant_conv and the decoder; the pixels are clipped to [0, 1] and VaeImageProcessor
 (do_normalize=False) rounds x255. The downsampling factor is 2 ** (len(block_out_channels) - 1),
-16 for aMUSEd's five levels. Only the decoder is built: the released code encodes no image for
-text-to-image (its editing, which does, is not implemented here).
+16 for aMUSEd's five levels. Encoding an image (editing) as encode_img_with_breaks does:
+`encode(x).latents` (the encoder, quant_conv) of pixels in [0, 1], then the quantizer's nearest
+codebook entry (VectorQuantizer: the argmin of the Euclidean distance).
 """
 
 import json
@@ -173,6 +174,54 @@ class Decoder(nn.Module):
         return self.conv_out(nn.silu(self.conv_norm_out(h)))
 
 
+class Downsampler(nn.Module):
+    """Downsample2D with padding 0: a zero row and column after the pixels, a stride-2 conv."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
+
+    def __call__(self, x):
+        return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))
+
+
+class DownBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, n: int, groups: int, downsample: bool):
+        super().__init__()
+        self.resnets = [Resnet(cin if j == 0 else cout, cout, groups) for j in range(n)]
+        self.downsamplers = [Downsampler(cout)] if downsample else []
+
+    def __call__(self, x):
+        for block in self.resnets:
+            x = block(x)
+        for down in self.downsamplers:
+            x = down(x)
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, c: VQConfig):
+        super().__init__()
+        channels, g = list(c.block_out_channels), c.norm_num_groups
+        self.conv_in = conv(3, channels[0])
+        blocks, prev = [], channels[0]
+        for i, out in enumerate(channels):
+            last = i == len(channels) - 1
+            blocks.append(DownBlock(prev, out, c.layers_per_block, g, not last))
+            prev = out
+        self.down_blocks = blocks
+        self.mid_block = MidBlock(channels[-1], g, c.mid_block_add_attention)
+        self.conv_norm_out = group_norm(g, channels[-1])
+        self.conv_out = conv(channels[-1], c.latent_channels)
+
+    def __call__(self, x):
+        h = self.conv_in(x)
+        for block in self.down_blocks:
+            h = block(h)
+        h = self.mid_block(h)
+        return self.conv_out(nn.silu(self.conv_norm_out(h)))
+
+
 class Quantizer(nn.Module):
     def __init__(self, c: VQConfig):
         super().__init__()
@@ -183,6 +232,8 @@ class VQModel(nn.Module):
     def __init__(self, config: VQConfig):
         super().__init__()
         self.config = config
+        self.encoder = Encoder(config)
+        self.quant_conv = conv(config.latent_channels, config.embed_dim, 1)
         self.quantize = Quantizer(config)
         self.post_quant_conv = conv(config.embed_dim, config.latent_channels, 1)
         self.decoder = Decoder(config)
@@ -206,15 +257,21 @@ class VQModel(nn.Module):
         return self.decoder(self.post_quant_conv(z))
 
     def get_code(self, pixels: mx.array) -> mx.array:
-        raise NotImplementedError(
-            f"{NAME}: encoding an image is not built (Lumina-DiMOO's editing is not implemented)"
+        """(B, H, W, 3) pixels in [0, 1] -> (B, N) code indices, row by row."""
+        z = self.quant_conv(self.encoder(pixels.astype(mx.float32)))
+        B = z.shape[0]
+        flat = z.reshape(-1, z.shape[-1])
+        book = self.quantize.embedding.weight.astype(mx.float32)
+        distance = (
+            (flat * flat).sum(axis=-1, keepdims=True)
+            - 2 * flat @ book.T
+            + (book * book).sum(axis=-1)[None]
         )
+        return mx.argmin(distance, axis=-1).astype(mx.int32).reshape(B, -1)
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         out = {}
         for key, value in weights.items():
-            if key.startswith(("encoder.", "quant_conv.")):
-                continue  # encoding is not built (module docstring)
             if value.ndim == 4:
                 if "attentions" in key:  # an old diffusers save: 1x1 convs for the projections
                     value = value[:, :, 0, 0]

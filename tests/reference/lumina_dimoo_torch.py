@@ -11,6 +11,12 @@ parity tests.
   draws them over the masked positions only, the masked positions' rows are taken, in order.
   Returns the final codes and every step's (sampled codes of every position, masking).
   The model is called unpadded, cond and uncond apart, as the reference calls it.
+* `i2i_prompt` / `generate_i2i`: scripts/inference_i2i.py's sequences for an "edit_*" type
+  (utils/prompt_utils.py's generate_image_to_image_prompt, encode_img_with_breaks) and
+  generators/image_to_image_generator.py's generate_i2i (text and image guidance, three
+  forwards a step), draws as generate_image's.
+* `vq_encode`: diffusers' VQModel encode (Encoder of DownEncoderBlock2D, quant_conv) and
+  VectorQuantizer's argmin of torch.cdist, of NCHW pixels in [0, 1].
 * `VQDecoder`: diffusers' VQModel decode (force_not_quantize=True with lookup_from_codebook:
   the codebook look-up, post_quant_conv, the VAE Decoder of UpDecoderBlock2D / UNetMidBlock2D /
   ResnetBlock2D / Attention), NCHW, functional over the state dict.
@@ -41,6 +47,32 @@ def t2i_prompt(tokenizer, text, H, W, ids, mask_id):
     image = add_break_line([mask_id] * (H * W), H, W, ids["newline_token"])
     pred = [ids["answer_start"], ids["boi"]] + image + [ids["eoi"], ids["answer_end"]]
     return torch.tensor([con + pred]), torch.tensor([uncon]), len(con) + 2
+
+
+EDIT_SYSTEM = (
+    "Generate an image applying the following editing instruction based on the original image."
+)
+
+
+def i2i_prompt(tokenizer, text, codes, H, W, ids, mask_id, offset):
+    """(con_input (1, L), uncon_input_text, uncon_input_image, code_start) for an edit type."""
+    input_prompt = "<system>" + EDIT_SYSTEM + "</system>" + "<user>" + text + "</user>"
+    uncon_prompt = "<system>" + EDIT_SYSTEM + "</system>" + "<user>" + "<uncondition>" + "</user>"
+    prompt_ids = tokenizer(input_prompt)["input_ids"]
+    uncon_text_ids = tokenizer(uncon_prompt)["input_ids"]
+    img = add_break_line([int(c) + offset for c in codes], H, W, ids["newline_token"])
+    img = [ids["boi"]] + img + [ids["eoi"]]
+    con = prompt_ids[:-1] + img + prompt_ids[-1:]
+    uncon_text = uncon_text_ids[:-1] + img + uncon_text_ids[-1:]
+    grid = add_break_line([mask_id] * (H * W), H, W, ids["newline_token"])
+    pred = [ids["answer_start"], ids["boi"]] + grid + [ids["eoi"], ids["answer_end"]]
+    code_start = len(con) + 2
+    return (
+        torch.tensor([con + pred]),
+        torch.tensor([uncon_text]),
+        torch.tensor([prompt_ids]),
+        code_start,
+    )
 
 
 def cosine_schedule(t):
@@ -79,9 +111,12 @@ def generate_image(
     code_start,
     codebook_size,
     draws,
+    cfg_img=None,
+    uncon_image=None,
 ):
     """`forward(ids (1, L)) -> float32 logits (1, L, V)`; the text vocabulary is inferred as the
-    reference does (the logits' width less the codebook)."""
+    reference does (the logits' width less the codebook). With `cfg_img` (and `uncon_image`), the
+    step's logits are generate_i2i's."""
     x = prompt.clone()
     B = 1
     vq_mask = x == mask_token_id
@@ -102,7 +137,11 @@ def generate_image(
         at = torch.isin(image_cols, torch.nonzero(vq_mask[0])[:, 0])  # the masked among them
         u_sample, u_gumbel = u_sample[at][None], u_gumbel[at][None]
         window = slice(vocab_offset, vocab_offset + codebook_size)
-        if cfg_scale > 0:
+        if cfg_img is not None:
+            logits = i2i_logits(
+                forward, x, vq_mask, window, uncon_ids, uncon_image, code_start, cfg_scale, cfg_img
+            )
+        elif cfg_scale > 0:
             uncond = torch.cat((uncon_ids, x[:, code_start - 2 :]), axis=1)
             uncond_vq_mask = torch.cat(
                 (
@@ -133,6 +172,21 @@ def generate_image(
     vq_ids = x[0, code_start:-2]
     vq_ids = vq_ids[vq_ids != newline_id].view(1, seq_len)
     return vq_ids - vocab_offset, steps
+
+
+def i2i_logits(forward, x, vq_mask, window, uncon_text, uncon_image, code_start, cfg, cfg_img):
+    """generate_i2i's guided logits of a step."""
+    if not (cfg > 0 or cfg_img > 0):
+        return forward(x)[:, vq_mask[0], window]
+    tail, tail_mask = x[:, code_start - 2 :], vq_mask[:, code_start - 2 :]
+    uncond_text = torch.cat((uncon_text, tail), dim=1)
+    text_mask = torch.cat((torch.zeros((1, uncon_text.size(1)), dtype=torch.bool), tail_mask), 1)
+    uncond_img = torch.cat((uncon_image, tail), dim=1)
+    img_mask = torch.cat((torch.zeros((1, uncon_image.size(1)), dtype=torch.bool), tail_mask), 1)
+    cond = forward(x)[:, vq_mask[0], window]
+    u_text = forward(uncond_text)[:, text_mask[0], window]
+    u_img = forward(uncond_img)[:, img_mask[0], window]
+    return cond + cfg * (cond - u_text) + cfg_img * (cond - u_img)
 
 
 # ----------------------------------------------------------------------------- the VQ decoder
@@ -200,3 +254,30 @@ def to_pixels(sample):
     NHWC uint8 of round(x * 255)."""
     arr = sample.clip(0, 1).permute(0, 2, 3, 1).numpy()
     return (arr * 255).round().astype("uint8")
+
+
+def _downsample(w, name, x):
+    return F.conv2d(F.pad(x, (0, 1, 0, 1)), w[name + ".weight"], w[name + ".bias"], stride=2)
+
+
+def vq_encode(config, weights, pixels):
+    """VQModel.encode(x).latents and quantize(latents)[2][2]: (B, h * w) codes of NCHW `pixels`
+    in [0, 1]."""
+    w = {k: torch.from_numpy(v).float() for k, v in weights.items()}
+    g, n = config["norm_num_groups"], len(config["block_out_channels"])
+    x = _conv(w, "encoder.conv_in", pixels)
+    for i in range(n):
+        for j in range(config["layers_per_block"]):
+            x = _resnet(w, f"encoder.down_blocks.{i}.resnets.{j}", x, g)
+        if i < n - 1:
+            x = _downsample(w, f"encoder.down_blocks.{i}.downsamplers.0.conv", x)
+    x = _resnet(w, "encoder.mid_block.resnets.0", x, g)
+    if config.get("mid_block_add_attention", True):
+        x = _attention(w, "encoder.mid_block.attentions.0", x, g)
+    x = _resnet(w, "encoder.mid_block.resnets.1", x, g)
+    x = _conv(w, "encoder.conv_out", F.silu(_norm(w, "encoder.conv_norm_out", x, g)))
+    z = _conv(w, "quant_conv", x, padding=0)
+    B = z.shape[0]
+    flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+    codes = torch.argmin(torch.cdist(flat, w["quantize.embedding.weight"]), dim=1)
+    return codes.view(B, -1)
