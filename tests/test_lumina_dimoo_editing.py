@@ -61,14 +61,7 @@ def test_encoder_codes_match_diffusers_encode(ckpt):
 
 
 def numpy_draws(batch, n_tokens, seed=0):
-    def draws(step):
-        rng = np.random.default_rng([seed, step])
-        return (
-            rng.random((batch, n_tokens, CODEBOOK), dtype=np.float32),
-            rng.random((batch, n_tokens), dtype=np.float32),
-        )
-
-    return draws
+    return ref.numpy_draws(batch, n_tokens, CODEBOOK, seed)
 
 
 def edit_decoder(loaded, pictures, guidance, image_guidance):

@@ -43,16 +43,7 @@ ckpt, loaded = checkpoint_fixtures("lumina_dimoo", build_lumina_dimoo)
 
 
 def numpy_draws(batch, n_tokens, seed=0):
-    """Per row and step: (N, C) sampling uniforms and (N,) gumbel uniforms (float32)."""
-
-    def draws(step):
-        rng = np.random.default_rng([seed, step])
-        return (
-            rng.random((batch, n_tokens, CODEBOOK), dtype=np.float32),
-            rng.random((batch, n_tokens), dtype=np.float32),
-        )
-
-    return draws
+    return ref.numpy_draws(batch, n_tokens, CODEBOOK, seed)
 
 
 def decoder(loaded, prompts, guidance):

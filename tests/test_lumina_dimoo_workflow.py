@@ -1,7 +1,8 @@
 """Lumina-DiMOO as a checkpoint and through the CLI and the server: it loads as model_type "llada"
 (its class subclasses LLaDAModelLM) with LLaDA 8B's text logits, plain `python -m mlx_lm convert`
 keeps its `vqvae/` folder and image, `mlx_dllm generate --image-out` writes a PNG of the asked
-size in a fresh process, and `/v1/images/generations` returns one (openai client)."""
+size in a fresh process, and `/v1/images/generations` returns one (openai client); an image alone is edited by the CLI and by
+`/v1/images/edits`."""
 
 import base64
 import io
@@ -77,6 +78,27 @@ def test_cli_writes_a_png_of_the_requested_size(ckpt, tmp_path):
     assert done.returncode == 0, done.stderr
     assert Image.open(out).size == (24, 16)
     assert "24x16" in done.stdout and "2 steps" in done.stdout
+    photo(16).save(tmp_path / "in.png")
+    edited = tmp_path / "edited.png"
+    done = run_cli(
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "add a red hat",
+        "--image",
+        str(tmp_path / "in.png"),
+        "--image-out",
+        str(edited),
+        "--edit-side",
+        "32",
+        "--image-guidance-scale",
+        "2.0",
+        "--steps",
+        "1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert Image.open(edited).size == (32, 32) and "1 steps" in done.stdout
 
 
 @pytest.mark.slow
@@ -90,6 +112,18 @@ def test_server_returns_a_decodable_png_of_the_requested_size(ckpt, loaded):
         assert [(i.format, i.size) for i in images] == [("PNG", (32, 16))] * 2
         want = generate_image(*loaded, "a red cat", width=32, height=16, steps=2, seed=4)
         np.testing.assert_array_equal(np.asarray(images[0].convert("RGB")), np.asarray(want))
+        picture = photo(16)
+        edited = client.images.edit(
+            image=("in.png", encoded(picture), "image/png"),
+            prompt="add a red hat",
+            extra_body={"steps": 2, "seed": 3, "edit_side": 32},
+        )
+        got = Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json)))
+        assert (got.format, got.size) == ("PNG", (32, 32))
+        want = generate_image(
+            *loaded, "add a red hat", image=picture, steps=2, seed=3, edit_side=32
+        )
+        np.testing.assert_array_equal(np.asarray(got.convert("RGB")), np.asarray(want))
         with pytest.raises(openai.BadRequestError, match="no inpainting here"):
             client.images.edit(
                 image=("in.png", png(16), "image/png"),
@@ -100,6 +134,15 @@ def test_server_returns_a_decodable_png_of_the_requested_size(ckpt, loaded):
 
 
 def png(size) -> bytes:
+    return encoded(Image.fromarray(np.zeros((size, size, 4), np.uint8)))
+
+
+def encoded(image) -> bytes:
     out = io.BytesIO()
-    Image.fromarray(np.zeros((size, size, 4), np.uint8)).save(out, format="PNG")
+    image.save(out, format="PNG")
     return out.getvalue()
+
+
+def photo(size):
+    rng = np.random.default_rng(size)
+    return Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8))

@@ -24,6 +24,7 @@ parity tests.
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +32,20 @@ TEMPLATE = "<system>Generate an image according to the text prompt.</system><use
 UNCOND = (
     "<system>Generate an image according to the text prompt.</system><user><uncondition></user>"
 )
+
+
+def numpy_draws(batch, n_tokens, codebook_size, seed=0):
+    """The uniforms both sides take in the parity tests: per row and step, (N, C) for the
+    gumbel-max sample and (N,) for mask_by_random_topk's noise (float32)."""
+
+    def draws(step):
+        rng = np.random.default_rng([seed, step])
+        return (
+            rng.random((batch, n_tokens, codebook_size), dtype=np.float32),
+            rng.random((batch, n_tokens), dtype=np.float32),
+        )
+
+    return draws
 
 
 def add_break_line(sequence, H, W, new_number):
