@@ -56,7 +56,7 @@ def image_spec_of(model) -> ImageSpec:
         name = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
         raise SettingsError(
             f"{name} cannot generate images: image generation needs a unified multimodal model "
-            "that writes images as tokens (MMaDA)"
+            "that writes images as tokens (MMaDA, Lumina-DiMOO)"
         )
     return spec
 
