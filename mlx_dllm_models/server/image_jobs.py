@@ -63,7 +63,7 @@ class ImageQueue:
             self.refusal = "a sharded server generates no images: serve the model on one machine"
         elif self.spec is None:
             name = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
-            self.refusal = f"{name} cannot generate images: it writes no image tokens (MMaDA and Lumina-DiMOO do)"
+            self.refusal = f"{name} cannot generate images: it writes no image tokens (MMaDA does)"
         else:
             try:
                 self.vq = resolve_vq_model(tokenizer, self.spec)
