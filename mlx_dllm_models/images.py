@@ -193,6 +193,8 @@ def checked_settings(spec: ImageSpec, prompts, steps, guidance_scale, images, ma
             f"{spec.family}: no inpainting here (its released code has none): give the image "
             "alone, which the prompt edits"
         )
+    if not (spec.inpaints or spec.edits) and any(image is not None for image in images):
+        raise SettingsError(f"{spec.family}: no image input here: generate from text alone")
     if editing and any(image is None for image in images):
         raise SettingsError(f"{spec.family}: a batch edits an image in every row or in none")
     return steps, guidance_scale, editing
