@@ -1,6 +1,6 @@
 """`mlx_dllm generate --image-out OUT.png`: text-to-image (images.stream_batch) for a model that
-writes images as tokens (MMaDA), and inpainting with `--image IN.png --mask MASK.png` (white =
-repaint); `--trace OUT.html` writes a page of the image decoded after each step. `--steps`,
+writes images as tokens (MMaDA, Lumina-DiMOO), inpainting with `--image IN.png --mask MASK.png`
+(white = repaint; MMaDA) and editing with `--image IN.png` alone (Lumina-DiMOO); `--trace OUT.html` writes a page of the image decoded after each step. `--steps`,
 `--seed` and `--temp` are the settings flags generate already has; `--width`, `--height` and
 `--guidance-scale` are the text-to-image group's own. A flag that means nothing for an image is
 refused before the model loads."""
@@ -27,20 +27,23 @@ TEXT_ONLY = {
 # The text-to-image group's flags, which need --image-out.
 IMAGE_ONLY = {"mask": "--mask", "width": "--width", "height": "--height"}
 IMAGE_ONLY["guidance_scale"] = "--guidance-scale"
+IMAGE_ONLY["image_guidance_scale"] = "--image-guidance-scale"
+IMAGE_ONLY["edit_side"] = "--edit-side"
 
 
 def add_image_flags(parser):
     """generate's "text-to-image" group."""
     g = parser.add_argument_group(
         "text-to-image",
-        "models that write images as tokens (MMaDA); --steps, --seed and --temp apply",
+        "models that write images as tokens (MMaDA, Lumina-DiMOO); --steps, --seed and --temp "
+        "apply",
     )
     g.add_argument(
         "--image-out",
         default=None,
         metavar="OUT.png",
         help="generate an image of --prompt and write it to OUT.png (with --image and --mask: "
-        "inpaint the image)",
+        "inpaint the image; with --image alone: edit it, for a model that edits)",
     )
     g.add_argument(
         "--mask",
@@ -55,6 +58,18 @@ def add_image_flags(parser):
         type=float,
         default=None,
         help="classifier-free guidance (default: the model's)",
+    )
+    g.add_argument(
+        "--image-guidance-scale",
+        type=float,
+        default=None,
+        help="editing: the guidance against the prompt without the image (default: the model's)",
+    )
+    g.add_argument(
+        "--edit-side",
+        type=int,
+        default=None,
+        help="editing: the side of the largest square crop of --image (default: the model's, 512)",
     )
 
 
@@ -76,7 +91,7 @@ def refusal(args):
         return "--image-out needs --prompt: the text of the image"
     if args.image is not None and len(args.image) > 1:
         return "--image-out inpaints one --image"
-    if (args.image is None) != (args.mask is None):
+    if args.mask is not None and args.image is None:
         return "inpainting takes both --image IN.png and --mask MASK.png (white = repaint)"
     if not Path(args.image_out).resolve().parent.is_dir():
         return f"--image-out {args.image_out}: no such folder"
@@ -130,10 +145,14 @@ def image_main(args) -> int:
     overrides = chosen_settings(args)
     kwargs = {key: overrides[name] for key, name in IMAGE_SETTINGS.items() if name in overrides}
     kwargs.update(width=args.width, height=args.height, guidance_scale=args.guidance_scale)
+    for key in ("image_guidance_scale", "edit_side"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
     image = mask = None
     if args.image is not None:
         image = open_picture(args.image[0], "--image").convert("RGB")
-        mask = open_picture(args.mask, "--mask")
+        if args.mask is not None:
+            mask = open_picture(args.mask, "--mask")
     model, processor = load_for_cli(args, weights=False)
     try:
         image_spec_of(model)

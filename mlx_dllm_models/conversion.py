@@ -39,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 from .errors import CheckpointError
-from .image_spec import VQ_SUBFOLDER
+from .image_spec import VQ_SUBFOLDERS
 from .registry import MODEL_TYPES, RETYPES
 
 # The JSON files of a converted checkpoint that may carry an `auto_map` to remote code.
@@ -224,15 +224,18 @@ def state_weights_dtype(mlx_path) -> None:
 
 
 def copy_vq_model(mlx_path, hf_path=None) -> bool:
-    """The image tokenizer's folder (a unified family's `vq_model/`: its own config.json and
-    weights, which mlx-lm's save does not know of) copied from a local source as it is."""
+    """The image tokenizer's folder (a unified family's `vq_model/` or `vqvae/`: its own
+    config.json and weights, which mlx-lm's save does not know of) copied from a local source as
+    it is."""
     if hf_path is None:
         return False
-    src = Path(hf_path) / VQ_SUBFOLDER
-    if not (src / "config.json").is_file():
-        return False
-    shutil.copytree(src, Path(mlx_path) / VQ_SUBFOLDER, dirs_exist_ok=True)
-    return True
+    copied = False
+    for name in VQ_SUBFOLDERS:
+        src = Path(hf_path) / name
+        if (src / "config.json").is_file():
+            shutil.copytree(src, Path(mlx_path) / name, dirs_exist_ok=True)
+            copied = True
+    return copied
 
 
 def finish_conversion(mlx_path, hf_path=None) -> Path:

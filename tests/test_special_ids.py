@@ -22,10 +22,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 from fixtures import all_checkpoints, build_once
+from fixtures.lumina_dimoo import VOCAB as LUMINA_DIMOO_VOCAB
 from mlx_dllm_models import load
 
 BUILDERS = all_checkpoints()
-VOCAB = 320  # every fixture's vocabulary
+VOCAB = 320  # every fixture's vocabulary but those at their model's real ids:
+REAL_ID_VOCABS = {"lumina_dimoo": LUMINA_DIMOO_VOCAB}
 
 # (fixture, config key, bad value); a dotted key is nested (text_config.pad_token_id).
 BAD_IDS = [
@@ -178,8 +180,9 @@ def test_out_of_range_mask_fails_cleanly_in_a_fresh_process(fresh_processes, nam
 def test_fixtures_load(checkpoint, name):
     model, _ = load(checkpoint(name))
     spec = model.diffusion_spec
-    assert all(0 <= e < VOCAB for e in spec.eos_token_ids)
-    assert spec.mask_token_id is None or 0 <= spec.mask_token_id < VOCAB
+    vocab = REAL_ID_VOCABS.get(name, VOCAB)
+    assert all(0 <= e < vocab for e in spec.eos_token_ids)
+    assert spec.mask_token_id is None or 0 <= spec.mask_token_id < vocab
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,16 @@
-"""The text-to-image loop of the unified families (MMaDA's t2i_generate): every step one forward
-over the whole prompt (with the unconditional rows beside the conditional ones under guidance),
-the image columns' codebook logits, then decoding.maskgit's step.
+"""The text-to-image loop of the unified families (MMaDA's t2i_generate, Lumina-DiMOO's
+generate_image): every step one forward over the whole prompt (with the unconditional rows beside
+the conditional ones under guidance), the image columns' codebook logits, then the step rule the
+image spec names (STEP_RULES: decoding.maskgit's or decoding.gumbel_maskgit's).
 
-The token layout is the caller's (images.py builds UniversalPrompting's): each row is its text
-part (`text_len` columns, left-padded), then `<|soi|>`, the N image columns and `<|eoi|>`. The
-unconditional rows keep their own text part and take the conditional rows' current image columns
-at every step, as the reference rebuilds them.
+The token layout is the caller's (images.py): each row is its text part (`text_len` columns,
+left-padded), then the image part, whose N image columns sit at `columns` (by default the N
+columns before the last). The unconditional rows keep their own text part and take the
+conditional rows' current image part at every step, as both references rebuild them.
 
 Draws: each row draws its uniforms from its own key (split once per step), so a row of a batch
-samples as it would alone; tests inject the reference's draws instead (`draws`).
+samples as it would alone; tests inject the reference's draws instead (`draws`). A rule whose
+sampling takes a uniform per codebook entry (gumbel-max) draws (B, N, C) of them.
 """
 
 from dataclasses import dataclass
@@ -16,13 +18,22 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..decoding.gumbel_maskgit import gumbel_max_step
 from ..decoding.maskgit import guided, maskgit_step
 from ..decoding.stats import uniform
 from ..masks import padding_mask
 from .base import split_rows
 
-# step -> (multinomial uniforms (B, N), gumbel uniforms (B, N))
+# step -> (sampling uniforms (B, N), or (B, N, C) for gumbel-max; gumbel uniforms (B, N))
 Draws = Callable[[int], Tuple[mx.array, mx.array]]
+
+
+def muse_step(logits, tokens, known, step, steps, temperature, u_sample, u_gumbel, initial):
+    return maskgit_step(logits, tokens, known, step, steps, temperature, u_sample, u_gumbel)
+
+
+# ImageSpec.rule -> (the step, whether its sampling draws a uniform per codebook entry)
+STEP_RULES = {"muse": (muse_step, False), "gumbel_max": (gumbel_max_step, True)}
 
 
 @dataclass
@@ -36,14 +47,16 @@ class ImageStep:
     masking: mx.array
 
 
-def seeded_draws(seeds: Sequence[int], n_tokens: int) -> Draws:
-    """Per-row draws from `seeds` (row b from its own key)."""
+def seeded_draws(seeds: Sequence[int], n_tokens: int, entries: Optional[int] = None) -> Draws:
+    """Per-row draws from `seeds` (row b from its own key); the sampling uniforms (B, N, entries)
+    when `entries` is given."""
     state = {"keys": mx.stack([mx.random.key(int(s)) for s in seeds])}
     shape = (len(seeds), n_tokens)
+    sample_shape = shape if entries is None else shape + (entries,)
 
     def draws(step: int):
         state["keys"], sample_keys, gumbel_keys = split_rows(state["keys"], 3)
-        return uniform(sample_keys, shape), uniform(gumbel_keys, shape)
+        return uniform(sample_keys, sample_shape), uniform(gumbel_keys, shape)
 
     return draws
 
@@ -64,6 +77,9 @@ class ImageDecoder:
         text_len: int,
         uncond_prefix: Optional[mx.array] = None,
         uncond_pads: Sequence[int] = (),
+        columns: Optional[Sequence[int]] = None,
+        rule: str = "muse",
+        extra_uncond: Sequence[Tuple[mx.array, Sequence[int], float]] = (),
     ):
         self.model = model
         self.ids = ids
@@ -75,38 +91,65 @@ class ImageDecoder:
         self.text_len = text_len
         self.uncond_prefix = uncond_prefix
         self.uncond_pads = list(uncond_pads)
+        # Further unconditional rows (prefix, pads, scale): Lumina-DiMOO's editing guides against
+        # the prompt without the image too, `c + g (c - u) + g_img (c - u_img)`.
+        self.extra_uncond = list(extra_uncond)
         L = ids.shape[1]
-        self.span = (L - n_tokens - 1, L - 1)
+        if columns is None:
+            columns = range(L - n_tokens - 1, L - 1)
+        columns = [int(c) for c in columns]
+        if len(columns) != n_tokens:
+            raise ValueError(f"{len(columns)} image columns for {n_tokens} image tokens")
+        self.columns = mx.array(columns, dtype=mx.int32)
+        self.span = (columns[0], columns[-1] + 1)
+        # The head runs over the span; where other tokens sit between the image columns
+        # (Lumina-DiMOO's row ends), the columns are gathered from it.
+        self.gather = None
+        if columns != list(range(*self.span)):
+            self.gather = self.columns - columns[0]
+        self.step_rule, self.per_entry = STEP_RULES[rule]
         self.nfe = 0
 
     def logits(self, guidance_scale: float) -> mx.array:
         """(B, N, C) guided codebook logits of the image columns."""
         B, L = self.ids.shape
-        guide = self.uncond_prefix is not None and guidance_scale > 0
-        batch, pads = self.ids, self.pads
-        if guide:
-            uncond = mx.concatenate([self.uncond_prefix, self.ids[:, self.text_len :]], axis=1)
-            batch = mx.concatenate([self.ids, uncond], axis=0)
-            pads = self.pads + self.uncond_pads
+        uncond = []
+        if self.uncond_prefix is not None:
+            uncond = [(self.uncond_prefix, self.uncond_pads, guidance_scale)] + self.extra_uncond
+            if not any(scale > 0 for _, _, scale in uncond):
+                uncond = []
+        image = self.ids[:, self.text_len :]
+        batch = mx.concatenate(
+            [self.ids] + [mx.concatenate([prefix, image], axis=1) for prefix, _, _ in uncond]
+        )
+        pads = self.pads + [p for _, row_pads, _ in uncond for p in row_pads]
         logits = self.model(batch, mask=padding_mask(pads, L), head_span=self.span)
         self.nfe += 1
+        if self.gather is not None:
+            logits = mx.take(logits, self.gather, axis=1)
         logits = logits[..., self.offset : self.offset + self.codebook_size].astype(mx.float32)
-        if guide:
+        if not uncond:
+            return logits
+        if len(uncond) == 1:
             return guided(logits[:B], logits[B:], guidance_scale)
-        return logits
+        cond = logits[:B]
+        out = cond
+        for i, (_, _, scale) in enumerate(uncond, start=1):
+            out = out + scale * (cond - logits[i * B : (i + 1) * B])
+        return out
 
     def run(
         self, *, steps: int, guidance_scale: float, temperature: float, draws: Draws
     ) -> Iterator[ImageStep]:
-        start, stop = self.span
         # Columns that hold an image token are given (inpainting) and kept, as the reference's
         # unknown_map reads them from input_ids.
-        columns = self.ids[:, start:stop]
+        columns = mx.take(self.ids, self.columns, axis=1)
         known = columns != self.mask_token_id
+        initial = (~known).sum(axis=-1)
         tokens = mx.where(known, columns - self.offset, 0).astype(mx.int32)
         for step in range(steps):
             u_sample, u_gumbel = draws(step)
-            sampled, masking, temperature = maskgit_step(
+            sampled, masking, temperature = self.step_rule(
                 self.logits(guidance_scale),
                 tokens,
                 known,
@@ -115,11 +158,12 @@ class ImageDecoder:
                 temperature,
                 u_sample,
                 u_gumbel,
+                initial,
             )
             image = mx.where(masking, self.mask_token_id, sampled + self.offset)
-            self.ids = mx.concatenate(
-                [self.ids[:, :start], image.astype(self.ids.dtype), self.ids[:, stop:]], axis=1
-            )
+            ids = mx.array(self.ids)
+            ids[:, self.columns] = image.astype(ids.dtype)
+            self.ids = ids
             tokens, known = sampled, ~masking
             mx.eval(self.ids, tokens, known)
             yield ImageStep(step, steps, sampled, masking)

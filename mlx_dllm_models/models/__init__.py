@@ -17,6 +17,7 @@ The protocol every module follows (the engine relies on nothing else):
 * `Model.diffusion_spec` -> `mlx_dllm_models.spec.DiffusionSpec`, built from the config.
 * `Model.layers` (list of layers, for cache creation) and `Model.args`.
 * Optionally `Model.image_spec` -> `mlx_dllm_models.image_spec.ImageSpec`: a family that writes
-  images as tokens (MMaDA, whose image tokenizer is magvitv2.py's MAGVIT-v2, a module of no
-  model_type, as common.py or image_slots.py).
+  images as tokens (MMaDA, whose image tokenizer is magvitv2.py's MAGVIT-v2, and Lumina-DiMOO,
+  whose VQ-VAE is vqmodel.py's diffusers VQModel: modules of no model_type, as common.py or
+  image_slots.py; lumina_dimoo.py holds the image facts llada.Model gives its checkpoints).
 """

@@ -17,7 +17,7 @@ from mlx_lm.models import llama
 
 from ..settings_families import D3LLM_DEFAULTS
 from ..spec import BIDIRECTIONAL, MASK_COUNT_ELBO, SHARED_SAMPLERS, DiffusionSpec
-from . import llada_moe, sharding
+from . import llada_moe, lumina_dimoo, sharding
 from .common import (
     build_spec,
     cached_spec,
@@ -256,6 +256,12 @@ class Model(LLaDASpec, nn.Module):
     @property
     def layers(self):
         return self.model.layers
+
+    @property
+    def image_spec(self):
+        """Lumina-DiMOO's image facts when config.json names its class (models/lumina_dimoo.py);
+        None for LLaDA 8B, which writes no image tokens."""
+        return lumina_dimoo.image_spec(self.args)
 
     def sanitize(self, weights):
         origin = {_rename_olmo(k): k for k in weights}

@@ -29,7 +29,13 @@ from .fields import RequestError
 from .image_jobs import ImageJob
 
 MAX_N = 8
-OPTIONS = {"steps": int, "guidance_scale": float, "temperature": float}
+OPTIONS = {
+    "steps": int,
+    "guidance_scale": float,
+    "temperature": float,
+    "image_guidance_scale": float,
+    "edit_side": int,
+}
 FIELDS = {"prompt", "n", "size", "response_format", "seed", "model", "user", *OPTIONS}
 EDIT_FILES = ("image", "image[]", "mask")
 SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
@@ -103,6 +109,8 @@ def read_job(service, fields: dict, image=None, mask=None) -> ImageJob:
     seed = number(fields, "seed", int)
     seed = secrets.randbelow(2**31) if seed is None else seed
     options = read_size(fields.get("size"), images)
+    if image is not None and mask is None and fields.get("size") in (None, "auto"):
+        options.update(width=None, height=None)  # an edited image keeps its input's crop size
     options.update({k: number(fields, k, kind) for k, kind in OPTIONS.items()})
     return ImageJob(prompt, [seed + i for i in range(n)], options, image, mask)
 
@@ -187,6 +195,9 @@ async def edit_fields(request, service) -> tuple:
     image = files.get("image")
     if image is None:
         raise RequestError("image is required: the picture to edit, as a file", param="image")
+    spec = image_queue(service).spec
+    if spec.edits and files.get("mask") is None:
+        return fields, image.convert("RGB"), None  # the text edits the whole image
     mask = repaint_mask(files.get("mask"), image)
     return fields, image.convert("RGB"), mask
 

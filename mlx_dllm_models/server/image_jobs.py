@@ -25,6 +25,7 @@ from ..images import resolve_vq_model, stream_batch
 
 # The options of one batch: rows agree on them (the seed is each row's own).
 SHARED_OPTIONS = ("width", "height", "steps", "guidance_scale", "temperature")
+SHARED_OPTIONS += ("image_guidance_scale", "edit_side")
 
 
 class ImageJob:
@@ -42,7 +43,9 @@ class ImageJob:
 
     @property
     def key(self) -> str:
-        return json.dumps(sorted(self.options.items()))
+        # An edit (an image without a mask) and a generation never share a batch.
+        edit = self.image is not None and self.mask is None
+        return json.dumps(sorted(self.options.items()) + ([["edit", True]] if edit else []))
 
     def post(self, *event):
         self.events.put(event)
