@@ -157,3 +157,14 @@ def test_batch_rows_equal_single_runs_under_both_caches(model, checkpoint):
         assert all(len(row) > 0 for row in batch)
         results.append(batch)
     assert results[0] == results[1]
+
+
+def test_plain_call_is_upstreams_forward_with_block_routing(model, checkpoint, monkeypatch):
+    """`model(ids)` with no mask is upstream's forward under transformers' default SDPA (no mask,
+    is_causal=False: every key), with 2.2's block routing; not the block-causal decoding mask."""
+    reference, gate_class, route = patched_mlx_vlm(checkpoint)
+    monkeypatch.setattr(gate_class, "__call__", route)
+    ids = mx.array(np.random.default_rng(5).integers(0, 256, (1, 40)))
+    ours = model(ids)
+    assert_close(ours, reference(ids).logits)
+    assert far(ours, model(ids, mask=block_causal_mask(40, BLOCK)))

@@ -12,8 +12,11 @@ plain call is its all-true reading; BD3-LM's forward over L tokens (sample_mode,
 block-causal from position 0 (the x0 half of block_diff_mask). Each plain call is held against the
 reference's plain forward on a fixture in the real layout, and against another reading, so that
 the comparison can fail. Of the vision families, Dimple's text forward (DimpleModel.forward: Dream's
-bidirectional body with Qwen2-VL's M-RoPE) is checked; DiffusionGemma, LLaDA-V, LaViDa and
-Nemotron-VLM have no plain-ids reference forward here (not checked)."""
+bidirectional body with Qwen2-VL's M-RoPE) is checked here; DiffusionGemma, LLaDA-V, LaViDa and
+Nemotron-VLM are in tests/test_plain_forward_vision.py. The families added since hold theirs in
+their own files: DMax here (llada2_moe's call), Stable-DiffCoder in its conformance row
+(tests/test_conformance.py), LLaDA2.2 in tests/test_llada22_block_routing.py, GIDD in
+tests/test_gidd.py, SDAR-VL and Lumina-DiMOO in tests/test_plain_forward_vision.py."""
 
 import json
 from functools import lru_cache
@@ -31,6 +34,7 @@ from fixtures import coda as coda_fixture
 from fixtures import dimple as dimple_fixture
 from fixtures import dllm as a2d_fixture
 from fixtures import dllm_qwen2 as a2d_qwen2_fixture
+from fixtures import dmax as dmax_fixture
 from fixtures import dream as dream_fixture
 from fixtures import fast_dllm_v2 as fast_dllm_fixture
 from fixtures import llada2 as llada2_fixture
@@ -191,6 +195,16 @@ ROWS = {
     # Two blocks of 32: every key, not the block-causal mask.
     "llada2_moe": (
         llada2_fixture.build,
+        40,
+        11,
+        llada2_forward,
+        lambda ckpt, model, x: llada2_forward(
+            ckpt, x, block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
+        ),
+    ),
+    # DMax is llada2_moe's model under its own decoder: the same plain call.
+    "dmax": (
+        dmax_fixture.build_converted,
         40,
         11,
         llada2_forward,

@@ -171,3 +171,34 @@ def test_lavida_plain_call_over_an_image_prompt_is_the_forward_without_prefix_lm
     got = plain(model, x)[:, -len(answer) :]
     assert_close(got, want)
     assert far(got, causal(model, x)[:, -len(answer) :])
+
+
+# The families added since: SDAR-VL's language model is SDAR's (its eval forward reads the caller's
+# mask; the plain call is its all-true reading, as SDAR's), Lumina-DiMOO's is LLaDA's (every key).
+@pytest.mark.parametrize("length", [6, 11])
+def test_sdar_v_plain_call_is_every_key(fixture_dir, length):
+    from fixtures.sdar_v import build_sdar_v
+    from mlx_dllm_models.masks import block_causal_mask
+    from reference import sdar_v_torch
+
+    ckpt = build_once(fixture_dir / "sdar_v", build_sdar_v)
+    model = load_fixture(ckpt)[0]
+    x = ids(length, 23)
+    every = torch.ones(1, 1, length, length, dtype=torch.bool)
+    want = sdar_v_torch.logits(ckpt, x, None, every).numpy()
+    got = plain(model, x)
+    assert_close(got, want)
+    blocks = np.array(model(mx.array(x), mask=block_causal_mask(length, 4)).astype(mx.float32))
+    assert far(got, blocks)
+
+
+def test_lumina_dimoo_plain_call_is_every_key(fixture_dir):
+    from fixtures.lumina_dimoo import build_lumina_dimoo
+    from reference import llada_torch
+
+    ckpt = build_once(fixture_dir / "lumina_dimoo", build_lumina_dimoo)
+    model = load_fixture(ckpt)[0]
+    x = ids(9, 29)
+    got = plain(model, x)
+    assert_close(got, llada_torch.reference_logits(ckpt, x))
+    assert far(got, llada_torch.reference_logits(ckpt, x, causal=True))
