@@ -160,3 +160,11 @@ def test_convert_model_type_idlm_retypes_an_sdar_checkpoint(published):
     # Unconverted, it is what its config says: SDAR.
     model, _ = load(published)
     assert model.diffusion_spec.family == "sdar"
+
+
+def test_full_recompute_decodes_as_the_kv_cache(agreeing):
+    model, tok = agreeing
+    prompts = [np.random.default_rng(s).integers(0, 256, 5 + 3 * s).tolist() for s in range(2)]
+    cached, dec = run(model, tok, prompts, max_tokens=24)
+    recomputed, dec_none = run(model, tok, prompts, max_tokens=24, cache="none")
+    assert recomputed == cached and dec_none.nfe == dec.nfe
