@@ -117,6 +117,8 @@ def test_tokens_and_forwards_match_idlm_block_n(
     assert dec.nfe == forwards
     if which == "agreeing":
         assert dec.accepted > 0
+    if (which, seed) == ("plain", 2):  # the run that ends at its EOS
+        assert len(got) < max_tokens
 
 
 def test_kept_drafts_save_forwards(agreeing):
