@@ -14,8 +14,10 @@ Why a model_type of its own: a plain conversion keeps "sdar" and decodes it as S
 diffusion, unshifted). `mlx_dllm convert --hf-path <i-dlm> --model-type idlm` writes this
 model_type, after which `mlx_lm.load` and `mlx_dllm generate` decode it as I-DLM.
 
-The LoRA release (yifanyu/I-DLM-8B-lora-r128 on Qwen/Qwen3-8B, applied to the mask positions only,
-`conditional_lora`) is not covered: its per-position adapter is not a plain LoRA merge.
+The LoRA release (yifanyu/I-DLM-8B-lora-r128, a PEFT adapter on Qwen/Qwen3-8B, served by SGLang's
+--lora-paths; the released configs leave IDLMBlockN's `conditional_lora`, the adapter on mask
+positions only, off) is not covered: its base says qwen3 with no mask id, and no merged copy was
+tested here.
 """
 
 from ..engine.idlm import IDLMDecoder
