@@ -57,13 +57,21 @@ MODEL_TYPES = {
     "dmax": "dmax",
     # dvruette's GIDD (gidd-unif-3b, gidd-mask-3b, gidd-unif-10b: uniform or masked noise).
     "gidd": "gidd",
+    # I-DLM (Qwen3 converted to introspective diffusion, SDAR's layout): the checkpoint writes
+    # "sdar" (SDAR's block diffusion); `mlx_dllm convert --model-type idlm` writes this.
+    "idlm": "idlm",
 }
 
 # Families whose checkpoints are saved under another family's model_type: their autoregressive
 # body's, which this package never takes over from mlx-lm (a plain qwen2 is an AR model), or the
 # family they were fine-tuned from, which decodes otherwise (DMax's llada2_moe): the model_type that
 # `mlx_dllm convert --model-type` writes instead -> the source model_types it accepts.
-RETYPES = {"open_dcoder": ("qwen2",), "stable_diffcoder": ("llama",), "dmax": ("llada2_moe",)}
+RETYPES = {
+    "open_dcoder": ("qwen2",),
+    "stable_diffcoder": ("llama",),
+    "dmax": ("llada2_moe",),
+    "idlm": ("sdar",),
+}
 
 # Model types that mlx-vlm's `mlx_vlm.models.<model_type>` resolves to our module as well (the
 # vision families that mlx-vlm does not ship; mlx_vlm.load / convert then handle them).

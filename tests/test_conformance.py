@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from fixtures import bd3lm, build_once, coda, dllm, dllm_qwen2, fast_dllm_v2, open_dcoder, rnd1
 from fixtures import dmax as dmax_fixture
 from fixtures import gidd as gidd_fixture
+from fixtures import idlm as idlm_fixture
 from fixtures import llada2 as llada2_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
@@ -26,11 +27,18 @@ from mlx_dllm_models import SettingsError, batch_generate_diffusion, generate_di
 from mlx_dllm_models import stream_generate_diffusion as stream
 from mlx_dllm_models.masks import every_key
 from mlx_dllm_models.server import Job, Scheduler
-from mlx_dllm_models.spec import BIDIRECTIONAL, BLOCK_CAUSAL, CAUSAL_WINDOW, CLEAN_PREFIX
+from mlx_dllm_models.spec import (
+    BIDIRECTIONAL,
+    BLOCK_CAUSAL,
+    CAUSAL_PREFIX,
+    CAUSAL_WINDOW,
+    CLEAN_PREFIX,
+)
 from reference import (
     coda_torch,
     dllm_a2d,
     gidd_torch,
+    idlm_torch,
     open_dcoder_torch,
     rnd1_sampling,
     stable_diffcoder_torch,
@@ -287,6 +295,24 @@ FAMILIES = {
             spec_facts("gidd", CLEAN_PREFIX, 0, gidd_fixture.MASK),
             eos_token_ids=(gidd_fixture.EOS,),
         ),
+    ),
+    "idlm": Family(
+        idlm_fixture.build_converted,
+        "idlm",
+        convert=dict(max_tokens=24),
+        shard_ids=masked(idlm_fixture.MASK, 3),
+        serve=(CHAT_AT_SEED_3, TOKEN_PROMPT),
+        # No scheduler_prompts: as self-speculation's, its rows draw from one key stream, so
+        # requests of different seeds do not share a run; test_idlm holds a batch's rows to their
+        # single runs.
+        reference=idlm_torch.reference_logits,
+        mask=idlm_fixture.MASK,
+        spec=dict(
+            spec_facts("idlm", CAUSAL_PREFIX, 1, idlm_fixture.MASK),
+            eos_token_ids=(idlm_fixture.EOS, idlm_fixture.ENDOFTEXT),
+            decoder="idlm",
+        ),
+        plain_causal=True,
     ),
 }
 

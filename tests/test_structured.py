@@ -32,6 +32,7 @@ from fixtures import (
     dllm,
     dream,
     fast_dllm_v2,
+    idlm,
     llada,
     llada2,
     nemotron,
@@ -75,6 +76,8 @@ FAMILIES = {
     # WeDLM's window: a constrained row fills a grammar-valid prefix of it; its K/V kept or not.
     "wedlm": (wedlm.build, {}),
     "wedlm recompute": (wedlm.build, dict(cache="none")),
+    # I-DLM's strided decoding: a constrained row keeps grammar-valid drafts only.
+    "idlm": (idlm.build_converted, {}),
     # dllm's A2D conversions, under both of their samplers.
     "a2d mdlm": (dllm.build, dict(sampler="mdlm")),
     "a2d bd3lm": (dllm.build, dict(sampler="bd3lm")),

@@ -40,7 +40,7 @@ from .contracts import Decoder, DecoderInputs
 from .logprobs import entries
 
 
-def _probs(logits, settings, spec, suppress=()):
+def processed_probs(logits, settings, spec, suppress=()):
     """The processed distribution that `sample_tokens` draws from (float32, (..., V))."""
     scores = logits.astype(mx.float32)
     for op in spec.sampling_order:
@@ -99,7 +99,7 @@ class _Row:
         self.out: List[int] = []
 
 
-class _Plan(NamedTuple):
+class RoundPlan(NamedTuple):
     """A row's part of a round's forward: its tokens up to the forward's last column, where its
     forward starts, where its bidirectional window starts, its forward rows whose logits are read
     (counted from `start`) and its number of pending drafts."""
@@ -253,7 +253,7 @@ class SelfSpeculativeDecoder(Decoder):
     def _tokens(self, logits, suppress=()):
         return sample_tokens(logits, self.s, self.spec, next_key(self), suppress).tolist()
 
-    def _plan(self, r: _Row) -> _Plan:
+    def _plan(self, r: _Row) -> RoundPlan:
         """Row r's part of the next forward: its last confirmed token (whose K/V are not final),
         its pending drafts to verify, then the window of masks whose first column is the next
         round's confirmed token's and whose others draft the round after it."""
@@ -264,7 +264,7 @@ class SelfSpeculativeDecoder(Decoder):
         w = w if w >= 2 else 0
         known = len(r.ids)
         ids = r.ids + r.drafts + [self.spec.mask_token_id] * w
-        return _Plan(
+        return RoundPlan(
             ids, r.committed, known + k, (known - 1 - r.committed, len(ids) - r.committed), k
         )
 
@@ -278,14 +278,31 @@ class SelfSpeculativeDecoder(Decoder):
             if r.constraint is not None
             else (
                 sample_tokens(lg[: p.k + 1], self.s, self.spec, None),
-                sample_tokens(lg[p.k + 2 :], self.s, self.spec, None, (self.spec.mask_token_id,))
-                if lg.shape[0] > p.k + 2
-                else mx.zeros((0,), dtype=mx.int32),
+                self._greedy_drafts(self._window(lg, p.k)),
             )
             for r, lg, p in zip(rows, logits, plans)
         ]
         mx.eval([pair for pair in lazy if pair is not None])
         return [None if pair is None else (pair[0].tolist(), pair[1].tolist()) for pair in lazy]
+
+    @staticmethod
+    def _window(logits, k: int):
+        """The forward rows that draft the next round: the window's after its first (whose
+        column is the next confirmed token's)."""
+        return logits[k + 2 :]
+
+    def _greedy_drafts(self, window_logits):
+        """At temperature 0, the drafts of the rows `window_logits` (lazy)."""
+        if window_logits.shape[0] == 0:
+            return mx.zeros((0,), dtype=mx.int32)
+        return sample_tokens(window_logits, self.s, self.spec, None, (self.spec.mask_token_id,))
+
+    def _sampled_drafts(self, window_logits):
+        """Above temperature 0, the drafts of the rows `window_logits` and the distributions q
+        they were drawn from."""
+        mask_id = self.spec.mask_token_id
+        drafts = self._tokens(window_logits, (mask_id,))
+        return drafts, processed_probs(window_logits, self.s, self.spec, suppress=(mask_id,))
 
     def _run_rows(self, rows: List[_Row], cancelled):
         """The rows' rounds, one forward a round for all of them (see the class docstring)."""
@@ -303,12 +320,12 @@ class SelfSpeculativeDecoder(Decoder):
             yield event
             rows, run = self._leave(rows, run, event, cancelled)
 
-    def _round(self, r: _Row, logits, plan: _Plan, greedy) -> List[int]:
+    def _round(self, r: _Row, logits, plan: RoundPlan, greedy) -> List[int]:
         """Row r's confirmed tokens of a round from its forward rows `logits` (the k + 1 verified
         ones, the window's first, its drafts'); its next drafts and final columns are updated.
         `greedy`: its precomputed (causal tokens, window drafts) at temperature 0, or None."""
-        mask_id, k = self.spec.mask_token_id, plan.k
-        verify, window_logits = logits[: k + 1], logits[k + 2 :]
+        k = plan.k
+        verify, window_logits = logits[: k + 1], self._window(logits, k)
         new = self._accept(
             verify, r.drafts, r.q, r.constraint, None if greedy is None else greedy[0]
         )
@@ -324,9 +341,12 @@ class SelfSpeculativeDecoder(Decoder):
         r.committed = known + n
         drafts, q = [], None
         if kept_all and window_logits.shape[0]:
-            drafts = greedy[1] if greedy is not None else self._tokens(window_logits, (mask_id,))
-            if self.s.temperature != 0:
-                q = _probs(window_logits, self.s, self.spec, suppress=(mask_id,))
+            if greedy is not None:
+                drafts = greedy[1]
+            elif self.s.temperature == 0:  # a constrained row reads its own
+                drafts = self._greedy_drafts(window_logits).tolist()
+            else:
+                drafts, q = self._sampled_drafts(window_logits)
         r.drafts, r.q = self._drafts(drafts, q, r.constraint)
         return new
 
@@ -359,7 +379,9 @@ class SelfSpeculativeDecoder(Decoder):
             ar = self._tokens(verify) if ar is None else ar
             n = next((i for i in range(len(drafts)) if ar[i] != drafts[i]), len(drafts))
             return drafts[:n] + [ar[n]]
-        return speculative_accept(_probs(verify, self.s, self.spec), q, drafts, next_key(self))
+        return speculative_accept(
+            processed_probs(verify, self.s, self.spec), q, drafts, next_key(self)
+        )
 
     def _draft(self, run, rows: List[_Row]):
         """Each row's block drafts (the columns after its last confirmed token's, block_length - 1
@@ -390,7 +412,7 @@ class SelfSpeculativeDecoder(Decoder):
                 confidence = mx.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
                 reveal = threshold_commit(confidence, masked, threshold) & masked
             if s.temperature != 0:
-                probs = _probs(logits, s, spec, suppress=(mask_id,))
+                probs = processed_probs(logits, s, spec, suppress=(mask_id,))
                 q = probs if q is None else mx.where(reveal[..., None], probs, q)
             drafts = mx.where(reveal, tokens, drafts)
             masked = masked & ~reveal
