@@ -121,7 +121,7 @@ def test_sdar_spec_and_mask_token_resolution(models):
     assert spec.confidence == "sampled" and spec.quota_base == "block"
     assert models("sdar_moe").diffusion_spec == spec
 
-    cfg = sdar_fixture._config(moe=False)
+    cfg = sdar_fixture.sdar_config(moe=False)
     del cfg["mask_token_id"], cfg["block_size"]
     with pytest.raises(ValueError, match="mask_token_id 151669 is outside the vocabulary"):
         sdar.ModelArgs.from_dict(cfg)
