@@ -73,6 +73,32 @@ def softmax_stats(logits):
     return p, finite_row, entropy
 
 
+def processed(logits, order, temperature, top_k, top_p) -> mx.array:
+    """The logits after a family's processing steps, in its reference's `order`."""
+    scores = logits
+    for op in order:
+        if op == "temperature":
+            scores = scores / temperature if temperature > 0 else scores
+        elif op == "top_k":
+            scores = filter_logits(scores, top_k=top_k)
+        elif op == "top_p":
+            scores = filter_logits(scores, top_p=top_p)
+        elif op == "top_p_within":  # BD3-LM's nucleus: stops before the token that crosses p
+            scores = top_p_within(scores, top_p)
+        else:
+            raise ValueError(f"unknown logits processing step {op!r} in order={tuple(order)}")
+    return scores
+
+
+def without(logits, ids: Sequence[int]) -> mx.array:
+    """`logits` with the columns of `ids` at -inf (never proposed, or not read)."""
+    if not ids:
+        return logits
+    keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
+    keep[mx.array(list(ids))] = False
+    return mx.where(keep, logits, _NEG_INF)
+
+
 def token_stats(
     logits: mx.array,
     *,
@@ -108,24 +134,8 @@ def token_stats(
     """
     logits = logits.astype(mx.float32)
     logits = mx.where(mx.isnan(logits), _NEG_INF, logits)
-    scores = logits
-    for op in order:
-        if op == "temperature":
-            scores = scores / temperature if temperature > 0 else scores
-        elif op == "top_k":
-            scores = filter_logits(scores, top_k=top_k)
-        elif op == "top_p":
-            scores = filter_logits(scores, top_p=top_p)
-        elif op == "top_p_within":  # BD3-LM's nucleus: stops before the token that crosses p
-            scores = top_p_within(scores, top_p)
-        else:
-            raise ValueError(f"unknown logits processing step {op!r} in order={tuple(order)}")
-    proposal = scores
-    if suppress_ids:
-        ids = mx.array(list(suppress_ids))
-        keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
-        keep[ids] = False
-        proposal = mx.where(keep, proposal, _NEG_INF)
+    scores = processed(logits, order, temperature, top_k, top_p)
+    proposal = without(scores, suppress_ids)
     if temperature > 0:
         if key is None:
             raise ValueError("sampling at temperature > 0 needs an explicit PRNG key")
@@ -148,12 +158,7 @@ def token_stats(
     # is computed only if a rule reads it (MLX evaluates what is used). The values are those of
     # the softmax's element at x0, bit for bit.
     base = _Normaliser(logits)
-    raw = base
-    if confidence_suppress_ids:
-        ids = mx.array(list(confidence_suppress_ids))
-        keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
-        keep[ids] = False
-        raw = _Normaliser(mx.where(keep, logits, _NEG_INF))
+    raw = _Normaliser(without(logits, confidence_suppress_ids)) if confidence_suppress_ids else base
     # The processed distribution is the model's own when no processing step changed the logits
     # (temperature 0 without top-k / top-p): one normaliser serves both.
     proc = None
