@@ -20,6 +20,7 @@ from fixtures import dmax as dmax_fixture
 from fixtures import gidd as gidd_fixture
 from fixtures import idlm as idlm_fixture
 from fixtures import llada2 as llada2_fixture
+from fixtures import sdar_v as sdar_v_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from helpers import Ranks, assert_close, convert_and_generate, far, load_fixture, serving
@@ -41,6 +42,7 @@ from reference import (
     idlm_torch,
     open_dcoder_torch,
     rnd1_sampling,
+    sdar_v_torch,
     stable_diffcoder_torch,
 )
 
@@ -313,6 +315,21 @@ FAMILIES = {
             decoder="idlm",
         ),
         plain_causal=True,
+    ),
+    # SDAR-VL's text path (its images: tests/test_sdar_v_images.py): SDAR's decoding, its plain call
+    # the all-true reading.
+    "sdar_v": Family(
+        sdar_v_fixture.build_sdar_v,
+        "sdar_v",
+        convert=dict(max_tokens=8),
+        shard_ids=masked(sdar_v_fixture.MASK, 3),
+        serve=(CHAT_AT_SEED_3, TOKEN_PROMPT),
+        # No scheduler_prompts: its fixture's head is confident enough that a temperature of 2
+        # draws the same tokens under any seed; tests/test_sdar_v_images.py holds a batch's rows
+        # (with and without images) to their single runs.
+        reference=sdar_v_torch.reference_logits,
+        mask=sdar_v_fixture.MASK,
+        spec=dict(spec_facts("sdar", BLOCK_CAUSAL, 0, sdar_v_fixture.MASK)),
     ),
 }
 

@@ -136,3 +136,12 @@ def logits(ckpt, ids, features, keep):
 def forward(ckpt, features):
     """reference/sdar_generate.py's `forward(ids, keep)` over prompts holding one image."""
     return lambda ids, keep: logits(ckpt, ids, features, keep)
+
+
+def reference_logits(ckpt, input_ids, causal=False):
+    """float32 logits (B, L, V) of text-only ids under every key (or the causal reading)."""
+    x = np.asarray(input_ids)
+    L = x.shape[1]
+    keep = torch.ones(L, L, dtype=torch.bool)
+    keep = (torch.tril(keep) if causal else keep)[None, None]
+    return np.concatenate([logits(ckpt, row, None, keep).numpy() for row in x])
