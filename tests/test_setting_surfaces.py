@@ -6,19 +6,23 @@ DiffusionGemma reads `temperature` in its own terms (its spec's own_readings): a
 t_max -> t_min schedule, 1 the checkpoint's own, 0 greedy denoising from the seed's noise canvas; a
 top_p below 1 cannot be honoured."""
 
+import importlib
+import json
+
 import openai
 import pytest
 from test_family_defaults import CONFIGS, case_spec
 from test_server import chat_prompt
 from test_server_openai import connect, start
 
-from fixtures import build_once
+from fixtures import all_checkpoints, build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
 from mlx_dllm_models import SettingsError, generate_diffusion, load
 from mlx_dllm_models.cli import generate_parser
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.cli_common import chosen_settings
+from mlx_dllm_models.registry import MODEL_TYPES
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.api import Service
@@ -175,19 +179,17 @@ def _server_reading(name):
     return lambda value: service.request_settings({name: value})
 
 
-def _rows(case):
+def _rows(spec):
     """The flag rows of the settings a family accepts: the shared ones and its spec's own."""
-    spec = case_spec(case)
     own = {row.name for row in spec.settings}
     for row in flag_rows():
         if row.name != "logprobs" and (not row.families or row.name in own):
             yield spec, row
 
 
-@pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_every_setting_reads_the_same_on_every_surface(case):
+def _same_on_every_surface(spec):
     checked = 0
-    for spec, row in _rows(case):
+    for spec, row in _rows(spec):
         for value in _values(row):
             api = _outcome(lambda v: {row.name: v}, spec, value)
             server = _outcome(_server_reading(row.name), spec, value)
@@ -200,6 +202,23 @@ def test_every_setting_reads_the_same_on_every_surface(case):
             assert cli == api, (row.name, value)
             checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_every_setting_reads_the_same_on_every_surface(case):
+    _same_on_every_surface(case_spec(case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(all_checkpoints()))
+def test_every_fixture_family_reads_its_settings_the_same_on_every_surface(fixture_dir, name):
+    """The table over every family's fixture (one per model type and variant), its spec built
+    from its config.json as mlx-lm builds the model (no weights read)."""
+    config = json.loads(
+        (build_once(fixture_dir / name, all_checkpoints()[name]) / "config.json").read_text()
+    )
+    module = importlib.import_module(f"mlx_dllm_models.models.{MODEL_TYPES[config['model_type']]}")
+    _same_on_every_surface(module.Model(module.ModelArgs.from_dict(config)).diffusion_spec)
 
 
 @pytest.fixture(scope="module")
