@@ -91,6 +91,13 @@ class ImageTextModel:
 
     make_cache = refuse_autoregressive_tools
 
+    def __init__(self, args):
+        # The next class in the Model's bases is mlx's Module.
+        super().__init__()
+        self.args = args
+        self.config = args  # mlx-vlm's name for it
+        self.model_type = args.model_type
+
     @property
     def layers(self):
         return self.model.layers
