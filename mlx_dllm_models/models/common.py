@@ -5,6 +5,7 @@ the cached `diffusion_spec`."""
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..spec import BLOCK_CAUSAL, DiffusionSpec
@@ -101,6 +102,23 @@ class ImageTextModel:
     @property
     def layers(self):
         return self.model.layers
+
+
+class ImageTokenizer(nn.Module):
+    """What the image VQ tokenizers (MAGVIT-v2, diffusers' VQModel) show the image decoders: their
+    config's codebook size and downsampling factor."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    @property
+    def codebook_size(self) -> int:
+        return self.config.codebook_size
+
+    @property
+    def downsample(self) -> int:
+        return self.config.downsample
 
 
 # ----------------------------------------------------------------------------------- checkpoint
