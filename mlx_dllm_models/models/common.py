@@ -362,6 +362,34 @@ def build_spec(
     )
 
 
+def own_loop_spec(
+    args,
+    family: str,
+    attention: str,
+    decoders: dict,
+    settings,
+    unused: dict,
+    defaults: dict,
+    **fields,
+) -> DiffusionSpec:
+    """The spec of a family decoded by the one loop it registers (`decoders`: its model file's
+    DECODERS, that loop under its `decoder` name), with its setting rows, the shared settings that
+    loop has no use for (`unused`), its defaults and config.json's vocabulary size."""
+    (decoder,) = decoders
+    return build_spec(
+        args,
+        family,
+        attention,
+        settings=settings,
+        unused_settings=unused,
+        decoder=decoder,
+        decoders=decoders,
+        defaults=dict(defaults),
+        vocab_size=args.vocab_size,
+        **fields,
+    )
+
+
 # How the block-causal references (SDAR's and Fast-dLLM v2's generate) read a step: the sampled
 # token's probability is its confidence, quotas count over the block, and a threshold keeps the
 # tokens strictly above it (x1_p > threshold).
