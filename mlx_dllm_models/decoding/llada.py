@@ -22,8 +22,11 @@ import mlx.core as mx
 from .rule import CommitRule, always
 from .rules import quota_commit
 from .stats import uniform as uniform_draws
+from .stats import without
 
-_NEG_INF = float("-inf")
+# `logits[:, :, ids] = -inf`: logits_eos_inf with the EOS id, and the EoT id for the confidence of
+# confidence_eos_eot_inf.
+suppress_logits = without
 
 
 def unconditional_tokens(x: mx.array, given: mx.array, mask_id: int) -> mx.array:
@@ -37,16 +40,6 @@ def guided_logits(cond: mx.array, uncond: mx.array, cfg_scale: float) -> mx.arra
     """Classifier-free guidance: uncond + (cfg_scale + 1) * (cond - uncond), in float32."""
     cond, uncond = cond.astype(mx.float32), uncond.astype(mx.float32)
     return uncond + (cfg_scale + 1.0) * (cond - uncond)
-
-
-def suppress_logits(logits: mx.array, token_ids: Sequence[int]) -> mx.array:
-    """`logits[:, :, ids] = -inf` (logits_eos_inf with the EOS id; the EoT id for the confidence of
-    confidence_eos_eot_inf)."""
-    if not token_ids:
-        return logits
-    keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)
-    keep[mx.array(list(token_ids))] = False
-    return mx.where(keep, logits, _NEG_INF)
 
 
 def confidence_suppressed_ids(

@@ -5,6 +5,7 @@ the cached `diffusion_spec`."""
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..spec import BLOCK_CAUSAL, DiffusionSpec
@@ -91,9 +92,33 @@ class ImageTextModel:
 
     make_cache = refuse_autoregressive_tools
 
+    def __init__(self, args):
+        # The next class in the Model's bases is mlx's Module.
+        super().__init__()
+        self.args = args
+        self.config = args  # mlx-vlm's name for it
+        self.model_type = args.model_type
+
     @property
     def layers(self):
         return self.model.layers
+
+
+class ImageTokenizer(nn.Module):
+    """What the image VQ tokenizers (MAGVIT-v2, diffusers' VQModel) show the image decoders: their
+    config's codebook size and downsampling factor."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    @property
+    def codebook_size(self) -> int:
+        return self.config.codebook_size
+
+    @property
+    def downsample(self) -> int:
+        return self.config.downsample
 
 
 # ----------------------------------------------------------------------------------- checkpoint
@@ -333,6 +358,34 @@ def build_spec(
         attention=attention,
         mask_token_id=args.mask_token_id,
         eos_token_ids=eos_token_ids(args.eos_token_id),
+        **fields,
+    )
+
+
+def own_loop_spec(
+    args,
+    family: str,
+    attention: str,
+    decoders: dict,
+    settings,
+    unused: dict,
+    defaults: dict,
+    **fields,
+) -> DiffusionSpec:
+    """The spec of a family decoded by the one loop it registers (`decoders`: its model file's
+    DECODERS, that loop under its `decoder` name), with its setting rows, the shared settings that
+    loop has no use for (`unused`), its defaults and config.json's vocabulary size."""
+    (decoder,) = decoders
+    return build_spec(
+        args,
+        family,
+        attention,
+        settings=settings,
+        unused_settings=unused,
+        decoder=decoder,
+        decoders=decoders,
+        defaults=dict(defaults),
+        vocab_size=args.vocab_size,
         **fields,
     )
 

@@ -246,10 +246,7 @@ def _zeros(width):
 
 class Model(ImageTextModel, nn.Module):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.config = args  # mlx-vlm's name for it
-        self.model_type = args.model_type
+        super().__init__(args)
         self.model = DimpleBody(args)
         self.img_projector = Projector(args)
         if not args.tie_word_embeddings:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..engine.dmax import DMaxDecoder
 from ..spec import BLOCK_CAUSAL, DiffusionSpec
 from . import llada2_moe
-from .common import build_spec, cached_spec
+from .common import cached_spec, own_loop_spec
 
 # The loop this family registers (its spec's `decoder` names it): dInfer's soft parallel decoding.
 DECODERS = {"dmax": DMaxDecoder}
@@ -61,16 +61,14 @@ class Model(llada2_moe.Model):
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
+        return own_loop_spec(
             self.args,
             FAMILY,
             BLOCK_CAUSAL,
-            settings=SETTINGS,
-            unused_settings=UNUSED_SETTINGS,
+            DECODERS,
+            SETTINGS,
+            UNUSED_SETTINGS,
+            REFERENCE_DEFAULTS,
             samplers=("threshold",),
-            decoder="dmax",
-            decoders=DECODERS,
-            defaults=dict(REFERENCE_DEFAULTS),
             trained_block_length=DMAX_BLOCK_LENGTH,
-            vocab_size=self.args.vocab_size,
         )

@@ -34,10 +34,10 @@ from ..spec import CLEAN_PREFIX, DiffusionSpec
 from ..validators import choice, int_at_least
 from . import sharding
 from .common import (
-    build_spec,
     cached_spec,
     check_special_ids,
     check_weights,
+    own_loop_spec,
     refuse_autoregressive_tools,
 )
 
@@ -335,20 +335,18 @@ class Model(nn.Module):
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
         a = self.args
-        return build_spec(
+        return own_loop_spec(
             a,
             FAMILY,
             CLEAN_PREFIX,
+            DECODERS,
+            SETTINGS,
+            UNUSED_SETTINGS,
+            REFERENCE_DEFAULTS,
             confidence="sampled",
             samplers=SAMPLER_NAMES,
-            decoder="gidd",
-            decoders=DECODERS,
-            defaults=dict(REFERENCE_DEFAULTS),
-            vocab_size=a.vocab_size,
             noise_log_snr=(float(a.min_log_snr), float(a.max_log_snr), float(a.noise_type)),
             # Its tokenizer ends an encoding with the EOS; the README's call cuts it off (an EOS in
             # the canvas would also end generate after its first block).
             prompt_drops_eos=True,
-            settings=SETTINGS,
-            unused_settings=UNUSED_SETTINGS,
         )

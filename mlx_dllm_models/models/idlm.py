@@ -23,7 +23,7 @@ tested here.
 from ..engine.idlm import IDLMDecoder
 from ..spec import CAUSAL_PREFIX, DiffusionSpec
 from . import sdar
-from .common import build_spec, cached_spec
+from .common import cached_spec, own_loop_spec
 
 
 class Decoder(IDLMDecoder):
@@ -76,21 +76,19 @@ class Model(sdar.Model):
 
     @cached_spec
     def diffusion_spec(self) -> DiffusionSpec:
-        return build_spec(
+        return own_loop_spec(
             self.args,
             FAMILY,
             CAUSAL_PREFIX,
-            settings=SETTINGS,
-            unused_settings=UNUSED_SETTINGS,
+            DECODERS,
+            SETTINGS,
+            UNUSED_SETTINGS,
+            REFERENCE_DEFAULTS,
             # Hidden state i predicts token i + 1.
             logit_shift=1,
             samplers=("idlm",),
-            decoder="idlm",
-            decoders=DECODERS,
-            defaults=dict(REFERENCE_DEFAULTS),
             # _batched_sample: logits / temperature, then top-k, then top-p.
             sampling_order=("temperature", "top_k", "top_p"),
             # The reference reads its algorithm config alone, never generation_config.json.
             ignored_generation_config_keys=("temperature", "top_k", "top_p"),
-            vocab_size=self.args.vocab_size,
         )

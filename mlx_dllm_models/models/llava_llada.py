@@ -248,10 +248,7 @@ _VISION_RENAMES = (
 
 class Model(ImageTextModel, nn.Module):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.config = args  # mlx-vlm's name for it
-        self.model_type = args.model_type
+        super().__init__(args)
         self.model = llada.LLaDABody(args.llada_args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.vision = vision_module(args)

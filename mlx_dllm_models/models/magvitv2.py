@@ -22,6 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .common import ImageTokenizer
+
 # The defaults the encoder's and the decoder's configs share, then each one's own.
 TOWER_DEFAULTS = {"ch": 128, "attn_resolutions": [5], "resolution": 256, "z_channels": 13}
 ENCODER_DEFAULTS = dict(
@@ -243,22 +245,13 @@ class VQGANEncoder(nn.Module):
         return self.quant_conv(h)
 
 
-class MAGVITv2(nn.Module):
+class MAGVITv2(ImageTokenizer):
     def __init__(self, config: VQConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.encoder = VQGANEncoder(**config.encoder)
         self.decoder = VQGANDecoder(**config.decoder)
         bits = config.codebook_dim
         self._powers = mx.array([2 ** (bits - 1 - i) for i in range(bits)], dtype=mx.int32)
-
-    @property
-    def codebook_size(self) -> int:
-        return self.config.codebook_size
-
-    @property
-    def downsample(self) -> int:
-        return self.config.downsample
 
     def codebook_entry(self, codes: mx.array, shape: Optional[Tuple[int, int]] = None):
         """(B, N) code indices -> (B, h, w, codebook_dim) latents of -1 / +1 (LFQuantizer's

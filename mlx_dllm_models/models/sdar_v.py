@@ -172,10 +172,7 @@ class Model(ImageTextModel, nn.Module):
     def __init__(self, args: ModelArgs):
         from mlx_vlm.models.llava_onevision import llava_onevision as onevision
 
-        super().__init__()
-        self.args = args
-        self.config = args  # mlx-vlm's name for it
-        self.model_type = args.model_type
+        super().__init__(args)
         self.language_model = sdar.Model(args.text)
         # The checkpoint's own names: mlx-vlm's tower and projector, the newline a parameter.
         self.__dict__["onevision"] = onevision_config(args)

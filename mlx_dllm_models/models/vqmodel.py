@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .common import ImageTokenizer
+
 NAME = "vqmodel"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 EPS = 1e-6  # diffusers' VAE Encoder / Decoder: every GroupNorm's eps
@@ -228,23 +230,14 @@ class Quantizer(nn.Module):
         self.embedding = nn.Embedding(c.num_vq_embeddings, c.embed_dim)
 
 
-class VQModel(nn.Module):
+class VQModel(ImageTokenizer):
     def __init__(self, config: VQConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.encoder = Encoder(config)
         self.quant_conv = conv(config.latent_channels, config.embed_dim, 1)
         self.quantize = Quantizer(config)
         self.post_quant_conv = conv(config.embed_dim, config.latent_channels, 1)
         self.decoder = Decoder(config)
-
-    @property
-    def codebook_size(self) -> int:
-        return self.config.codebook_size
-
-    @property
-    def downsample(self) -> int:
-        return self.config.downsample
 
     def decode_code(self, codes: mx.array, shape: Optional[Tuple[int, int]] = None) -> mx.array:
         """(B, N) code indices -> (B, H, W, 3) pixels in about [0, 1] (a square grid unless

@@ -34,10 +34,10 @@ from ..spec import CAUSAL_WINDOW, GENERATION_CONFIG_KEYS, DiffusionSpec
 from ..validators import cli_optional_float, number, optional
 from .common import (
     QWEN_BODY_FIELDS,
-    build_spec,
     cached_spec,
     check_special_ids,
     config_fields,
+    own_loop_spec,
 )
 from .mlx_lm_body import MaskedBody
 
@@ -166,22 +166,20 @@ class ModelArgs(BaseModelArgs):
 
 
 def wedlm_spec(args: ModelArgs) -> DiffusionSpec:
-    return build_spec(
+    return own_loop_spec(
         args,
         FAMILY,
         CAUSAL_WINDOW,
-        settings=SETTINGS,
-        unused_settings=UNUSED_SETTINGS,
+        DECODERS,
+        SETTINGS,
+        UNUSED_SETTINGS,
+        WEDLM_DEFAULTS,
         # The logits of a mask row predict that row's token (no shift).
         logit_shift=0,
         samplers=("wedlm",),
-        decoder="wedlm",
-        decoders=DECODERS,
-        defaults=dict(WEDLM_DEFAULTS),
         # The reference engine takes its sampling values from SamplingParams alone: it never
         # reads generation_config.json.
         ignored_generation_config_keys=tuple(GENERATION_CONFIG_KEYS),
-        vocab_size=args.vocab_size,
     )
 
 
