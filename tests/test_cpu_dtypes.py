@@ -28,6 +28,11 @@ from mlx_dllm_models.models import cpu_layers
 from mlx_dllm_models.models.cpu_layers import restore_layers, use_float32_matmuls
 
 NAMES = sorted(all_checkpoints())
+# Decoders that feed their own outputs back as soft embeddings until a block settles: on a random
+# fixture, which never settles, a quantized form's float32 rounding (logits within 1e-5 relative of
+# the upcast reference's) flips its tokens, so only its logits are compared (tests/test_dmax.py
+# holds its loop to the reference on exact float32 weights).
+FEEDS_BACK_ROUNDING = {"dmax"}
 FORMS = ("bf16", "q4", "q8", "q4_f32")
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -121,6 +126,8 @@ def test_family_computes_its_float32_upcast(ckpts, name, form):
     reference = widen(narrow(load(ckpts[name])[0], form))
     ok, err = parity(ours, logits(reference))
     assert ok, (name, form, err)
+    if name in FEEDS_BACK_ROUNDING:
+        return  # its logits hold above; its tokens are not a float32-rounding-free comparison
     assert tokens(model, tok) == tokens(reference, tok)
     if today is not None:  # float32 activations both ways: today's kernels, the same numbers
         ok, err = parity(ours, today[0])
