@@ -13,6 +13,8 @@ so a plain conversion decodes it as LLaDA2.0. `mlx_dllm convert --hf-path <dmax>
 writes this model_type, after which `mlx_lm.load` and `mlx_dllm generate` decode it as DMax.
 """
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from ..engine.dmax import DMaxDecoder
@@ -49,7 +51,10 @@ UNUSED_SETTINGS = {
     "logprobs": "DMax rewrites decoded tokens at every step; no step's distribution is final",
 }
 
-ModelArgs = llada2_moe.ModelArgs
+
+@dataclass
+class ModelArgs(llada2_moe.ModelArgs):
+    """LLaDA2MoeConfig's fields: the checkpoints are LLaDA2.0-mini fine-tunes."""
 
 
 class Model(llada2_moe.Model):

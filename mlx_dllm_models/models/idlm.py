@@ -20,6 +20,8 @@ positions only, off) is not covered: its base says qwen3 with no mask id, and no
 tested here.
 """
 
+from dataclasses import dataclass
+
 from ..engine.idlm import IDLMDecoder
 from ..spec import CAUSAL_PREFIX, DiffusionSpec
 from . import sdar
@@ -62,7 +64,10 @@ UNUSED_SETTINGS = {
     "entropy_bound": _ONE_RULE,
 }
 
-ModelArgs = sdar.ModelArgs
+
+@dataclass
+class ModelArgs(sdar.ModelArgs):
+    """SDARConfig's fields: the checkpoints are saved as SDAR's."""
 
 
 class Model(sdar.Model):
