@@ -20,6 +20,7 @@ from fixtures.lumina_dimoo import (
     vq_arrays,
 )
 from helpers import checkpoint_fixtures
+from image_checks import run_on_draws
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.image_layout import crop_sizes, edit_picture, edit_pixels
 from mlx_dllm_models.images import (
@@ -85,14 +86,7 @@ def test_edit_steps_match_generate_i2i(ckpt, loaded, guidance, image_guidance, s
     dec, (h, w), vq = edit_decoder(loaded, cropped, guidance, image_guidance)
     assert dec.nfe == 0 and len(dec.extra_uncond) == 1
     draws = numpy_draws(len(PROMPTS), h * w)
-    events = list(
-        dec.run(
-            steps=steps,
-            guidance_scale=guidance,
-            temperature=1.0,
-            draws=lambda s: tuple(mx.array(a) for a in draws(s)),
-        )
-    )
+    events = run_on_draws(dec, draws, steps=steps, guidance_scale=guidance, temperature=1.0)
     forward = torch_forward(ckpt)
     for row, (prompt, picture) in enumerate(zip(PROMPTS, cropped)):
         codes = np.array(vq.get_code(mx.array(edit_pixels(picture))))[0]
