@@ -8,6 +8,7 @@ import select
 import shutil
 import subprocess
 import sys
+from inspect import Parameter, Signature
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +73,7 @@ def spy_forwards(model, record):
 
 def cli_env():
     """The environment of a CLI subprocess: this checkout first on the import path."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return env
+    return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
 def run_cli(*args, timeout=300):
@@ -280,27 +279,30 @@ class Ranks:
 def checkpoint_fixtures(folder, build, loaded="loaded", name="ckpt", loader=None):
     """A test module's two module-scoped fixtures, bound as `ckpt, loaded = checkpoint_fixtures(
     "coda", build)`: the checkpoint `build` writes once a session as fixture_dir / folder (named
-    `name`), and (named `loaded`) its load by `loader` (the package's `load` unless given)."""
+    `name`), and (named `loaded`) its load by `loader` (the package's `load` unless given); a dict
+    `build` parametrizes the checkpoint over its keys, each written as folder_<key>."""
     from fixtures import build_once
 
-    @pytest.fixture(scope="module", name=name)
-    def checkpoint(fixture_dir):
-        return build_once(fixture_dir / folder, build)
+    many = isinstance(build, dict)
 
-    @pytest.fixture(scope="module", name=loaded)
-    def loaded_checkpoint(request):
+    @pytest.fixture(scope="module", name=name, params=sorted(build) if many else None)
+    def checkpoint(request, fixture_dir):
+        where = f"{folder}_{request.param}" if many else folder
+        return build_once(fixture_dir / where, build[request.param] if many else build)
+
+    def loaded_checkpoint(**checkpoint):
         from mlx_dllm_models import load
 
-        return (loader or load)(request.getfixturevalue(name))
+        return (loader or load)(checkpoint[name])
 
-    return checkpoint, loaded_checkpoint
+    # pytest reads a fixture's dependencies off its signature: this one's is the checkpoint `name`.
+    loaded_checkpoint.__signature__ = Signature([Parameter(name, Parameter.KEYWORD_ONLY)])
+    return checkpoint, pytest.fixture(scope="module", name=loaded)(loaded_checkpoint)
 
 
 def checkpoint_copy(ckpt, tmp_path, name="ckpt"):
     """A copy of the checkpoint folder `ckpt` as tmp_path / name, to damage or edit."""
-    dst = tmp_path / name
-    shutil.copytree(ckpt, dst)
-    return dst
+    return shutil.copytree(ckpt, tmp_path / name)
 
 
 def edit_json(path, fn, name="config.json"):
@@ -378,7 +380,6 @@ def step_to_the_end(scheduler, limit=200):
 def torch_logits_fn(model):
     """The model as a torch reference transcription calls it: ids -> float32 torch logits."""
     import mlx.core as mx
-    import numpy as np
     import torch
 
     def forward(ids):

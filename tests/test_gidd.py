@@ -14,6 +14,7 @@ from helpers import (
     Ranks,
     assert_close,
     batch_equal_to_single_runs,
+    checkpoint_fixtures,
     cut_at_eos,
     decoded,
     far,
@@ -32,14 +33,7 @@ engine_gidd_draw = engine_gidd.draw
 BUILDS = {"uniform": fixture.build, "masked": fixture.build_masked}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDS))
-def ckpt(request, fixture_dir):
-    return build_once(fixture_dir / f"gidd_{request.param}", BUILDS[request.param])
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("gidd", BUILDS)
 
 
 def noise_mask_attention(length, clean):

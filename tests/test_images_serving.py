@@ -18,6 +18,7 @@ from fixtures import build_once
 from fixtures.llada import build_llada
 from fixtures.mmada import build_mmada
 from helpers import checkpoint_fixtures, run_cli, serving
+from image_checks import cli_writes_a_png
 from mlx_dllm_models.images import batch_generate_image, generate_image
 from mlx_dllm_models.server.image_jobs import ImageJob, ImageQueue
 from mlx_dllm_models.server.scheduler import Scheduler
@@ -207,29 +208,7 @@ def test_text_only_model_cannot_generate_images(fixture_dir):
 
 @pytest.mark.slow
 def test_cli_writes_a_png_of_the_requested_size(ckpt, tmp_path):
-    out = tmp_path / "out.png"
-    done = run_cli(
-        "generate",
-        "--model",
-        str(ckpt),
-        "--prompt",
-        "a red cat",
-        "--image-out",
-        str(out),
-        "--width",
-        "24",
-        "--height",
-        "16",
-        "--steps",
-        "2",
-        "--seed",
-        "3",
-        "--trace",
-        str(tmp_path / "steps.html"),
-    )
-    assert done.returncode == 0, done.stderr
-    assert Image.open(out).size == (24, 16)
-    assert "24x16" in done.stdout and "2 steps" in done.stdout
+    cli_writes_a_png(ckpt, tmp_path / "out.png", "--trace", str(tmp_path / "steps.html"))
     page = (tmp_path / "steps.html").read_text()
     assert page.count("data:image/png;base64,") == 2 and "step 2/2" in page
     inpaint = tmp_path / "inpainted.png"

@@ -11,15 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures.lumina_dimoo import (
-    CODEBOOK,
-    DIMOO_TOKENS,
-    GRID_IDS,
-    IMAGE_OFFSET,
-    build_lumina_dimoo,
-    vq_arrays,
-)
+from fixtures import lumina_dimoo as fx
 from helpers import checkpoint_fixtures
+from image_checks import run_on_draws
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.image_layout import crop_sizes, edit_picture, edit_pixels
 from mlx_dllm_models.images import (
@@ -33,10 +27,10 @@ from mlx_dllm_models.models import vqmodel
 from reference import lumina_dimoo_torch as ref
 from reference.llada_torch import torch_forward
 
-MASK = DIMOO_TOKENS["<|mdm_mask|>"]
+MASK = fx.DIMOO_TOKENS["<|mdm_mask|>"]
 PROMPTS = ["add a red hat", "make the sky green"]
 
-ckpt, loaded = checkpoint_fixtures("lumina_dimoo", build_lumina_dimoo)
+ckpt, loaded = checkpoint_fixtures("lumina_dimoo", fx.build_lumina_dimoo)
 
 
 def photo(seed, size=(40, 24)):
@@ -52,7 +46,7 @@ def test_crops_are_var_center_crops_sizes():
 
 
 def test_encoder_codes_match_diffusers_encode(ckpt):
-    config, weights = vq_arrays()
+    config, weights = fx.vq_arrays()
     vq = vqmodel.load(ckpt / "vqvae")
     pixels = edit_pixels(photo(1, (16, 12)))
     got = np.array(vq.get_code(mx.array(pixels)))
@@ -61,7 +55,7 @@ def test_encoder_codes_match_diffusers_encode(ckpt):
 
 
 def numpy_draws(batch, n_tokens, seed=0):
-    return ref.numpy_draws(batch, n_tokens, CODEBOOK, seed)
+    return ref.numpy_draws(batch, n_tokens, fx.CODEBOOK, seed)
 
 
 def edit_decoder(loaded, pictures, guidance, image_guidance):
@@ -85,19 +79,12 @@ def test_edit_steps_match_generate_i2i(ckpt, loaded, guidance, image_guidance, s
     dec, (h, w), vq = edit_decoder(loaded, cropped, guidance, image_guidance)
     assert dec.nfe == 0 and len(dec.extra_uncond) == 1
     draws = numpy_draws(len(PROMPTS), h * w)
-    events = list(
-        dec.run(
-            steps=steps,
-            guidance_scale=guidance,
-            temperature=1.0,
-            draws=lambda s: tuple(mx.array(a) for a in draws(s)),
-        )
-    )
+    events = run_on_draws(dec, draws, steps=steps, guidance_scale=guidance, temperature=1.0)
     forward = torch_forward(ckpt)
     for row, (prompt, picture) in enumerate(zip(PROMPTS, cropped)):
         codes = np.array(vq.get_code(mx.array(edit_pixels(picture))))[0]
         con, uncon_text, uncon_image, code_start = ref.i2i_prompt(
-            tok._tokenizer, prompt, codes, h, w, GRID_IDS, MASK, IMAGE_OFFSET
+            tok._tokenizer, prompt, codes, h, w, fx.GRID_IDS, MASK, fx.IMAGE_OFFSET
         )
         pad = dec.pads[row]
         np.testing.assert_array_equal(
@@ -109,12 +96,12 @@ def test_edit_steps_match_generate_i2i(ckpt, loaded, guidance, image_guidance, s
             seq_len=h * w,
             timesteps=steps,
             mask_token_id=MASK,
-            newline_id=GRID_IDS["newline_token"],
+            newline_id=fx.GRID_IDS["newline_token"],
             temperature=1.0,
             cfg_scale=guidance,
             uncon_ids=uncon_text,
             code_start=code_start,
-            codebook_size=CODEBOOK,
+            codebook_size=fx.CODEBOOK,
             draws=lambda s: tuple(a[row] for a in draws(s)),
             cfg_img=image_guidance,
             uncon_image=uncon_image,

@@ -21,6 +21,7 @@ from fixtures.lumina_dimoo import (
     vq_arrays,
 )
 from helpers import checkpoint_fixtures
+from image_checks import run_on_draws
 from mlx_dllm_models.decoding.gumbel_maskgit import keep_counts, keep_fraction
 from mlx_dllm_models.errors import SettingsError
 from mlx_dllm_models.images import (
@@ -126,14 +127,7 @@ def test_steps_match_the_reference_with_the_same_draws(ckpt, loaded, guidance, s
     _, tok = loaded
     dec, _, _, _ = decoder(loaded, PROMPTS, guidance)
     draws = numpy_draws(len(PROMPTS), SHAPE[0] * SHAPE[1])
-    events = list(
-        dec.run(
-            steps=steps,
-            guidance_scale=guidance,
-            temperature=temperature,
-            draws=lambda s: tuple(mx.array(a) for a in draws(s)),
-        )
-    )
+    events = run_on_draws(dec, draws, steps=steps, guidance_scale=guidance, temperature=temperature)
     assert dec.nfe == steps
     for row, prompt in enumerate(PROMPTS):
         final, ref_steps = reference_run(

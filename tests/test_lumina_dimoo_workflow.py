@@ -16,6 +16,7 @@ from PIL import Image
 
 from fixtures.lumina_dimoo import VOCAB, build_lumina_dimoo
 from helpers import checkpoint_fixtures, convert_and_generate, run_cli, serving
+from image_checks import cli_writes_a_png
 from mlx_dllm_models import load
 from mlx_dllm_models.images import generate_image
 from reference.llada_torch import reference_logits
@@ -57,27 +58,7 @@ def test_mlx_lm_convert_keeps_the_vqvae_and_the_image(ckpt, loaded, tmp_path):
 
 @pytest.mark.slow
 def test_cli_writes_a_png_of_the_requested_size(ckpt, tmp_path):
-    out = tmp_path / "out.png"
-    done = run_cli(
-        "generate",
-        "--model",
-        str(ckpt),
-        "--prompt",
-        "a red cat",
-        "--image-out",
-        str(out),
-        "--width",
-        "24",
-        "--height",
-        "16",
-        "--steps",
-        "2",
-        "--seed",
-        "3",
-    )
-    assert done.returncode == 0, done.stderr
-    assert Image.open(out).size == (24, 16)
-    assert "24x16" in done.stdout and "2 steps" in done.stdout
+    cli_writes_a_png(ckpt, tmp_path / "out.png")
     photo(16).save(tmp_path / "in.png")
     edited = tmp_path / "edited.png"
     done = run_cli(

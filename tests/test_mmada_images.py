@@ -16,6 +16,7 @@ from fixtures import build_once
 from fixtures.llada import build_llada
 from fixtures.mmada import MMADA_TOKENS, NUM_VQ_TOKENS, TEXT_VOCAB, build_mmada, vq_arrays
 from helpers import checkpoint_fixtures
+from image_checks import run_on_draws
 from mlx_dllm_models import load
 from mlx_dllm_models.decoding.maskgit import cosine_mask_ratio, mask_lengths
 from mlx_dllm_models.errors import SettingsError
@@ -90,13 +91,8 @@ def mlx_run(model, tok, prompts, *, guidance, steps, temperature, max_text_len, 
 
     decoder.logits = recording
     np_draws = numpy_draws(len(prompts), decoder.n_tokens)
-    events = list(
-        decoder.run(
-            steps=steps,
-            guidance_scale=guidance,
-            temperature=temperature,
-            draws=lambda s: tuple(mx.array(a) for a in np_draws(s)),
-        )
+    events = run_on_draws(
+        decoder, np_draws, steps=steps, guidance_scale=guidance, temperature=temperature
     )
     return events, seen, decoder
 

@@ -11,24 +11,14 @@ import torch
 from fixtures import build_once
 from fixtures.sdar import ENDOFTEXT, IM_END, MASK
 from fixtures.sdar_v import IMAGE_PAD, TILE, build_sdar_v
-from helpers import assert_close, cut_at_eos, far, random_picture
+from helpers import assert_close, checkpoint_fixtures, cut_at_eos, far, random_picture
 from mlx_dllm_models.engine import BlockEvent
 from mlx_dllm_models.generate import stream_events
 from mlx_dllm_models.masks import block_causal_mask
 from reference import sdar_v_torch as ref
 from reference.sdar_generate import block_causal_keep, sdar_generate
 
-
-@pytest.fixture(scope="module")
-def ckpt(fixture_dir):
-    return build_once(fixture_dir / "sdar_v", build_sdar_v)
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    from mlx_dllm_models import load
-
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("sdar_v", build_sdar_v)
 
 
 def tile(seed):

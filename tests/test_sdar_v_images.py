@@ -7,11 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fixtures import build_once
 from fixtures.sdar_v import build_sdar_v
 from helpers import (
     assert_one_rank_keeps_logits_and_three_are_refused,
     batch_equal_to_single_runs,
+    checkpoint_fixtures,
     random_picture,
     served_image_answer,
     stream_tokens,
@@ -22,14 +22,7 @@ SETTINGS = dict(max_tokens=12)
 PAD = "<|image_pad|>"
 
 
-@pytest.fixture(scope="module")
-def path(fixture_dir):
-    return build_once(fixture_dir / "sdar_v", build_sdar_v)
-
-
-@pytest.fixture(scope="module")
-def loaded(path):
-    return load(path)
+path, loaded = checkpoint_fixtures("sdar_v", build_sdar_v, name="path")
 
 
 def picture(seed, size=(40, 70)):

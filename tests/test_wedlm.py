@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import build_once
 from fixtures.wedlm import IM_END, MASK, build, build_qwen2
-from helpers import assert_close, batch_equal_to_single_runs, decoded, far, load_fixture
+from helpers import (
+    assert_close,
+    batch_equal_to_single_runs,
+    checkpoint_fixtures,
+    decoded,
+    far,
+    load_fixture,
+)
 from helpers import random_prompt as prompt
-from mlx_dllm_models import SettingsError, batch_generate_diffusion, load
+from mlx_dllm_models import SettingsError, batch_generate_diffusion
 from mlx_dllm_models.decoding.wedlm import reordered_causal_mask, wedlm_commit
 from mlx_dllm_models.engine import BlockEvent, make_decoder
 from mlx_dllm_models.models import wedlm
@@ -31,14 +37,7 @@ DATA = Path(__file__).parent / "data" / "tencent__WeDLM-8B-Instruct"
 BUILDERS = {"qwen3": build, "qwen2": build_qwen2}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def ckpt(request, fixture_dir):
-    return build_once(fixture_dir / f"wedlm_{request.param}", BUILDERS[request.param])
-
-
-@pytest.fixture(scope="module")
-def loaded(ckpt):
-    return load(ckpt)
+ckpt, loaded = checkpoint_fixtures("wedlm", BUILDERS)
 
 
 # ------------------------------------------------------------------------------------ forward
