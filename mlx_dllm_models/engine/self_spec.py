@@ -32,8 +32,9 @@ from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..decoding import filter_logits, threshold_commit
+from ..decoding import threshold_commit
 from ..decoding.constrained import mask_logits
+from ..decoding.stats import processed, without
 from .base import block_event, check_finite, next_key, sample_tokens
 from .constrained import TokenSequenceConstraint
 from .contracts import Decoder, DecoderInputs
@@ -41,18 +42,13 @@ from .logprobs import entries
 
 
 def processed_probs(logits, settings, spec, suppress=()):
-    """The processed distribution that `sample_tokens` draws from (float32, (..., V))."""
-    scores = logits.astype(mx.float32)
-    for op in spec.sampling_order:
-        if op == "temperature":
-            scores = scores / settings.temperature
-        elif op == "top_k":
-            scores = filter_logits(scores, top_k=settings.top_k)
-        elif op == "top_p":
-            scores = filter_logits(scores, top_p=settings.top_p)
-    if suppress:  # after the filters, as token_stats does
-        scores[..., mx.array(list(suppress))] = float("-inf")
-    return mx.softmax(scores, axis=-1)
+    """The processed distribution that `sample_tokens` draws from (float32, (..., V)), at
+    temperature > 0: token_stats' processing steps in the spec's order, then the suppressed ids."""
+    s = settings
+    scores = processed(
+        logits.astype(mx.float32), spec.sampling_order, s.temperature, s.top_k, s.top_p
+    )
+    return mx.softmax(without(scores, suppress), axis=-1)
 
 
 def _set_draft_adapter(model, active: bool):
