@@ -192,26 +192,23 @@ ROWS = {
         )
         for name, builder in sdar_fixture.CHECKPOINTS.items()
     },
-    # Two blocks of 32: every key, not the block-causal mask.
-    "llada2_moe": (
-        llada2_fixture.build,
-        40,
-        11,
-        llada2_forward,
-        lambda ckpt, model, x: llada2_forward(
-            ckpt, x, block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
-        ),
-    ),
-    # DMax is llada2_moe's model under its own decoder: the same plain call.
-    "dmax": (
-        dmax_fixture.build_converted,
-        40,
-        11,
-        llada2_forward,
-        lambda ckpt, model, x: llada2_forward(
-            ckpt, x, block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
-        ),
-    ),
+    # Two blocks of 32: every key, not the block-causal mask. DMax is llada2_moe's model under its
+    # own decoder: the same plain call.
+    **{
+        name: (
+            builder,
+            40,
+            11,
+            llada2_forward,
+            lambda ckpt, model, x: llada2_forward(
+                ckpt, x, block_causal_mask(40, llada2_fixture.BLOCK_LENGTH)
+            ),
+        )
+        for name, builder in (
+            ("llada2_moe", llada2_fixture.build),
+            ("dmax", dmax_fixture.build_converted),
+        )
+    },
     "nemotron": (
         nemotron_fixture.build,
         20,

@@ -16,7 +16,7 @@ draw replayed), Stable-DiffCoder (tests/test_stable_diffcoder.py holds its call'
 prompts). The transcriptions of the newer rows are in tests/published_text.py; DiffusionGemma,
 MMaDA and the vision families are in tests/test_published_calls_vision.py."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -221,6 +221,21 @@ def _rnd1_run(model, spec, prompt, temperature, greedy):
     return Outcome(tokens, nfe, len(seq) - len(prompt))
 
 
+SDAR_CALL = Call(
+    source="JetAstra/SDAR generate.py",
+    build=sdar_fixture.build_sdar,
+    tokenize=lambda hf, m: hf([_templated(hf, m)], add_special_tokens=False)["input_ids"][0],
+    published=lambda path, model, spec, p: _sdar_run(path, spec, p, 1.0),
+    greedy=lambda path, model, spec, p: _sdar_run(path, spec, p, 0.0),
+    package=dict(max_tokens=128, threshold=0.85),
+    # The reference's cache costs one store forward per finished block; the package folds
+    # that commit into the next block's first forward.
+    forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
+    differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
+    documented=(("sdar.md", "one store forward per finished block fewer"),),
+)
+
+
 CALLS = {
     "llada": Call(
         source="ML-GSAI/LLaDA generate.py",
@@ -257,29 +272,11 @@ CALLS = {
         # max_tokens N is the reference's max_new_tokens=N: N - 1 masks and the reserved pad.
         package=dict(max_tokens=256),
     ),
-    "sdar": Call(
-        source="JetAstra/SDAR generate.py",
-        build=sdar_fixture.build_sdar,
-        tokenize=lambda hf, m: hf([_templated(hf, m)], add_special_tokens=False)["input_ids"][0],
-        published=lambda path, model, spec, p: _sdar_run(path, spec, p, 1.0),
-        greedy=lambda path, model, spec, p: _sdar_run(path, spec, p, 0.0),
-        package=dict(max_tokens=128, threshold=0.85),
-        # The reference's cache costs one store forward per finished block; the package folds
-        # that commit into the next block's first forward.
-        forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
-        differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
-        documented=(("sdar.md", "one store forward per finished block fewer"),),
-    ),
-    "sdar_moe": Call(
+    "sdar": SDAR_CALL,
+    "sdar_moe": replace(
+        SDAR_CALL,
         source="JetAstra/SDAR generate.py (its one script for every SDAR checkpoint, MoE included)",
         build=sdar_fixture.build_sdar_moe,
-        tokenize=lambda hf, m: hf([_templated(hf, m)], add_special_tokens=False)["input_ids"][0],
-        published=lambda path, model, spec, p: _sdar_run(path, spec, p, 1.0),
-        greedy=lambda path, model, spec, p: _sdar_run(path, spec, p, 0.0),
-        package=dict(max_tokens=128, threshold=0.85),
-        forwards=lambda ours, theirs: ours.forwards <= theirs.forwards,
-        differs=dict(threshold=(0.85, "sdar.md"), temperature=(1.0, "sdar.md")),
-        documented=(("sdar.md", "one store forward per finished block fewer"),),
     ),
     "llada2": Call(
         source="inclusionAI/LLaDA2.0-mini README.md (model card)",
