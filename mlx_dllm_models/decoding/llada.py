@@ -22,11 +22,6 @@ import mlx.core as mx
 from .rule import CommitRule, always
 from .rules import quota_commit
 from .stats import uniform as uniform_draws
-from .stats import without
-
-# `logits[:, :, ids] = -inf`: logits_eos_inf with the EOS id, and the EoT id for the confidence of
-# confidence_eos_eot_inf.
-suppress_logits = without
 
 
 def unconditional_tokens(x: mx.array, given: mx.array, mask_id: int) -> mx.array:

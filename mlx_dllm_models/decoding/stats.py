@@ -91,7 +91,8 @@ def processed(logits, order, temperature, top_k, top_p) -> mx.array:
 
 
 def without(logits, ids: Sequence[int]) -> mx.array:
-    """`logits` with the columns of `ids` at -inf (never proposed, or not read)."""
+    """`logits` with the columns of `ids` at -inf (never proposed, or not read): LLaDA's
+    `logits[:, :, ids] = -inf` of logits_eos_inf and confidence_eos_eot_inf."""
     if not ids:
         return logits
     keep = mx.ones((logits.shape[-1],), dtype=mx.bool_)

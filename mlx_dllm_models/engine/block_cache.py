@@ -30,8 +30,8 @@ from typing import List
 import mlx.core as mx
 
 from ..cache import PrefixKVCache, PriorKV
-from ..decoding.llada import suppress_logits
 from ..decoding.logprobs import log_probs
+from ..decoding.stats import without
 from ..masks import block_causal_mask
 from .base import replaced
 from .contracts import Backend
@@ -45,7 +45,7 @@ def seed_block_start(backend, x, logits, start):
     argmax of `logits` (B, V), the previous position's over the finished prefix (never the mask).
     With the logprobs setting, the backend's `seed_log_probs` are that position's (masked.py)."""
     spec, decoded = backend.spec, backend.decoded
-    seed = mx.argmax(suppress_logits(logits, (spec.mask_token_id, *spec.suppressed_token_ids)), -1)
+    seed = mx.argmax(without(logits, (spec.mask_token_id, *spec.suppressed_token_ids)), -1)
     if backend.settings.logprobs is not None:
         backend.seed_log_probs = log_probs(logits)
     put = decoded[:, start] & (x[:, start] == spec.mask_token_id)

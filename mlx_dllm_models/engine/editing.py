@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..decoding.block import token_edits
 from ..decoding.levenshtein import apply_edit_ops, levenshtein_fill, transfer_floor
-from ..decoding.llada import suppress_logits
+from ..decoding.stats import without
 from ..settings_fields import ResolvedSettings
 
 # `_joint_decode_block`'s max_steps_per_block: the forwards one block may take (LLaDA2.2).
@@ -152,7 +152,7 @@ class LevenshteinEditing(BlockEditing):
         fill = mx.where(self.final[:, None], cand, fill) & self.active[:, None]
         x0 = x0.astype(mx.int32)
         proposed_edit = (x0 == self.edit_ids[0]) | (x0 == self.edit_ids[1])
-        alt = mx.argmax(suppress_logits(logits, (self.mask_id, *self.edit_ids)), axis=-1)
+        alt = mx.argmax(without(logits, (self.mask_id, *self.edit_ids)), axis=-1)
         x0 = mx.where(self.final[:, None] & proposed_edit, alt.astype(mx.int32), x0)
         self.step = self.step + self.active.astype(mx.int32)
         return fill | edits, x0

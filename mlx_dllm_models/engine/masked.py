@@ -39,8 +39,9 @@ import mlx.core as mx
 
 from ..decoding import token_stats
 from ..decoding.d3llm import fill_after_eos
-from ..decoding.llada import confidence_suppressed_ids, suppress_logits
+from ..decoding.llada import confidence_suppressed_ids
 from ..decoding.samplers import StepContext, commit_rule
+from ..decoding.stats import without
 from ..settings import SettingsError
 from ..spec import BLOCK_CAUSAL
 from .base import BlockEvent, StepEvent, block_event, check_finite, placed, split_rows
@@ -467,7 +468,7 @@ class MaskedBlockDecoder(Decoder):
         if not batch.checked:  # corrupt weights show at the first forward (one host sync)
             check_finite(logits, self.model)
             batch.checked = True
-        return suppress_logits(logits, self.logits_suppressed), idx
+        return without(logits, self.logits_suppressed), idx
 
     def _commit(self, stats, blk: _Block, step: int, key, idx):
         """The rule's (B, L) commit mask, the proposals and the positions it re-masks (None for
