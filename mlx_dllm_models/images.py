@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import mlx.core as mx
 import numpy as np
 
-from .engine.maskgit import STEP_RULES, Draws, ImageDecoder, seeded_draws
+from .engine.maskgit import STEP_RULES, Draws, ImageDecoder, ImageRows, Unconditional, seeded_draws
 from .errors import SettingsError
 from .image_codes import aligned, grid_tokens, start_codes
 from .image_layout import GRID_TOKENS, edit_picture, edit_pixels, edit_rows, grid_rows, image_part
@@ -200,23 +200,16 @@ def checked_settings(spec: ImageSpec, prompts, steps, guidance_scale, images, ma
     return steps, guidance_scale, editing
 
 
-def grid_layout(processor, spec: ImageSpec, prompts, shape):
-    """The ImageDecoder keywords of a system_user_grid batch (image_layout.py)."""
+def grid_layout(processor, spec: ImageSpec, prompts, shape) -> ImageRows:
+    """The rows of a system_user_grid batch (image_layout.py)."""
     tok = hf_tokenizer(processor)
     ids = {name: spec.special_tokens[name] for name in GRID_TOKENS}
     rows, pads, uncond, uncond_pads, width, columns = grid_rows(tok, spec, ids, prompts, shape)
-    return dict(
-        ids=rows,
-        pads=pads,
-        uncond_prefix=uncond,
-        uncond_pads=uncond_pads,
-        text_len=width,
-        columns=columns,
-    )
+    return ImageRows(rows, pads, width, columns, [Unconditional(uncond, uncond_pads)])
 
 
 def edit_layout(processor, spec, vq, prompts, images, size, offset, image_guidance):
-    """(the ImageDecoder keywords of an editing batch (image_layout.py), its token grid)."""
+    """(the rows of an editing batch (image_layout.py), its token grid)."""
     pictures = [edit_picture(p, spec.edit_side) for p in read_images(images)]
     sizes = {p.size for p in pictures}
     if len(sizes) > 1 or size not in (None, next(iter(sizes))):
@@ -233,16 +226,11 @@ def edit_layout(processor, spec, vq, prompts, images, size, offset, image_guidan
         hf_tokenizer(processor), spec, ids, prompts, parts, shape
     )
     (no_text, no_text_pads), (no_image, no_image_pads) = uncond
-    layout = dict(
-        ids=rows,
-        pads=pads,
-        uncond_prefix=no_text,
-        uncond_pads=no_text_pads,
-        text_len=width,
-        columns=columns,
-        extra_uncond=[(no_image, no_image_pads, image_guidance)],
-    )
-    return layout, shape
+    twins = [
+        Unconditional(no_text, no_text_pads),
+        Unconditional(no_image, no_image_pads, image_guidance),
+    ]
+    return ImageRows(rows, pads, width, columns, twins), shape
 
 
 def decoder_for(
@@ -251,14 +239,17 @@ def decoder_for(
     prompts,
     spec,
     vq,
-    width,
-    height,
-    steps,
-    guidance_scale,
+    *,
+    width=None,
+    height=None,
+    steps=None,
+    guidance_scale=None,
     images=None,
     masks=None,
     image_guidance_scale=None,
 ):
+    """(the ImageDecoder of `prompts`, the (rows, columns) of its grid, the steps and guidance it
+    runs with): the settings left None take the spec's."""
     images = aligned(images, len(prompts), "images")
     masks = aligned(masks, len(prompts), "masks")
     steps, guidance_scale, editing = checked_settings(
@@ -286,23 +277,16 @@ def decoder_for(
         ids, pads = t2i_rows(processor, spec, prompts, rows * cols, codes, offset)
         blank, uncond_pads = t2i_rows(processor, spec, [""] * len(prompts), rows * cols)
         text_len = spec.max_text_len + 1
-        layout = dict(
-            ids=ids,
-            pads=pads,
-            uncond_prefix=blank[:, :text_len],
-            uncond_pads=uncond_pads,
-            text_len=text_len,
-        )
-    if guidance_scale == 0 and not layout.get("extra_uncond"):
-        layout.update(uncond_prefix=None, uncond_pads=())
+        twin = Unconditional(blank[:, :text_len], uncond_pads)
+        layout = ImageRows(ids, pads, text_len, uncond=[twin])
     decoder = ImageDecoder(
         model,
+        layout,
         n_tokens=rows * cols,
         offset=offset,
         codebook_size=spec.codebook_size,
         mask_token_id=spec.mask_token_id,
         rule=spec.rule,
-        **layout,
     )
     return decoder, (rows, cols), steps, guidance_scale
 
@@ -361,19 +345,10 @@ def stream_batch(
         raise SettingsError("prompts must be a list of strings (generate_image takes one)")
     vq = resolve_vq_model(processor, spec, vq_model)
     prompts = list(prompts)
+    run = dict(width=width, height=height, steps=steps, guidance_scale=guidance_scale)
+    edits = dict(images=images, masks=masks, image_guidance_scale=image_guidance_scale)
     decoder, shape, steps, guidance_scale = decoder_for(
-        model,
-        processor,
-        prompts,
-        spec,
-        vq,
-        width,
-        height,
-        steps,
-        guidance_scale,
-        images,
-        masks,
-        image_guidance_scale,
+        model, processor, prompts, spec, vq, **run, **edits
     )
     if draws is None:
         entries = spec.codebook_size if STEP_RULES[spec.rule][1] else None

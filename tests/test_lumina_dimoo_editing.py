@@ -62,8 +62,9 @@ def edit_decoder(loaded, pictures, guidance, image_guidance):
     model, tok = loaded
     spec = replace(image_spec_of(model), edit_side=32)
     vq = resolve_vq_model(tok, spec)
+    edits = dict(images=pictures, image_guidance_scale=image_guidance)
     dec, shape, _, _ = decoder_for(
-        model, tok, PROMPTS, spec, vq, None, None, 4, guidance, pictures, None, image_guidance
+        model, tok, PROMPTS, spec, vq, steps=4, guidance_scale=guidance, **edits
     )
     return dec, shape, vq
 
@@ -77,7 +78,7 @@ def test_edit_steps_match_generate_i2i(ckpt, loaded, guidance, image_guidance, s
     pictures = [photo(2, (16, 12)), photo(3, (16, 12))]
     cropped = [edit_picture(p, 32) for p in pictures]
     dec, (h, w), vq = edit_decoder(loaded, cropped, guidance, image_guidance)
-    assert dec.nfe == 0 and len(dec.extra_uncond) == 1
+    assert dec.nfe == 0 and len(dec.uncond) == 2
     draws = numpy_draws(len(PROMPTS), h * w)
     events = run_on_draws(dec, draws, steps=steps, guidance_scale=guidance, temperature=1.0)
     forward = torch_forward(ckpt)

@@ -52,7 +52,8 @@ def decoder(loaded, prompts, guidance):
     spec = image_spec_of(model)
     vq = resolve_vq_model(tok, spec)
     h, w = SHAPE
-    return decoder_for(model, tok, prompts, spec, vq, w * DOWNSAMPLE, h * DOWNSAMPLE, 4, guidance)
+    size = dict(width=w * DOWNSAMPLE, height=h * DOWNSAMPLE)
+    return decoder_for(model, tok, prompts, spec, vq, **size, steps=4, guidance_scale=guidance)
 
 
 def reference_run(ckpt, tok, prompt, row, *, guidance, steps, temperature):
@@ -84,8 +85,8 @@ def test_prompt_layout_is_inference_t2is(loaded):
         want, uncon, code_start = ref.t2i_prompt(tok._tokenizer, prompt, *SHAPE, GRID_IDS, MASK)
         pad = dec.pads[row]
         np.testing.assert_array_equal(ids[row, pad:], want[0].numpy())
-        upad = dec.uncond_pads[row]
-        np.testing.assert_array_equal(np.array(dec.uncond_prefix)[row, upad:], uncon[0].numpy())
+        upad = dec.uncond[0].pads[row]
+        np.testing.assert_array_equal(np.array(dec.uncond[0].prefix)[row, upad:], uncon[0].numpy())
         image = np.array(dec.columns) - pad
         assert list(image[:4]) == [code_start + c for c in range(4)]
         assert ids[row, pad + code_start + 4] == GRID_IDS["newline_token"]  # a row's end

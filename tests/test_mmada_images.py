@@ -78,8 +78,9 @@ def reference_run(ckpt, tok, prompts, *, guidance, steps, temperature, max_text_
 def mlx_run(model, tok, prompts, *, guidance, steps, temperature, max_text_len, width=None):
     spec = replace(image_spec_of(model), max_text_len=max_text_len)
     vq = resolve_vq_model(tok, spec)
+    size = dict(width=width, height=width)
     decoder, _, steps, guidance = decoder_for(
-        model, tok, prompts, spec, vq, width, width, steps, guidance
+        model, tok, prompts, spec, vq, **size, steps=steps, guidance_scale=guidance
     )
     seen = []
     logits_of = decoder.logits

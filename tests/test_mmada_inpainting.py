@@ -55,8 +55,9 @@ def test_inpainting_steps_match_t2i_generate(ckpt, loaded):
     spec = image_spec_of(model)
     vq = resolve_vq_model(tok, spec)
     prompts = ["a red cat", "a green bird"]
+    given = dict(images=[photo(), None], masks=[left_half_mask(), None])
     decoder, _, steps, guidance = decoder_for(
-        model, tok, prompts, spec, vq, None, None, 8, 3.5, [photo(), None], [left_half_mask(), None]
+        model, tok, prompts, spec, vq, steps=8, guidance_scale=3.5, **given
     )
     start = np.array(decoder.ids)
     image_cols = start[:, -(NUM_VQ_TOKENS + 1) : -1]

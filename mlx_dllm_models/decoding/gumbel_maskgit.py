@@ -15,6 +15,8 @@ from typing import Tuple
 import mlx.core as mx
 import numpy as np
 
+from .maskgit import MaskGitState
+
 EPS = 1e-20
 
 
@@ -41,20 +43,12 @@ def keep_counts(step: int, steps: int, initial: mx.array) -> mx.array:
 
 
 def gumbel_max_step(
-    logits: mx.array,
-    tokens: mx.array,
-    known: mx.array,
-    step: int,
-    steps: int,
-    temperature: float,
-    sample_uniforms: mx.array,
-    gumbel_uniforms: mx.array,
-    initial: mx.array,
+    logits: mx.array, state: MaskGitState, sample_uniforms: mx.array, gumbel_uniforms: mx.array
 ) -> Tuple[mx.array, mx.array, float]:
     """(sampled (B, N) codebook indices, the decided ones kept; masking (B, N): the positions
     left masked; the temperature, unchanged). `logits` (B, N, C) are the guided codebook logits,
-    `sample_uniforms` (B, N, C), `gumbel_uniforms` (B, N), `initial` (B,) the run's first masked
-    count."""
+    `sample_uniforms` (B, N, C), `gumbel_uniforms` (B, N)."""
+    tokens, known, step, steps, temperature, initial = state
     logits = logits.astype(mx.float32)
     if temperature == 0:
         drawn = mx.argmax(logits, axis=-1)

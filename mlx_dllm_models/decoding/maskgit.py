@@ -11,7 +11,7 @@ as the reference reassigns it.
 """
 
 import math
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -74,20 +74,26 @@ def random_topk_masking(
     return confidence < cut
 
 
+class MaskGitState(NamedTuple):
+    """What a step rule reads besides the logits and the draws: the current codebook indices
+    (B, N), read where `known` (B, N) holds; the step of `steps`; the running temperature before
+    this step's reassignment; each row's masked count at the start of the run (B,)."""
+
+    tokens: mx.array
+    known: mx.array
+    step: int
+    steps: int
+    temperature: float
+    initial: mx.array
+
+
 def maskgit_step(
-    logits: mx.array,
-    tokens: mx.array,
-    known: mx.array,
-    step: int,
-    steps: int,
-    temperature: float,
-    sample_uniforms: mx.array,
-    gumbel_uniforms: mx.array,
+    logits: mx.array, state: MaskGitState, sample_uniforms: mx.array, gumbel_uniforms: mx.array
 ) -> Tuple[mx.array, mx.array, float]:
     """One step: (sampled (B, N) codebook indices, every position's; masking (B, N): the positions
     left masked for the next step; the running temperature for the next step). `logits` (B, N, C)
-    are the guided codebook logits, `tokens` the current indices (read where `known`),
-    `temperature` the running temperature before this step's reassignment."""
+    are the guided codebook logits."""
+    tokens, known, step, steps, temperature, _ = state
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     sampled = mx.where(known, tokens, sample_inverse_cdf(probs, sample_uniforms))
     chosen = mx.take_along_axis(probs, sampled[..., None], axis=-1)[..., 0]

@@ -3,7 +3,7 @@ generate_image): every step one forward over the whole prompt (with the uncondit
 the conditional ones under guidance), the image columns' codebook logits, then the step rule the
 image spec names (STEP_RULES: decoding.maskgit's or decoding.gumbel_maskgit's).
 
-The token layout is the caller's (images.py): each row is its text part (`text_len` columns,
+The token layout is the caller's (images.py builds an ImageRows): each row is its text part (`text_len` columns,
 left-padded), then the image part, whose N image columns sit at `columns` (by default the N
 columns before the last). The unconditional rows keep their own text part and take the
 conditional rows' current image part at every step, as both references rebuild them.
@@ -13,13 +13,13 @@ samples as it would alone; tests inject the reference's draws instead (`draws`).
 sampling takes a uniform per codebook entry (gumbel-max) draws (B, N, C) of them.
 """
 
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..decoding.gumbel_maskgit import gumbel_max_step
-from ..decoding.maskgit import guided, maskgit_step
+from ..decoding.maskgit import MaskGitState, guided, maskgit_step
 from ..decoding.stats import uniform
 from ..masks import padding_mask
 from .base import split_rows
@@ -28,12 +28,31 @@ from .base import split_rows
 Draws = Callable[[int], Tuple[mx.array, mx.array]]
 
 
-def muse_step(logits, tokens, known, step, steps, temperature, u_sample, u_gumbel, initial):
-    return maskgit_step(logits, tokens, known, step, steps, temperature, u_sample, u_gumbel)
-
-
 # ImageSpec.rule -> (the step, whether its sampling draws a uniform per codebook entry)
-STEP_RULES = {"muse": (muse_step, False), "gumbel_max": (gumbel_max_step, True)}
+STEP_RULES = {"muse": (maskgit_step, False), "gumbel_max": (gumbel_max_step, True)}
+
+
+class Unconditional(NamedTuple):
+    """Unconditional twins of a batch's rows: their text parts (B, text_len), left paddings, and
+    guidance scale (None: the run's guidance_scale)."""
+
+    prefix: mx.array
+    pads: Sequence[int]
+    scale: Optional[float] = None
+
+
+@dataclass
+class ImageRows:
+    """A batch's token layout (images.py builds it): the rows (B, L), their left paddings, the
+    text part's width, the image columns (None: the N before the last), and the unconditional
+    twins guidance runs beside them (Lumina-DiMOO's editing guides against the prompt without the
+    image too, `c + g (c - u) + g_img (c - u_img)`)."""
+
+    ids: mx.array
+    pads: List[int]
+    text_len: int
+    columns: Optional[Sequence[int]] = None
+    uncond: List[Unconditional] = field(default_factory=list)
 
 
 @dataclass
@@ -67,33 +86,24 @@ class ImageDecoder:
     def __init__(
         self,
         model,
-        ids: mx.array,
-        pads: Sequence[int],
+        rows: ImageRows,
         *,
         n_tokens: int,
         offset: int,
         codebook_size: int,
         mask_token_id: int,
-        text_len: int,
-        uncond_prefix: Optional[mx.array] = None,
-        uncond_pads: Sequence[int] = (),
-        columns: Optional[Sequence[int]] = None,
         rule: str = "muse",
-        extra_uncond: Sequence[Tuple[mx.array, Sequence[int], float]] = (),
     ):
         self.model = model
-        self.ids = ids
-        self.pads = list(pads)
+        self.ids = rows.ids
+        self.pads = list(rows.pads)
+        self.text_len = rows.text_len
+        self.uncond = list(rows.uncond)
         self.n_tokens = n_tokens
         self.offset = offset
         self.codebook_size = codebook_size
         self.mask_token_id = mask_token_id
-        self.text_len = text_len
-        self.uncond_prefix = uncond_prefix
-        self.uncond_pads = list(uncond_pads)
-        # Further unconditional rows (prefix, pads, scale): Lumina-DiMOO's editing guides against
-        # the prompt without the image too, `c + g (c - u) + g_img (c - u_img)`.
-        self.extra_uncond = list(extra_uncond)
+        ids, columns = rows.ids, rows.columns
         L = ids.shape[1]
         if columns is None:
             columns = range(L - n_tokens - 1, L - 1)
@@ -113,11 +123,11 @@ class ImageDecoder:
     def logits(self, guidance_scale: float) -> mx.array:
         """(B, N, C) guided codebook logits of the image columns."""
         B, L = self.ids.shape
-        uncond = []
-        if self.uncond_prefix is not None:
-            uncond = [(self.uncond_prefix, self.uncond_pads, guidance_scale)] + self.extra_uncond
-            if not any(scale > 0 for _, _, scale in uncond):
-                uncond = []
+        uncond = [
+            (u.prefix, u.pads, guidance_scale if u.scale is None else u.scale) for u in self.uncond
+        ]
+        if not any(scale > 0 for _, _, scale in uncond):
+            uncond = []
         image = self.ids[:, self.text_len :]
         batch = mx.concatenate(
             [self.ids] + [mx.concatenate([prefix, image], axis=1) for prefix, _, _ in uncond]
@@ -149,16 +159,9 @@ class ImageDecoder:
         tokens = mx.where(known, columns - self.offset, 0).astype(mx.int32)
         for step in range(steps):
             u_sample, u_gumbel = draws(step)
+            state = MaskGitState(tokens, known, step, steps, temperature, initial)
             sampled, masking, temperature = self.step_rule(
-                self.logits(guidance_scale),
-                tokens,
-                known,
-                step,
-                steps,
-                temperature,
-                u_sample,
-                u_gumbel,
-                initial,
+                self.logits(guidance_scale), state, u_sample, u_gumbel
             )
             image = mx.where(masking, self.mask_token_id, sampled + self.offset)
             ids = mx.array(self.ids)
