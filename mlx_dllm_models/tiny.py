@@ -199,14 +199,11 @@ def build_tiny_llada(
     """A random LLaDA-8B-shaped checkpoint (LLaDAModelLM, OLMo key names) at toy size: the
     package's offline stand-in when no trained default is available. Its output is not language."""
     vocab = 264
+    sizes = dict(
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden_size=mlp_hidden_size
+    )
     config = llada_config(
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        mlp_hidden_size=mlp_hidden_size,
-        vocab_size=vocab,
-        special_tokens=LLADA_SPECIAL_TOKENS,
-        max_sequence_length=1024,
+        **sizes, vocab_size=vocab, special_tokens=LLADA_SPECIAL_TOKENS, max_sequence_length=1024
     )
     rng = np.random.default_rng(seed)
     d, f = d_model, mlp_hidden_size
