@@ -34,7 +34,7 @@ from ..decoding.logprobs import log_probs
 from ..decoding.stats import without
 from ..masks import block_causal_mask
 from .base import replaced
-from .contracts import Backend
+from .contracts import Backend, ExactRestarts
 
 # Prompt blocks per prefill forward: about this many tokens, rounded down to whole blocks.
 PREFILL_TOKENS = 512
@@ -59,7 +59,7 @@ def seeds_at(spec, block: int, start: int) -> bool:
     return spec.seeds_block_start and start % block == 0 and start > 0
 
 
-class PrefixCache(Backend):
+class PrefixCache(ExactRestarts, Backend):
     """Backend of the masked block engine (see full_recompute.py for the interface)."""
 
     # A denoising step's forward over some rows may run on `select(layout, rows)`: its K/V of the
@@ -71,10 +71,6 @@ class PrefixCache(Backend):
     # padding is a multiple of the block length.
     join_reencodes = True
     resumes = True
-
-    @classmethod
-    def joins_exactly(cls, settings) -> bool:
-        return True
 
     def __init__(self, model, spec, layout, settings):
         if not layout.aligned:

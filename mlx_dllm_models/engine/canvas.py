@@ -42,7 +42,7 @@ from ..decoding.logprobs import log_probs
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite, placed
 from .constrained import CanvasConstraint
-from .contracts import Decoder, DecoderInputs
+from .contracts import Decoder, DecoderInputs, Prompts, Rows
 from .logprobs import PositionLogprobs
 
 
@@ -181,11 +181,7 @@ class CanvasDecoder(Decoder):
         return max(s.min_canvas_length, min(remaining, s.max_canvas_length))
 
     def run(
-        self,
-        prompts: Sequence[Sequence[int]],
-        constraints=None,
-        consumed=None,
-        cancelled: AbstractSet[int] = frozenset(),
+        self, prompts: Prompts, *, cancelled: Rows = frozenset(), constraints=None, consumed=None
     ) -> Iterator[object]:
         """Decode `prompts` (left-padded into one batch). `constraints` / `consumed`: each row's
         structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it

@@ -34,6 +34,10 @@ from ..settings import SettingsError
 from ..settings_fields import ResolvedSettings
 from ..spec import DiffusionSpec
 
+# A batch's prompts (token ids, one list a row), and a set of its rows (by index).
+Prompts = Sequence[Sequence[int]]
+Rows = AbstractSet[int]
+
 
 class Restarts:
     """What a backend or a decoder says about restarting its rows (see the module docstring)."""
@@ -47,6 +51,16 @@ class Restarts:
     @classmethod
     def kv_kind(cls, settings: ResolvedSettings) -> Optional[str]:
         return None
+
+
+class ExactRestarts(Restarts):
+    """Restarts of a backend whose restart over [prompt ; committed] reproduces the run under any
+    settings: every forward recomputes from the tokens, or the blocks keep their absolute
+    positions and their K/V."""
+
+    @classmethod
+    def joins_exactly(cls, settings: ResolvedSettings) -> bool:
+        return True
 
 
 class Backend(Restarts):
@@ -181,9 +195,9 @@ class Decoder(Restarts):
 
     def run(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Prompts,
         *,
-        cancelled: AbstractSet[int] = frozenset(),
+        cancelled: Rows = frozenset(),
         constraints: Optional[Sequence] = None,
         consumed: Optional[Sequence] = None,
     ) -> Iterator[object]:

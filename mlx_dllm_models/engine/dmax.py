@@ -26,7 +26,7 @@ a block makes the reference prefill one block of masks that nothing reads; that 
 here (one forward fewer than the reference's count).
 """
 
-from typing import AbstractSet, Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -35,7 +35,7 @@ from ..decoding.dmax import best_tokens, prefix_commit, settled, soft_embeddings
 from ..masks import block_causal_mask
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite
-from .contracts import Decoder, DecoderInputs
+from .contracts import Decoder, DecoderInputs, Prompts, Rows
 
 
 class _Row:
@@ -142,12 +142,7 @@ class DMaxDecoder(Decoder):
         return logits
 
     def run(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        cancelled: AbstractSet[int] = frozenset(),
-        constraints=None,
-        consumed=None,
+        self, prompts: Prompts, *, cancelled: Rows = frozenset(), constraints=None, consumed=None
     ) -> Iterator[object]:
         """Decode `prompts`, yielding StepEvents and, per round of blocks, a BlockEvent."""
         rows: List[_Row] = []

@@ -22,11 +22,11 @@ from ..masks import block_causal_mask, every_key, padding_mask
 from ..settings_fields import ResolvedSettings
 from ..spec import BLOCK_CAUSAL
 from .block_cache import seed_block_start, seeds_at
-from .contracts import Backend
+from .contracts import Backend, ExactRestarts
 from .layout import Layout
 
 
-class FullRecompute(Backend):
+class FullRecompute(ExactRestarts, Backend):
     """Every step runs the model over the whole sequence (prompt + canvas). The exact mode for
     bidirectional models, whose every position attends to every other, and the reference mode of
     block-causal ones (under their block-causal mask). Left-padded rows get a padding mask and
@@ -41,10 +41,6 @@ class FullRecompute(Backend):
     # every forward recomputes from the tokens, so the restart sees what the run would have, and
     # re-encodes nothing it had kept.
     join_reencodes = False
-
-    @classmethod
-    def joins_exactly(cls, settings) -> bool:
-        return True
 
     def __init__(self, model, spec, layout: Layout, settings: ResolvedSettings):
         self.model = model

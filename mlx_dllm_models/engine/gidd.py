@@ -21,7 +21,7 @@ of one length share every forward) and each draws from its own stream (CanvasNoi
 decodes as it would alone; a cancelled row leaves before the next step.
 """
 
-from typing import AbstractSet, Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List
 
 import mlx.core as mx
 
@@ -36,7 +36,7 @@ from ..decoding.gidd import (
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite
 from .canvas import CanvasNoise
-from .contracts import Decoder, DecoderInputs
+from .contracts import Decoder, DecoderInputs, Prompts, Rows
 
 
 class GiddDecoder(Decoder):
@@ -70,12 +70,7 @@ class GiddDecoder(Decoder):
         self.nfe = 0
 
     def run(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        cancelled: AbstractSet[int] = frozenset(),
-        constraints=None,
-        consumed=None,
+        self, prompts: Prompts, *, cancelled: Rows = frozenset(), constraints=None, consumed=None
     ) -> Iterator[object]:
         groups: Dict[int, List[int]] = {}
         for row, p in enumerate(prompts):

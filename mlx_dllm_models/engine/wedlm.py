@@ -36,7 +36,7 @@ the rest of the window without a forward. Rows without a constraint decode as ab
 temperature 0 the constrained rows' draws take a key of their own.
 """
 
-from typing import AbstractSet, List, Sequence, Type
+from typing import Iterator, List, Sequence, Type
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +47,7 @@ from ..decoding.constrained import allowed_tokens, mask_logits
 from ..decoding.wedlm import committed_prefix, reordered_causal_mask, wedlm_commit
 from .base import StepEvent, block_event, check_finite, next_key
 from .constrained import WindowConstraint
-from .contracts import Backend, Decoder, DecoderInputs, WindowBackend
+from .contracts import Backend, Decoder, DecoderInputs, Prompts, Rows, WindowBackend
 from .logprobs import entries
 
 
@@ -273,12 +273,8 @@ class WeDLMDecoder(Decoder):
         return StepEvent(list(rows), mx.array(canvases, dtype=mx.int32), block, self.nfe, conf)
 
     def run(
-        self,
-        prompts: Sequence[Sequence[int]],
-        constraints=None,
-        consumed=None,
-        cancelled: AbstractSet[int] = frozenset(),
-    ):
+        self, prompts: Prompts, *, cancelled: Rows = frozenset(), constraints=None, consumed=None
+    ) -> Iterator[object]:
         """Decode `prompts`, one forward a step. `constraints` / `consumed`: each row's
         structured.Constraint (None: unconstrained; default: the decoder's) and the tokens it
         already returned, as MaskedBlockDecoder.run takes them. `cancelled`: a set of row indices
