@@ -28,17 +28,7 @@ reusable K/V here either: they recompute the conversation's prefill.
 import sys
 from typing import Callable, List, Optional
 
-from .cli_common import (
-    LiveView,
-    Parser,
-    add_live_and_image_flags,
-    add_loading_flags,
-    add_setting_flags,
-    add_template_config_flag,
-    chosen_settings,
-    load_for_cli,
-    template_kwargs,
-)
+from . import cli_common
 from .generate import responses, stats_line
 from .prompts import has_chat_template, render_chat
 from .request import prepare
@@ -136,20 +126,19 @@ class ChatSession:
 
 
 def _parser():
-    p = Parser(
+    p = cli_common.Parser(
         prog="mlx_dllm chat",
         description="Chat with a diffusion language model (as mlx_lm.chat). " + HELP,
-        allow_abbrev=False,
     )
-    add_loading_flags(p)
-    add_template_config_flag(p)
+    cli_common.add_loading_flags(p)
+    cli_common.add_template_config_flag(p)
     p.add_argument("--system-prompt", default=None, help="system prompt of the conversation")
-    add_live_and_image_flags(
+    cli_common.add_live_and_image_flags(
         p,
         "an image for the first question (repeatable; checkpoints with a vision tower); "
         "later ones with /image PATH",
     )
-    add_setting_flags(p)
+    cli_common.add_setting_flags(p)
     return p
 
 
@@ -171,19 +160,19 @@ def chat_main(argv):
             "error: --logprobs is not shown by mlx_dllm chat; use mlx_dllm generate --logprobs K, "
             "or mlx_dllm serve (OpenAI's logprobs fields)"
         )
-    model, tokenizer = load_for_cli(args)
+    model, tokenizer = cli_common.load_for_cli(args)
     try:
         session = ChatSession(
             model,
             tokenizer,
-            chosen_settings(args),
+            cli_common.chosen_settings(args),
             system_prompt=args.system_prompt,
-            chat_template_kwargs=template_kwargs(args),
+            chat_template_kwargs=cli_common.template_kwargs(args),
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     spec = model.diffusion_spec
-    view = LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
+    view = cli_common.LiveView(sys.stdout) if sys.stdout.isatty() and not args.no_live else None
     line_editing()
     print(f"[chat with {args.model or 'the embedded model'}] {HELP}", flush=True)
     pending = []  # images for the next question

@@ -35,9 +35,6 @@ def generate_parser():
         prog="mlx_dllm generate",
         description="Generate text with a diffusion language model. Settings that name a family "
         "apply to that family only; `mlx_dllm settings` shows the values a run would use.",
-        # Abbreviations would take one flag for another (`--mode` for `--model`); an unknown flag
-        # is refused with the closest one, before the model loads.
-        allow_abbrev=False,
     )
     add_loading_flags(p)
     add_template_config_flag(p)
@@ -379,7 +376,6 @@ def top_parser():
         description="Diffusion language models on MLX. `mlx_dllm COMMAND --help` for a "
         "command's options.",
         usage="%(prog)s COMMAND [options]",
-        allow_abbrev=False,
     )
     p.add_argument("--version", action="version", version=f"mlx_dllm_models {__version__}")
     commands = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")

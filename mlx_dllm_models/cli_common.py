@@ -32,6 +32,9 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("usage", "%(prog)s [options]")
+        # Abbreviations would take one flag for another (`--mode` for `--model`); an unknown flag
+        # is refused with the closest one, before the model loads.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):

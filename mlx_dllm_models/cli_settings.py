@@ -21,7 +21,6 @@ def settings_parser():
         prog="mlx_dllm settings",
         description="Print every setting that `mlx_dllm generate` with these flags would use on "
         "this model, its value and where it came from. The weights are not read.",
-        allow_abbrev=False,
     )
     add_loading_flags(p)
     add_setting_flags(p)

@@ -19,7 +19,6 @@ def build_parser():
         description="Evaluate a diffusion language model with lm-evaluation-harness: "
         "loglikelihood from the masked-diffusion ELBO, generate_until from diffusion decoding. "
         f"It {INSTALL}.",
-        allow_abbrev=False,
     )
     p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--adapter-path", default=None, help="LoRA adapters (mlx_dllm lora's output)")

@@ -25,7 +25,6 @@ def parser():
         "(/v1/chat/completions, /v1/completions, /v1/models, /health). Concurrent requests "
         "share forwards. The setting flags set the defaults that a request's body fields of the "
         "same name override.",
-        allow_abbrev=False,
     )
     add_loading_flags(p)
     p.add_argument(
