@@ -140,10 +140,12 @@ def render_fields() -> str:
         kind = VALUE_TYPES[row["kind"]]
         kind = kind if s.default is not None else f"Optional[{kind}]"
         default = json.dumps(s.default) if isinstance(s.default, str) else repr(s.default)
-        comment = textwrap.fill(s.help, 100, initial_indent="    # ", subsequent_indent="    # ")
-        lines.append(f"{comment}\n    {s.name}: {kind} = {default}\n")
-    lines.append("    # The settings the family has, in resolution order (SettingsRecord).\n")
+        if '"' in s.help or "\\" in s.help:
+            raise ValueError(f"setting {s.name}: its help is written into a docstring: no quotes")
+        doc = textwrap.fill(s.help, 93, initial_indent='    """', subsequent_indent="    ")
+        lines.append(f'    {s.name}: {kind} = {default}\n{doc}"""\n')
     lines.append("    present: Tuple[str, ...] = ()\n")
+    lines.append('    """The settings the family has, in resolution order (SettingsRecord)."""\n')
     return "".join(lines)
 
 
