@@ -31,6 +31,8 @@ from .prompts import has_chat_template, render_chat
 from .settings import SettingsError
 from .vision import text_tokenizer
 
+LM_EVAL_SEEDS = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+
 
 def _cut_at(text: str, until) -> str:
     """The text before the first stop string (mlx_lm.evaluate's `_rstrip_until`)."""
@@ -189,6 +191,7 @@ def main(argv):
         seed=args.seed,
         settings={"temperature": args.temp, "seed": args.seed},
     )
+    # Every stream lm_eval seeds (Python's, numpy's, torch's, the few-shot sampler's): --seed.
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=args.tasks,
@@ -197,10 +200,7 @@ def main(argv):
         apply_chat_template=lm.use_chat_template,
         num_fewshot=args.num_shots,
         limit=args.limit,
-        random_seed=args.seed,
-        numpy_random_seed=args.seed,
-        torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed,
+        **dict.fromkeys(LM_EVAL_SEEDS, args.seed),
         confirm_run_unsafe_code=args.confirm_run_unsafe_code,
     )
     output_dir = Path(args.output_dir)

@@ -68,16 +68,10 @@ def llava_fields(params: dict) -> dict:
             )
     mode = checked_pool_mode(NAME, params.get("mm_spatial_pool_mode"))
     out = dict(params)
+    out.update({llama: params.get(olmo) for olmo, llama in llada.LLAMA_NAMES.items()})
     out.update(
-        hidden_size=params["d_model"],
-        num_hidden_layers=params.get("n_layers"),
-        num_attention_heads=params.get("n_heads"),
-        num_key_value_heads=params.get("n_kv_heads"),
-        intermediate_size=params.get("mlp_hidden_size"),
         # OLMo sizes the embedding and the head by embedding_size (the padded vocabulary).
         vocab_size=params.get("embedding_size") or params.get("vocab_size"),
-        max_position_embeddings=params.get("max_sequence_length"),
-        attention_bias=bool(params.get("include_qkv_bias")),
         mm_spatial_pool_mode=mode,
         lavida=True,
     )

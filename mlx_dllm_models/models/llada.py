@@ -48,6 +48,16 @@ REFERENCE_DEFAULTS = {
 # is d3LLM's generate_multi_block (decoding.d3llm), the decoder of its distilled d3LLM_LLaDA.
 # config.json's model_type of LLaDA 8B's checkpoints (tiny.llada_config writes it).
 MODEL_TYPE = "llada"
+# LLaDA's OLMo config names -> the Llama names of the same sizes (LLaDA-V's config.json).
+LLAMA_NAMES = {
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "mlp_hidden_size": "intermediate_size",
+    "max_sequence_length": "max_position_embeddings",
+    "include_qkv_bias": "attention_bias",
+}
 
 LLADA_SAMPLERS = SHARED_SAMPLERS + ("random", "d3llm")
 # The end-of-turn token that confidence_eos_eot_inf scores 0 (generate.py hard-codes 126348, LLaDA

@@ -149,21 +149,11 @@ class ModelArgs(BaseModelArgs):
         if self.suppressed_token_ids is None:
             self.suppressed_token_ids = list(SUPPRESSED_TOKEN_IDS)
         self.tower = checked_tower(self)
-        self.llada_args = llada.ModelArgs(
-            model_type=NAME,
-            d_model=self.hidden_size,
-            n_layers=self.num_hidden_layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            mlp_hidden_size=self.intermediate_size,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            max_sequence_length=self.max_position_embeddings,
-            include_qkv_bias=self.attention_bias,
-            mask_token_id=self.mask_token_id,
-            eos_token_id=self.eos_token_id,
-        )
+        # The LLaDA body's config: these fields under LLaDA's OLMo names.
+        same = ("vocab_size", "rms_norm_eps", "rope_theta", "mask_token_id", "eos_token_id")
+        names = {**llada.LLAMA_NAMES, **{name: name for name in same}}
+        fields = {olmo: getattr(self, name) for olmo, name in names.items()}
+        self.llada_args = llada.ModelArgs(model_type=NAME, **fields)
 
 
 # mlx-vlm's loader builds `ModelConfig.from_dict(config)` and `Model(config)`.

@@ -50,12 +50,7 @@ TEXT_DEFAULTS = {"max_tokens": 128, "block_length": 128, "temperature": 1.0}
 
 # inference_t2i.py run as the README says (guidance_scale=3.5 generation_timesteps=15), with
 # configs/mmada_demo.yaml (max_seq_length 512; generation_temperature absent: 1.0).
-IMAGE_DEFAULTS = {
-    "guidance_scale": 3.5,
-    "steps": 15,
-    "temperature": 1.0,
-    "max_text_len": 512,
-}
+IMAGE_DEFAULTS = {"guidance_scale": 3.5, "steps": 15, "temperature": 1.0, "max_text_len": 512}
 
 
 @dataclass
