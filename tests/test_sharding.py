@@ -3,12 +3,13 @@ changes nothing, a group that cannot split the checkpoint is refused before any 
 and a sharded load refuses what it cannot do. The runs over two processes are in
 tests/test_distributed.py."""
 
+import importlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 
 from fixtures import diffusion_gemma, dream, llada, llada2, nemotron, sdar
 from helpers import Ranks
@@ -34,8 +35,9 @@ CONFIGS = {
 
 def _model(name):
     config = CONFIGS[name]()
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    # The module mlx_lm.load finds for the model_type (the package registers it under mlx_lm.models).
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return model
 
