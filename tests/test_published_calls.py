@@ -24,8 +24,8 @@ import published_text as text
 import pytest
 import torch
 from published_text import Outcome
-from test_block_decoding import mlx_vlm_forward, transformers_forward
 
+from block_checks import mlx_vlm_forward, transformers_forward
 from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
 from fixtures import coda as coda_fixture
