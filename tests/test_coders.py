@@ -3,7 +3,8 @@ the dream family decodes them. Their real config.json files (tests/data, README 
 model at full size with the right mask / EOS / BOS ids and context; what differs from Dream is
 declared where the package can tell: DiffuCoder's <|dlm_pad|> ends a row's text (spec
 eos_token_names, through the checkpoint's tokenizer). Their model cards' temperatures cannot be told
-apart from Dream's by any file found (tests/test_real_configs.py holds them as strict xfails).
+apart from Dream's by any file found (tests/test_real_recommended_settings.py holds them as strict
+xfails).
 Tiny checkpoints in their layout go through plain `python -m mlx_lm convert` and `mlx_lm.load`."""
 
 import json

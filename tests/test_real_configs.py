@@ -4,36 +4,31 @@ For each checkpoint whose files were found: its config.json resolves to the fami
 DiffusionSpec (mask id, EOS ids, trained block size, RoPE, MoE routing); the model builds at its real
 size without allocating weights (MLX arrays are lazy and nothing here evaluates them); `sanitize`
 maps the real weight-name set of model.safetensors.index.json exactly onto the model's parameters;
-the decoding settings resolved from the real generation_config.json are the ones the upstream model
-card recommends (strict xfail where they are not, so a fix shows up); the tokenizer files give the
-special tokens the ids the spec uses.
+the tokenizer files give the special tokens the ids the spec uses. The decoding settings resolved
+from the same files are tests/test_real_recommended_settings.py's.
 
 Some files are transcriptions (tests/data/README.md says which): Nemotron-Labs-Diffusion's and
 DiffusionGemma's configs were quoted in ports' tests and a model-card walkthrough, never found as a
 byte copy, and no weight index or tokenizer file of theirs was found: those tests skip, saying so.
 """
 
-import gzip
-import importlib
-import json
-import re
-from functools import lru_cache
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from real_checkpoints import (
+    NOT_FOUND,
+    build,
+    built,
+    hf_shape,
+    load_json,
+    model_module,
+    require,
+)
 
 from mlx_dllm_models.registry import MODEL_TYPES
-from mlx_dllm_models.request import checkpoint_settings, eos_ids
-from mlx_dllm_models.settings import resolve_settings
+from mlx_dllm_models.request import eos_ids
 
-DATA = Path(__file__).parent / "data"
 MB = 1 << 20
-
-# Checkpoints of the listed families whose files could not be found (tests/data/README.md says
-# where we looked). Kept here so that the report shows them as skipped, with the reason.
-NOT_FOUND = {}
 
 
 def _rope_of(model):
@@ -110,7 +105,7 @@ def _check_sdar_moe(name, model, args, spec):
 def _check_llada2(name, model, args, spec):
     # The real config has no use_qk_norm key; LLaDA2MoeConfig's default (True) applies, and the
     # index carries query_layernorm / key_layernorm weights.
-    assert "use_qk_norm" not in _load(name, "config.json")
+    assert "use_qk_norm" not in load_json(name, "config.json")
     assert args.use_qk_norm is True
     assert (args.head_dim, args.partial_rotary_factor, args.rotary_dim) == (128, 0.5, 64)
     assert args.rope_scaling is None
@@ -250,54 +245,6 @@ CHECKPOINTS = {
 ALL = sorted(CHECKPOINTS) + sorted(NOT_FOUND)
 
 
-def _load(name, filename):
-    """The JSON of a checkpoint file, from `filename` or `filename.gz`; None if absent."""
-    path = DATA / name / filename
-    if path.exists():
-        return json.loads(path.read_text())
-    gz = path.with_name(path.name + ".gz")
-    if gz.exists():
-        return json.loads(gzip.decompress(gz.read_bytes()))
-    return None
-
-
-def _require(name, filename=None):
-    if name in NOT_FOUND:
-        pytest.skip(f"{name}: {NOT_FOUND[name]}")
-    if filename is not None and _load(name, filename) is None:
-        pytest.skip(f"{name}: {filename} was not found (tests/data/README.md)")
-
-
-def _module(config):
-    return importlib.import_module(f"mlx_dllm_models.models.{MODEL_TYPES[config['model_type']]}")
-
-
-def _build(name):
-    config = _load(name, "config.json")
-    module = _module(config)
-    args = module.ModelArgs.from_dict(config)
-    return args, module.Model(args)
-
-
-@lru_cache(maxsize=None)
-def _built(name):
-    args, model = _build(name)
-    return args, model, model.diffusion_spec
-
-
-def hf_shape(name, expected, rename):
-    """The shape the model expects for HF weight `name` (lazy zeros of it are never evaluated)."""
-    for key in (name, rename(name)):
-        if key in expected:
-            return expected[key]
-    m = re.match(r"(.*)\.experts\.\d+\.(\w+)\.weight$", name)
-    if m and f"{m[1]}.switch_mlp.{m[2]}.weight" in expected:
-        return expected[f"{m[1]}.switch_mlp.{m[2]}.weight"][1:]
-    if name.endswith("mlp.gate.weight") and f"{name[:-6]}gate_proj.weight" in expected:
-        return expected[f"{name[:-6]}gate_proj.weight"]
-    return (1,)
-
-
 # ------------------------------------------------------------------------------------ files
 
 
@@ -316,11 +263,11 @@ NO_INDEX = {
 
 @pytest.mark.parametrize("name", ALL)
 def test_checkpoint_files_present(name):
-    _require(name)
+    require(name)
     wanted = ("config.json",) + (() if name in NO_INDEX else ("model.safetensors.index.json",))
     for filename in wanted:
-        assert _load(name, filename) is not None, f"{name}/{filename}"
-    assert _load(name, "config.json")["model_type"] in MODEL_TYPES
+        assert load_json(name, filename) is not None, f"{name}/{filename}"
+    assert load_json(name, "config.json")["model_type"] in MODEL_TYPES
 
 
 # --------------------------------------------------------------------------- args and spec
@@ -328,9 +275,9 @@ def test_checkpoint_files_present(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_args_and_spec(name):
-    _require(name, "config.json")
+    require(name, "config.json")
     want = CHECKPOINTS[name]
-    args, model, spec = _built(name)
+    args, model, spec = built(name)
     assert spec.mask_token_id == want["mask"]
     assert tuple(spec.eos_token_ids) == want["eos"]
     assert spec.trained_block_length == want["trained_block"]
@@ -341,9 +288,9 @@ def test_args_and_spec(name):
 @pytest.mark.parametrize("name", ALL)
 def test_runtime_eos_ids_include_generation_config(name):
     """The ids generation stops at: the spec's, plus generation_config.json's eos_token_id."""
-    _require(name, "config.json")
-    _, model, spec = _built(name)
-    model.generation_config = _load(name, "generation_config.json") or {}
+    require(name, "config.json")
+    _, model, spec = built(name)
+    model.generation_config = load_json(name, "generation_config.json") or {}
     assert eos_ids(model, None, spec) == CHECKPOINTS[name]["runtime_eos"]
 
 
@@ -353,9 +300,9 @@ def test_runtime_eos_ids_include_generation_config(name):
 @pytest.mark.parametrize("name", ALL)
 def test_builds_at_full_size_without_allocating(name):
     """The whole model at its published size (billions of parameters): built, never evaluated."""
-    _require(name, "config.json")
+    require(name, "config.json")
     before = mx.get_active_memory()
-    _, model = _build(name)
+    _, model = build(name)
     count = sum(v.size for _, v in tree_flatten(model.parameters()))
     assert count > 1e9, f"{count} parameters: not the published size"
     assert mx.get_active_memory() - before < 200 * MB, "building the model allocated its weights"
@@ -363,14 +310,14 @@ def test_builds_at_full_size_without_allocating(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_builds_lazily_and_sanitize_maps_real_weight_names(name):
-    _require(name, "model.safetensors.index.json")
+    require(name, "model.safetensors.index.json")
     before = mx.get_active_memory()
-    _, model = _build(name)
+    _, model = build(name)
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     assert mx.get_active_memory() - before < 200 * MB, "building the model allocated its weights"
 
-    index = _load(name, "model.safetensors.index.json")
-    rename = getattr(_module(_load(name, "config.json")), "_rename_olmo", lambda k: k)
+    index = load_json(name, "model.safetensors.index.json")
+    rename = getattr(model_module(load_json(name, "config.json")), "_rename_olmo", lambda k: k)
     weights = {
         n: mx.zeros(hf_shape(n, expected, rename), dtype=mx.bfloat16) for n in index["weight_map"]
     }
@@ -387,202 +334,6 @@ def test_builds_lazily_and_sanitize_maps_real_weight_names(name):
     assert mx.get_active_memory() - before < 200 * MB, "sanitize evaluated the placeholder weights"
 
 
-# ------------------------------------------------------------------------------- settings
-
-
-def _xfail(reason):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
-# DiffuCoder and Dream-Coder are Dream checkpoints: no file found tells them from Dream, so they
-# decode with Dream's defaults (temperature 0.2, DiffuCoder-Base's README value; 128 tokens).
-DIFFUCODER_TEMPERATURE = (
-    "apple/ml-diffucoder inference_demo.py uses temperature 0.3 (README cpGRPO example 0.4); the "
-    "package keeps Dream's 0.2: DiffuCoder's config.json is Dream's, and its generation_config.json "
-    "was not found"
-)
-DREAM_CODER_TEMPERATURE = (
-    "DreamLM/Dream-Coder README uses temperature 0.1; the package keeps Dream's 0.2 (config.json "
-    "is Dream's, generation_config.json was not found)"
-)
-CODER_MAX_TOKENS = "the coders' READMEs generate 256 / 768 tokens; the package keeps Dream's 128"
-DREAM_README = (
-    "DreamLM/Dream README (Instruct example): max_new_tokens=512 with steps=512; the package keeps "
-    "its max_tokens default of 128 (and steps follow max_tokens, so the recipe's one token per "
-    "step holds)"
-)
-
-# Parameter names of LLaDA2MoeModelLM.generate in the checkpoints' own modeling_llada2_moe.py
-# (read with loader.remote_generate_params from Xenearkr/DARE: LLaDA2.0-mini's blob 3d29a17 at
-# 7016e0e, LLaDA2.1-mini's blob 55de70f at 5877371; the code itself is not kept here). config.json
-# and the tokenizer files of the two are byte-identical; this is what tells them apart.
-REMOTE_GENERATE_PARAMS = {
-    "inclusionAI__LLaDA2.0-mini": frozenset(
-        "self inputs temperature block_length steps gen_length top_p top_k eos_early_stop "
-        "minimal_topk threshold eos_id mask_id".split()
-    ),
-    "inclusionAI__LLaDA2.1-mini": frozenset(
-        "self inputs temperature block_length steps gen_length top_p top_k eos_early_stop "
-        "minimal_topk threshold editing_threshold max_post_steps eos_id mask_id "
-        "num_to_transfer".split()
-    ),
-}
-
-# (checkpoint, setting, value recommended upstream, xfail reason when the package differs)
-SETTINGS = [
-    # LLaDA generate.py main(): gen_length=128, steps=128 over 4 blocks of 32, temperature 0,
-    # remasking 'low_confidence' (= quota).
-    ("GSAI-ML__LLaDA-8B-Instruct", "sampler", "quota", None),
-    ("GSAI-ML__LLaDA-8B-Instruct", "block_length", 32, None),
-    ("GSAI-ML__LLaDA-8B-Instruct", "steps", 32, None),
-    ("GSAI-ML__LLaDA-8B-Instruct", "temperature", 0.0, None),
-    ("GSAI-ML__LLaDA-8B-Instruct", "max_tokens", 128, None),
-    # Dream README (Instruct example): diffusion_generate(max_new_tokens=512, steps=512,
-    # temperature=0.2, top_p=0.95, alg="entropy", alg_temp=0.): steps = new tokens. The
-    # checkpoint's generation_config.json (alg origin, steps 512, temperature 0) is not read for
-    # these (models/dream.py says why).
-    ("Dream-org__Dream-v0-Instruct-7B", "sampler", "dream", None),
-    ("Dream-org__Dream-v0-Instruct-7B", "steps", 128, None),  # = max_tokens
-    ("Dream-org__Dream-v0-Instruct-7B", "eps", 0.001, None),
-    ("Dream-org__Dream-v0-Instruct-7B", "alg", "entropy", None),
-    ("Dream-org__Dream-v0-Instruct-7B", "alg_temp", 0.0, None),
-    ("Dream-org__Dream-v0-Instruct-7B", "temperature", 0.2, None),
-    ("Dream-org__Dream-v0-Instruct-7B", "top_p", 0.95, None),
-    ("Dream-org__Dream-v0-Instruct-7B", "max_tokens", 512, DREAM_README),
-    # SDAR README: "greedy decoding with block_length = 4, denoising_steps = 4".
-    ("JetLM__SDAR-8B-Chat", "block_length", 4, None),
-    ("JetLM__SDAR-8B-Chat", "steps", 4, None),
-    ("JetLM__SDAR-8B-Chat", "temperature", 0.0, None),
-    ("JetLM__SDAR-8B-Chat", "sampler", "threshold", None),
-    ("JetLM__SDAR-8B-Chat", "top_k", None, None),  # generation_config's AR top_k 20 is not read
-    ("JetLM__SDAR-8B-Chat", "top_p", None, None),
-    # SDAR README: JetEngine (dynamic_threshold=0.9) and LMDeploy (dllm_confidence_threshold=0.9,
-    # greedy) examples; generate.py's script default is 0.85.
-    ("JetLM__SDAR-8B-Chat", "threshold", 0.9, None),
-    # SDAR-VL generate.py's demo call: block_length = denoising_steps = 4, low_confidence_static.
-    ("JetLM__SDAR-VL-4B", "block_length", 4, None),
-    ("JetLM__SDAR-VL-4B", "steps", 4, None),
-    ("JetLM__SDAR-VL-4B", "sampler", "quota", None),
-    ("JetLM__SDAR-VL-4B", "temperature", 0.0, None),
-    ("JetLM__SDAR-30B-A3B-Chat", "block_length", 4, None),
-    ("JetLM__SDAR-30B-A3B-Chat", "steps", 4, None),
-    ("JetLM__SDAR-30B-A3B-Chat", "temperature", 0.0, None),
-    ("JetLM__SDAR-30B-A3B-Chat", "sampler", "threshold", None),
-    ("JetLM__SDAR-30B-A3B-Chat", "threshold", 0.9, None),
-    # LLaDA2.0-mini model card: temperature 0.0, block_length 32, steps 32 (generate's threshold
-    # default 0.95); "we recommend using an output length of 32768 tokens".
-    ("inclusionAI__LLaDA2.0-mini", "block_length", 32, None),
-    ("inclusionAI__LLaDA2.0-mini", "steps", 32, None),
-    ("inclusionAI__LLaDA2.0-mini", "temperature", 0.0, None),
-    ("inclusionAI__LLaDA2.0-mini", "sampler", "threshold", None),
-    ("inclusionAI__LLaDA2.0-mini", "threshold", 0.95, None),
-    ("inclusionAI__LLaDA2.0-mini", "editing_threshold", None, None),
-    ("inclusionAI__LLaDA2.0-mini", "editing_mode", "off", None),
-    (
-        "inclusionAI__LLaDA2.0-mini",
-        "max_tokens",
-        32768,
-        "LLaDA2.0-mini model card: 'We recommend using an output length of 32768 tokens'; "
-        "the package default is 128",
-    ),
-    ("inclusionAI__LLaDA2.1-mini", "block_length", 32, None),
-    ("inclusionAI__LLaDA2.1-mini", "temperature", 0.0, None),
-    ("inclusionAI__LLaDA2.1-mini", "top_p", None, None),
-    ("inclusionAI__LLaDA2.1-mini", "top_k", None, None),
-    # LLaDA2.1-mini model card, Best Practices: Quality Mode threshold=0.7, editing_threshold=0.5,
-    # max_post_steps 16 (Speed Mode: 0.5 / 0.0, editing_mode="speed").
-    ("inclusionAI__LLaDA2.1-mini", "max_post_steps", 16, None),
-    ("inclusionAI__LLaDA2.1-mini", "editing_mode", "quality", None),
-    ("inclusionAI__LLaDA2.1-mini", "threshold", 0.7, None),
-    ("inclusionAI__LLaDA2.1-mini", "editing_threshold", 0.5, None),
-    (
-        "inclusionAI__LLaDA2.1-mini",
-        "max_tokens",
-        16384,
-        "LLaDA2.1-mini model card: 'We recommend using an output length of 16384 tokens'; "
-        "the package default is 128",
-    ),
-    # Nemotron-Labs-Diffusion: NVlabs README's confidence-thresholded unmasking at 0.9 (vLLM's and
-    # mlx-vlm's diffusion-mode default too), blocks of config.block_size (32), greedy; diffusion
-    # mode with the AR-seeded first token (the remote generate's causal_context=True).
-    ("nvidia__Nemotron-Labs-Diffusion-3B", "sampler", "threshold", None),
-    ("nvidia__Nemotron-Labs-Diffusion-3B", "threshold", 0.9, None),
-    ("nvidia__Nemotron-Labs-Diffusion-3B", "block_length", 32, None),
-    ("nvidia__Nemotron-Labs-Diffusion-3B", "temperature", 0.0, None),
-    ("nvidia__Nemotron-Labs-Diffusion-3B", "causal_context", True, None),
-    ("nvidia__Nemotron-Labs-Diffusion-8B", "sampler", "threshold", None),
-    ("nvidia__Nemotron-Labs-Diffusion-8B", "threshold", 0.9, None),
-    ("nvidia__Nemotron-Labs-Diffusion-8B", "block_length", 32, None),
-    ("nvidia__Nemotron-Labs-Diffusion-8B", "mode", "diffusion", None),
-    # DiffusionGemma: its generation_config.json (transformers' convert script writes the same):
-    # 256 new tokens, 48 denoising steps, entropy bound 0.1, temperatures 0.8 -> 0.4, stop once
-    # stable for 1 step with mean entropy < 0.005; every canvas the trained canvas_length 256.
-    ("google__diffusiongemma-26B-A4B-it", "sampler", "entropy", None),
-    ("google__diffusiongemma-26B-A4B-it", "entropy_bound", 0.1, None),
-    ("google__diffusiongemma-26B-A4B-it", "max_tokens", 256, None),
-    ("google__diffusiongemma-26B-A4B-it", "max_denoising_steps", 48, None),
-    ("google__diffusiongemma-26B-A4B-it", "t_min", 0.4, None),
-    ("google__diffusiongemma-26B-A4B-it", "t_max", 0.8, None),
-    ("google__diffusiongemma-26B-A4B-it", "stability_threshold", 1, None),
-    ("google__diffusiongemma-26B-A4B-it", "confidence_threshold", 0.005, None),
-    ("google__diffusiongemma-26B-A4B-it", "min_canvas_length", 256, None),
-    ("google__diffusiongemma-26B-A4B-it", "max_canvas_length", 256, None),
-    # CoDA's deployment recipe (README / serving config.py): 256 tokens, 128 steps, temperature 0,
-    # alg entropy, alg_temp 0.1; its generation_config.json's alg 'original' is never read.
-    ("Salesforce__CoDA-v0-Instruct", "sampler", "dream", None),
-    ("Salesforce__CoDA-v0-Instruct", "max_tokens", 256, None),
-    ("Salesforce__CoDA-v0-Instruct", "steps", 128, None),
-    ("Salesforce__CoDA-v0-Instruct", "temperature", 0.0, None),
-    ("Salesforce__CoDA-v0-Instruct", "alg", "entropy", None),
-    ("Salesforce__CoDA-v0-Instruct", "alg_temp", 0.1, None),
-    # RND1's README / demo: generate(max_new_tokens=256, num_diffusion_steps=256, temperature=0.01).
-    ("radicalnumerics__RND1-Base-0910", "sampler", "rnd1", None),
-    ("radicalnumerics__RND1-Base-0910", "max_tokens", 256, None),
-    ("radicalnumerics__RND1-Base-0910", "steps", 256, None),
-    ("radicalnumerics__RND1-Base-0910", "temperature", 0.01, None),
-    # DiffuCoder-7B-Instruct: apple/ml-diffucoder inference_demo.py, diffusion_generate(
-    # max_new_tokens=256, steps=256, temperature=0.3, top_p=0.95, alg="entropy", alg_temp=0.).
-    ("apple__DiffuCoder-7B-Instruct", "sampler", "dream", None),
-    ("apple__DiffuCoder-7B-Instruct", "alg", "entropy", None),
-    ("apple__DiffuCoder-7B-Instruct", "alg_temp", 0.0, None),
-    ("apple__DiffuCoder-7B-Instruct", "top_p", 0.95, None),
-    ("apple__DiffuCoder-7B-Instruct", "temperature", 0.3, DIFFUCODER_TEMPERATURE),
-    ("apple__DiffuCoder-7B-Instruct", "max_tokens", 256, CODER_MAX_TOKENS),
-    # Dream-Coder README: diffusion_generate(max_new_tokens=768, steps=768, temperature=0.1,
-    # top_p=0.95, alg="entropy", alg_temp=0.).
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "sampler", "dream", None),
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "alg", "entropy", None),
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "alg_temp", 0.0, None),
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "top_p", 0.95, None),
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "temperature", 0.1, DREAM_CODER_TEMPERATURE),
-    ("Dream-org__Dream-Coder-v0-Instruct-7B", "max_tokens", 768, CODER_MAX_TOKENS),
-]
-
-
-def _settings_params():
-    for name, setting, value, reason in SETTINGS:
-        marks = [_xfail(reason)] if reason else []
-        yield pytest.param(name, setting, value, marks=marks, id=f"{name}-{setting}")
-    for name in sorted(NOT_FOUND):
-        yield pytest.param(name, None, None, id=f"{name}-all")
-
-
-@lru_cache(maxsize=None)
-def _resolved(name):
-    _, model, spec = _built(name)
-    model.generation_config = _load(name, "generation_config.json") or {}
-    model.remote_generate_params = REMOTE_GENERATE_PARAMS.get(name, frozenset())
-    return resolve_settings(spec, {}, checkpoint_settings(model, spec))
-
-
-@pytest.mark.parametrize("name,setting,value", list(_settings_params()))
-def test_settings_from_real_generation_config(name, setting, value):
-    _require(name, "config.json")
-    resolved = _resolved(name)
-    assert resolved.has(setting), f"{setting} is not a setting of this family"
-    assert getattr(resolved, setting) == value
-
-
 # ------------------------------------------------------------------------- special tokens
 
 
@@ -592,8 +343,8 @@ def _token_content(entry):
 
 @pytest.mark.parametrize("name", ALL)
 def test_tokenizer_special_token_ids(name):
-    _require(name, "tokenizer_config.json")
-    tok = _load(name, "tokenizer_config.json")
+    require(name, "tokenizer_config.json")
+    tok = load_json(name, "tokenizer_config.json")
     if "added_tokens_decoder" not in tok:
         pytest.skip(
             f"{name}: tokenizer_config.json has no added_tokens_decoder; the special-token ids "
@@ -601,15 +352,15 @@ def test_tokenizer_special_token_ids(name):
         )
     ids = {v["content"]: int(k) for k, v in tok["added_tokens_decoder"].items()}
     want = CHECKPOINTS[name]
-    _, _, spec = _built(name)
-    special = _load(name, "special_tokens_map.json") or {}
+    _, _, spec = built(name)
+    special = load_json(name, "special_tokens_map.json") or {}
     mask = want.get("mask_token") or _token_content(tok.get("mask_token") or special["mask_token"])
     assert ids[mask] == spec.mask_token_id == want["mask"]
     eos = _token_content(tok["eos_token"])
     assert ids[eos] in spec.eos_token_ids
     for content, token_id in want["tokens"].items():
         assert ids[content] == token_id, content
-    added = _load(name, "added_tokens.json")
+    added = load_json(name, "added_tokens.json")
     if added is not None:
         # SDAR-8B-Chat's added_tokens.json names id 151669 "<MASK>" while tokenizer_config.json
         # says "<|MASK|>": the names disagree, the id does not.
@@ -619,9 +370,9 @@ def test_tokenizer_special_token_ids(name):
 @pytest.mark.parametrize("name", ["inclusionAI__LLaDA2.0-mini", "inclusionAI__LLaDA2.1-mini"])
 def test_llada2_token_names(name):
     """Without tokenizer.json the LLaDA2 ids cannot be read; the names at least are the Ling ones."""
-    _require(name, "tokenizer_config.json")
-    tok = _load(name, "tokenizer_config.json")
-    special = _load(name, "special_tokens_map.json")
+    require(name, "tokenizer_config.json")
+    tok = load_json(name, "tokenizer_config.json")
+    special = load_json(name, "special_tokens_map.json")
     for source in (tok, special):
         assert source["mask_token"] == "<|mask|>"
         assert source["eos_token"] == "<|endoftext|>" == source["pad_token"]

@@ -16,10 +16,8 @@ by mlx-lm's convert and loaded by this package's `load`, as a user does. On it:
   theory + one block's float32 logits).
 
 The output heads are scaled so that predictions are confident, and the mask token's embedding is
-small, as in the fixtures. Random bfloat16 weights are written straight as bit patterns (sign,
-one exponent, random mantissa): generating and converting a vocabulary x hidden table through
-float32 costs seconds each on two cores. LLaDA-MoE's config is a reconstruction from quotes
-(tests/data/README.md).
+small, as in the fixtures (tests/real_width_checkpoints.py writes those checkpoints). LLaDA-MoE's
+config is a reconstruction from quotes (tests/data/README.md).
 
 They run in CI: 190-260 s for the eight on two CPU cores (mostly writing, converting and reading
 1.5-3 GB of weights per family; a forward over one block of a 126k x 4,096 head takes seconds on
@@ -33,162 +31,31 @@ import contextlib
 import gc
 import json
 import shutil
-import struct
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from test_real_configs import hf_shape
+from real_checkpoints import DATA, hf_shape, model_module
+from real_width_checkpoints import (
+    config_with,
+    from_index,
+    from_model,
+    mlx_shapes,
+    random_tensors,
+    write_checkpoint,
+)
 
 from fixtures.llada import llada_moe_names
 from helpers import parity
 from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
-from mlx_dllm_models.registry import MODEL_TYPES
 
 pytestmark = [pytest.mark.xdist_group("real_width"), pytest.mark.slow]
 
-DATA = Path(__file__).parent / "data"
 GB = 1e9
 # The MLP widths the real-width checkpoints get (expert, shared-expert and dense MLPs alike).
 NARROW = 64
-
-
-# ------------------------------------------------------------------------------ random weights
-
-
-def _bf16_bits(rng, shape, scale):
-    """Random bfloat16 values as their uint16 bit patterns: a random sign and mantissa under the
-    exponent of `scale`, so |w| lies in [scale, 2 scale)."""
-    n = int(np.prod(shape))
-    # Drawn as 64-bit integers: numpy's rng.bytes is about 14x slower (7 s for a 1 GB table).
-    words = rng.integers(0, 2**64 - 1, size=-(-n // 4), dtype=np.uint64, endpoint=True)
-    bits = words.view(np.uint16)[:n].reshape(shape)
-    exponent = (127 + int(np.floor(np.log2(scale)))) << 7
-    return (bits & np.uint16(0x807F)) | np.uint16(exponent)
-
-
-def _bf16_of(values):
-    """float32 values -> bfloat16 bit patterns (round to nearest even)."""
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _write_safetensors(path, tensors):
-    """tensors: name -> (dtype tag, array of its bytes); written as safetensors, in order."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (dtype, array) in tensors.items():
-        shape = list(array.shape)
-        header[name] = {
-            "dtype": dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, array in tensors.values():
-            f.write(np.ascontiguousarray(array).data)
-
-
-def _random_tensors(shapes, rng, head, embed, mask_id):
-    """HF name -> (dtype, bytes) for `shapes`: norms near 1, matrices at 1/sqrt(fan-in), the head
-    `head` times larger (confident predictions), the mask token's embedding row small."""
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("expert_bias"):  # a float32 buffer in the real checkpoints
-            values = 0.5 * rng.standard_normal(shape).astype(np.float32)
-            out[name] = ("F32", values)
-        elif len(shape) == 1 or name.endswith(("layer_scalar", "router.scale")):
-            out[name] = ("BF16", _bf16_of(1 + 0.2 * rng.standard_normal(shape)))
-        else:
-            scale = shape[-1] ** -0.5 * (head if name in (embed[1],) else 1.0)
-            bits = _bf16_bits(rng, shape, scale)
-            if name == embed[0] and mask_id is not None:
-                bits[mask_id] = _bf16_bits(rng, shape[1:], 0.05 * scale)
-            out[name] = ("BF16", bits)
-    return out
-
-
-# ------------------------------------------------------------------------------ checkpoints
-
-
-def _config(data, overrides):
-    config = json.loads((DATA / data / "config.json").read_text())
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key] = {**config[key], **value}
-        else:
-            config[key] = value
-    return config
-
-
-def _module(config):
-    import importlib
-
-    return importlib.import_module(f"mlx_dllm_models.models.{MODEL_TYPES[config['model_type']]}")
-
-
-def _mlx_shapes(config):
-    module = _module(config)
-    model = module.Model(module.ModelArgs.from_dict(config))  # lazy: nothing is allocated
-    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-
-
-def _index_names(data, layers):
-    """The real weight index's names, for the first `layers` layers."""
-    import gzip
-    import re
-
-    index = DATA / data / "model.safetensors.index.json"
-    if index.exists():
-        text = index.read_text()
-    else:
-        text = gzip.decompress(index.with_name(index.name + ".gz").read_bytes()).decode()
-    keep = []
-    for name in json.loads(text)["weight_map"]:
-        m = re.search(r"\.(?:layers|blocks)\.(\d+)\.", name)
-        if m is None or int(m[1]) < layers:
-            keep.append(name)
-    return keep
-
-
-def _write(path, config, tensors, tokens, roles, generation_config=None):
-    """An HF-layout checkpoint folder: config, weights, a byte-level tokenizer with the family's
-    special tokens at their real ids (those above the 256 bytes; the spec reads the ids from the
-    config), and generation_config.json when given."""
-    from mlx_dllm_models.tiny import build_tokenizer
-
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    if generation_config is not None:
-        (path / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-    _write_safetensors(path / "model.safetensors", tensors)
-    build_tokenizer(path, {k: v for k, v in tokens.items() if v >= 256}, **roles)
-    return path
-
-
-def _from_index(tmp, data, layers, overrides, embed, head, tokens, roles, rename=lambda k: k):
-    config = _config(data, overrides)
-    expected = _mlx_shapes(config)
-    shapes = {n: hf_shape(n, expected, rename) for n in _index_names(data, layers)}
-    mask = config.get("mask_token_id")
-    tensors = _random_tensors(shapes, np.random.default_rng(0), head, embed, mask)
-    return _write(tmp / "hf", config, tensors, tokens, roles), config
-
-
-def _from_model(tmp, data, overrides, embed, head, tokens, roles):
-    """Families whose HF names are this package's module names (no index was found)."""
-    config = _config(data, overrides)
-    shapes = _mlx_shapes(config)
-    mask = config.get("mask_token_id")
-    tensors = _random_tensors(shapes, np.random.default_rng(0), head, embed, mask)
-    return _write(tmp / "hf", config, tensors, tokens, roles), config
 
 
 # ------------------------------------------------------------------------------ references
@@ -231,7 +98,7 @@ def _llada_reference(path, config, ids, spec):
     """transformers' Llama under a bidirectional mask (LLaDA's blocks are Llama's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rename = getattr(_module(config), "_rename_olmo")  # OLMo names -> Llama's (mlx-lm's too)
+    rename = getattr(model_module(config), "_rename_olmo")  # OLMo names -> Llama's (mlx-lm's too)
     state = {rename(k): v for k, v in _hf_state(path).items()}
     cfg = LlamaConfig(
         vocab_size=config["vocab_size"],
@@ -322,13 +189,13 @@ HEAD = 24.0  # the output head's gain: confident predictions
 
 
 def _llada(tmp):
-    rename = getattr(_module({"model_type": "llada"}), "_rename_olmo")
+    rename = getattr(model_module({"model_type": "llada"}), "_rename_olmo")
     roles = dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>", mask_token="<|mdm_mask|>")
     tokens = {"<|startoftext|>": 126080, "<|endoftext|>": 126081, "<|mdm_mask|>": 126336}
     embed = ("model.transformer.wte.weight", "model.transformer.ff_out.weight")
     overrides = {"n_layers": 1, "mlp_hidden_size": NARROW}
     data = "GSAI-ML__LLaDA-8B-Instruct"
-    return _from_index(tmp, data, 1, overrides, embed, HEAD, tokens, roles, rename)
+    return from_index(tmp, data, 1, overrides, embed, HEAD, tokens, roles, rename)
 
 
 def _dream(tmp):
@@ -336,7 +203,7 @@ def _dream(tmp):
     tokens = {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|mask|>": 151666}
     embed = ("model.embed_tokens.weight", "lm_head.weight")
     overrides = {"num_hidden_layers": 1, "intermediate_size": NARROW}
-    return _from_index(
+    return from_index(
         tmp, "Dream-org__Dream-v0-Instruct-7B", 1, overrides, embed, HEAD, tokens, roles
     )
 
@@ -348,7 +215,7 @@ def _sdar(data, moe):
         embed = ("model.embed_tokens.weight", "lm_head.weight")
         width = {"moe_intermediate_size": NARROW} if moe else {"intermediate_size": NARROW}
         overrides = {"num_hidden_layers": 1, **width}
-        return _from_index(tmp, data, 1, overrides, embed, HEAD, tokens, roles)
+        return from_index(tmp, data, 1, overrides, embed, HEAD, tokens, roles)
 
     return build
 
@@ -365,11 +232,11 @@ def _llada_moe(tmp):
         "dense_intermediate_size": NARROW,
         "expert_intermediate_size": NARROW,
     }
-    config = _config("inclusionAI__LLaDA-MoE-7B-A1B-Instruct", overrides)
-    expected = _mlx_shapes(config)
+    config = config_with("inclusionAI__LLaDA-MoE-7B-A1B-Instruct", overrides)
+    expected = mlx_shapes(config)
     shapes = {n: hf_shape(n, expected, lambda k: k) for n in llada_moe_names(config)}
-    tensors = _random_tensors(shapes, np.random.default_rng(0), HEAD, embed, 156895)
-    return _write(tmp / "hf", config, tensors, tokens, roles), config
+    tensors = random_tensors(shapes, np.random.default_rng(0), HEAD, embed, 156895)
+    return write_checkpoint(tmp / "hf", config, tensors, tokens, roles), config
 
 
 def _llada2(tmp):
@@ -384,7 +251,7 @@ def _llada2(tmp):
         "moe_intermediate_size": NARROW,
     }
     data = "inclusionAI__LLaDA2.0-mini"
-    return _from_index(tmp, data, 2, overrides, embed, HEAD, tokens, roles)
+    return from_index(tmp, data, 2, overrides, embed, HEAD, tokens, roles)
 
 
 def _nemotron(tmp):
@@ -392,7 +259,7 @@ def _nemotron(tmp):
     embed = ("encoder.embed_tokens.weight", "diffusion_head.weight")
     overrides = {"num_hidden_layers": 1, "intermediate_size": NARROW}
     data = "nvidia__Nemotron-Labs-Diffusion-3B"
-    return _from_model(tmp, data, overrides, embed, HEAD, {}, {})
+    return from_model(tmp, data, overrides, embed, HEAD, {}, {})
 
 
 def _diffusion_gemma(tmp):
@@ -402,7 +269,7 @@ def _diffusion_gemma(tmp):
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    config = _config("google__diffusiongemma-26B-A4B-it", {})
+    config = config_with("google__diffusiongemma-26B-A4B-it", {})
     text = dict(config["text_config"])
     # One sliding-window layer and one full-attention layer (global head_dim 512, K = V).
     text.update(
