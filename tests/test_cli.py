@@ -104,8 +104,8 @@ def test_convert_delegates_to_mlx_lm(ckpt, tmp_path):
 @pytest.mark.parametrize("name", sorted(__import__("fixtures").all_checkpoints()))
 def test_generate_runs_on_every_family(name, tmp_path, capsys):
     """`mlx_dllm generate` on every family's Hugging Face layout, run in this process: the same
-    command in a fresh interpreter, on every family's conversion, is test_packaging's (one
-    interpreter start a family instead of two)."""
+    command in a fresh interpreter, on every family's conversion, is
+    test_packaging_fresh_convert's (one interpreter start a family instead of two)."""
     from fixtures import all_checkpoints
     from mlx_dllm_models.cli import main
 

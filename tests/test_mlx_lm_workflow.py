@@ -1,6 +1,7 @@
 """The mlx-lm user's habits: Hugging Face repo ids resolved as mlx_lm.load resolves them, and the
 model card and remote-code removal of `mlx_dllm convert` (its fresh-process checks, with mlx-lm's
-own tools refusing diffusion checkpoints, are in test_packaging.py).
+own tools refusing diffusion checkpoints, are in test_packaging_fresh_convert.py and
+test_packaging_mlx_lm_tools.py).
 
 The Hub is never reached: a Hugging Face cache directory in the hub's own layout
 (models--org--name/blobs, snapshots/<commit>/ symlinks, refs/main) holds the embedded default under

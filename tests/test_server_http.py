@@ -16,7 +16,7 @@ import zlib
 import openai
 import pytest
 from openai import OpenAI
-from test_server_safety import call
+from server_checks import call
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
