@@ -266,7 +266,7 @@ def write_tokenizer(key, cfg, path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mlx_dllm_models.tiny import _bytes_to_unicode
+    from mlx_dllm_models.byte_level import bytes_to_unicode
 
     entry = CHECKPOINTS[key]
     tok_cfg = _read(entry["data"], "tokenizer_config.json") or {}
@@ -298,7 +298,7 @@ def write_tokenizer(key, cfg, path):
     vocab_size = cfg.get("vocab_size") or cfg.get("embedding_size")
     vocab_size = vocab_size or cfg.get("text_config", {}).get("vocab_size")
     taken = set(special.values())
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     vocab, free = {}, (i for i in range(vocab_size) if i not in taken)
     for b in range(256):
         vocab[table[b]] = next(free)

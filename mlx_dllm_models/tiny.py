@@ -12,6 +12,7 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from .byte_level import bytes_to_unicode
 from .models import llada
 
 # Llama-3 style template of LLaDA-8B-Instruct.
@@ -45,7 +46,7 @@ def build_tokenizer(
 
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
     # ByteLevel's alphabet is the 256 printable stand-ins for bytes; order them by byte value.
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     vocab = {table[b]: b for b in range(256)}
     assert set(vocab) == set(byte_symbols)
     next_id = 256
@@ -72,19 +73,6 @@ def build_tokenizer(
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return fast
-
-
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def write_checkpoint(

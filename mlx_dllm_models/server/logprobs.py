@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
+from ..byte_level import bytes_to_unicode
 from ..engine import TokenLogprob
 from ..settings import MAX_LOGPROBS
 from ..settings_fields import ResolvedSettings
@@ -79,18 +80,7 @@ def read_fields(body: dict, overrides: dict) -> None:
     overrides["logprobs"] = k
 
 
-def _bytes_to_unicode():
-    """GPT-2's table from bytes to the printable characters a byte-level BPE vocabulary spells
-    them with."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    extra = (b for b in range(256) if b not in printable)
-    table = {b: chr(b) for b in printable}
-    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
-    return table
-
-
-BYTE_OF_SYMBOL = {c: b for b, c in _bytes_to_unicode().items()}
+BYTE_OF_SYMBOL = {c: b for b, c in bytes_to_unicode().items()}
 SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
