@@ -119,10 +119,10 @@ def _llada_reference(path, config, ids, spec):
 def _llada_moe_reference(path, config, ids, spec):
     """transformers' Qwen3-MoE without top-k renormalisation (tests/reference/llada_torch.py),
     under a bidirectional mask."""
-    from reference.llada_torch import _qwen3_moe
+    from reference.llada_torch import qwen3_moe
 
     weights = {k: v.float().numpy() for k, v in _hf_state(path).items()}
-    model, context = _qwen3_moe(config, weights)
+    model, context = qwen3_moe(config, weights)
     del weights
     with context():
         return _torch_logits(model, ids)

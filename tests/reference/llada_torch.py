@@ -93,7 +93,7 @@ def olmo_llama(config, weights):
     return model.eval(), contextlib.nullcontext
 
 
-def _qwen3_moe(config, weights):
+def qwen3_moe(config, weights):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.models.glm4_moe import modeling_glm4_moe
     from transformers.models.qwen3_moe import modeling_qwen3_moe
@@ -184,7 +184,7 @@ def load_model(ckpt_path):
     key = str(Path(ckpt_path).resolve())
     if key not in _MODELS:
         config, weights = _read(ckpt_path)
-        _MODELS[key] = (_qwen3_moe if _is_moe(config) else olmo_llama)(config, weights)
+        _MODELS[key] = (qwen3_moe if _is_moe(config) else olmo_llama)(config, weights)
     return _MODELS[key]
 
 
