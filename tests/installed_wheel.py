@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from fresh_process import ROOT, run_checked
 
 

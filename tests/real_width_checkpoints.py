@@ -15,6 +15,7 @@ import struct
 
 import numpy as np
 from mlx.utils import tree_flatten
+
 from real_checkpoints import hf_shape, load_json, model_module
 
 

@@ -13,6 +13,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
+
+from fixtures import diffusion_gemma as fx
+from helpers import mlx_lm_convert
+from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
+from mlx_dllm_models.cli import main as cli_main
+from mlx_dllm_models.settings import SettingsError
+from mlx_dllm_models.vision import ImageError, encode_prompt
 from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
     C,
     Draws,
@@ -25,13 +32,6 @@ from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
     run_transformers,
     until_eos,
 )
-
-from fixtures import diffusion_gemma as fx
-from helpers import mlx_lm_convert
-from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
-from mlx_dllm_models.cli import main as cli_main
-from mlx_dllm_models.settings import SettingsError
-from mlx_dllm_models.vision import ImageError, encode_prompt
 
 SETTINGS = dict(max_denoising_steps=8, stability_threshold=0, confidence_threshold=0.2)
 EOS = [fx.VOCAB - 1]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from distributed_worker import run
 
+from distributed_worker import run
 from fixtures import all_checkpoints
 from helpers import free_port, launch_two_ranks
 from mlx_dllm_models import load, stream_generate_diffusion

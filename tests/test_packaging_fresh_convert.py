@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fresh_process import clean_env, run_checked
 
+from fresh_process import clean_env, run_checked
 from mlx_dllm_models.registry import MODEL_TYPES
 from tests.fixtures import all_checkpoints
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from fresh_process import ROOT, clean_env
 
 # The session's wheel and its throwaway venv (fixtures `wheel`, `installed`), built once for

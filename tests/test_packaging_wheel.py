@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fresh_process import ROOT, clean_env, run_checked
 
+from fresh_process import ROOT, clean_env, run_checked
 from mlx_dllm_models.registry import MODEL_TYPES
 
 # The session's wheel and its throwaway venv (fixtures `wheel`, `installed`), built once for

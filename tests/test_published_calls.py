@@ -20,11 +20,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-import published_text as text
 import pytest
 import torch
-from published_text import Outcome
 
+import published_text as text
 from block_checks import mlx_vlm_forward, transformers_forward
 from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
@@ -48,6 +47,7 @@ from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.settings import resolve_settings
+from published_text import Outcome
 from reference import dream_torch, llada_torch, rnd1_sampling, sdar_generate
 from reference.llada2_generate import llada20_generate
 

@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
-from test_published_calls import Outcome, ids_of, package_outcome
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as gemma_fixture
@@ -52,6 +50,8 @@ from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
 from reference import dimple_torch, lavida_torch, llada_torch, llada_v_torch
+from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
+from test_published_calls import Outcome, ids_of, package_outcome
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
@@ -368,11 +368,11 @@ def test_dimple_readme(fixture_dir, monkeypatch):
 
 @pytest.mark.slow
 def test_diffusion_gemma_generate_example(fixture_dir, monkeypatch):
-    from test_diffusion_gemma_decoding import Draws
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
 
     import mlx_dllm_models.engine.canvas as canvas_mod
+    from test_diffusion_gemma_decoding import Draws
 
     build = gemma_fixture.CHECKPOINTS["diffusion_gemma"]
     ckpt, model, processor, hf = checkpoint(fixture_dir, "diffusion_gemma", build)

@@ -15,6 +15,9 @@ byte copy, and no weight index or tokenizer file of theirs was found: those test
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+
+from mlx_dllm_models.registry import MODEL_TYPES
+from mlx_dllm_models.request import eos_ids
 from real_checkpoints import (
     NOT_FOUND,
     build,
@@ -24,9 +27,6 @@ from real_checkpoints import (
     model_module,
     require,
 )
-
-from mlx_dllm_models.registry import MODEL_TYPES
-from mlx_dllm_models.request import eos_ids
 
 MB = 1 << 20
 

@@ -11,10 +11,10 @@ reason says why), so that a fix shows up.
 from functools import lru_cache
 
 import pytest
-from real_checkpoints import NOT_FOUND, built, load_json, require
 
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.settings import resolve_settings
+from real_checkpoints import NOT_FOUND, built, load_json, require
 
 
 def _xfail(reason):

@@ -37,6 +37,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+
+from fixtures.llada import llada_moe_names
+from helpers import parity
+from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
 from real_checkpoints import DATA, hf_shape, model_module
 from real_width_checkpoints import (
     config_with,
@@ -46,10 +50,6 @@ from real_width_checkpoints import (
     random_tensors,
     write_checkpoint,
 )
-
-from fixtures.llada import llada_moe_names
-from helpers import parity
-from mlx_dllm_models.models.cpu_layers import on_cpu, widened_bytes
 
 pytestmark = [pytest.mark.xdist_group("real_width"), pytest.mark.slow]
 

@@ -6,13 +6,13 @@ errors, a non-loopback host a warning."""
 import json
 
 import pytest
-from server_checks import CHAT, call, error_of, llada_served, start
 
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.guards import HostCheck
 from mlx_dllm_models.server.process import check_args, loopback
 from mlx_dllm_models.server.process import parser as serve_parser
+from server_checks import CHAT, call, error_of, llada_served, start
 
 llada_path, served = llada_served()
 

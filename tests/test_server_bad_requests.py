@@ -10,11 +10,11 @@ import time
 import uuid
 
 import pytest
-from server_checks import CHAT, call, error_of, llada_served, start
 
 from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.vision import text_tokenizer
+from server_checks import CHAT, call, error_of, llada_served, start
 
 llada_path, served = llada_served()
 

@@ -12,7 +12,6 @@ import time
 import urllib.request
 
 import pytest
-from server_checks import call, error_of, gemma_checkpoint, llada_served
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
@@ -22,6 +21,7 @@ from helpers import free_port, job_gone_after_looks
 from helpers import stream_tokens as single
 from mlx_dllm_models import load
 from mlx_dllm_models.server import Job, Scheduler
+from server_checks import call, error_of, gemma_checkpoint, llada_served
 
 llada_path, served = llada_served()
 gemma_path = gemma_checkpoint()

@@ -16,7 +16,6 @@ import zlib
 import openai
 import pytest
 from openai import OpenAI
-from server_checks import call
 
 from fixtures import build_once
 from fixtures import diffusion_gemma as dgfx
@@ -29,6 +28,7 @@ from mlx_dllm_models.server.process import check_args
 from mlx_dllm_models.server.process import parser as serve_parser
 from mlx_dllm_models.server.templates import CLIENT_TEMPLATE_SECONDS
 from mlx_dllm_models.vision import text_tokenizer
+from server_checks import call
 
 MODEL_ID = "default"
 CHAT = {"messages": [{"role": "user", "content": "What is 2+3?"}], "max_tokens": 8}

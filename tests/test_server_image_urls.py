@@ -12,12 +12,12 @@ import time
 
 import pytest
 from PIL import Image
-from server_checks import call, gemma_checkpoint, start
 
 from fixtures import diffusion_gemma as dgfx
 from mlx_dllm_models.server import images as images_module
 from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.images import REFUSED, ImagePolicy, public_address
+from server_checks import call, gemma_checkpoint, start
 
 gemma_path = gemma_checkpoint()
 

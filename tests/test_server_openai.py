@@ -13,7 +13,6 @@ import time
 import openai
 import pytest
 from openai import OpenAI
-from test_server import chat_prompt, post, single
 
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
@@ -22,6 +21,7 @@ from mlx_dllm_models import load
 from mlx_dllm_models.request import checkpoint_settings
 from mlx_dllm_models.server import make_server, shutdown
 from mlx_dllm_models.settings import resolve_settings
+from test_server import chat_prompt, post, single
 
 MODEL_ID = "llada-openai"
 CHAT = [{"role": "user", "content": "Why is the sky blue?"}]

@@ -11,9 +11,6 @@ import json
 
 import openai
 import pytest
-from test_family_defaults import CONFIGS, case_spec
-from test_server import chat_prompt
-from test_server_openai import connect, start
 
 from fixtures import all_checkpoints, build_once
 from fixtures import diffusion_gemma as dgfx
@@ -28,6 +25,9 @@ from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.settings import resolve_settings
 from mlx_dllm_models.settings_index import choices, flag_rows
+from test_family_defaults import CONFIGS, case_spec
+from test_server import chat_prompt
+from test_server_openai import connect, start
 
 STEPS = 4
 SEED = 5

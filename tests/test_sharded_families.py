@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from distributed_worker import run
 
+from distributed_worker import run
 from fixtures import bd3lm, coda, dllm, fast_dllm_v2, open_dcoder, rnd1, wedlm
 from helpers import assert_sharded_is_one_process, launch_two_ranks
 
