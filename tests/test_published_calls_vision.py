@@ -46,12 +46,12 @@ from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
 from fixtures.mmada import build_mmada
 from helpers import cut_at_eos, random_picture, torch_logits_fn
+from llava_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
 from published_text import Outcome, ids_of, package_outcome
 from reference import dimple_torch, lavida_torch, llada_torch, llada_v_torch
-from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
