@@ -372,7 +372,7 @@ def test_diffusion_gemma_generate_example(fixture_dir, monkeypatch):
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
 
     import mlx_dllm_models.engine.canvas as canvas_mod
-    from test_diffusion_gemma_decoding import Draws
+    from diffusion_gemma_checks import Draws
 
     build = gemma_fixture.CHECKPOINTS["diffusion_gemma"]
     ckpt, model, processor, hf = checkpoint(fixture_dir, "diffusion_gemma", build)
