@@ -25,9 +25,8 @@ from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.settings import resolve_settings
 from mlx_dllm_models.settings_index import choices, flag_rows
+from server_checks import chat_prompt, connect, start
 from test_family_defaults import CONFIGS, case_spec
-from test_server import chat_prompt
-from test_server_openai import connect, start
 
 STEPS = 4
 SEED = 5
