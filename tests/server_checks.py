@@ -1,10 +1,14 @@
 """What the server tests share: a server on a checkpoint over loopback HTTP, one request to it
-(errors are answers too), OpenAI's client on it, a chat prompt as the server renders it, and the
-module fixtures of the LLaDA and DiffusionGemma checkpoints the serve-safety tests serve."""
+(errors are answers too), OpenAI's client on it, a chat prompt as the server renders it, a grey PNG
+as a request's data URL carries it (helpers.data_url writes a PIL image's), and the module
+fixtures of the LLaDA and DiffusionGemma checkpoints the serve-safety tests serve."""
 
+import base64
 import json
+import struct
 import threading
 import urllib.request
+import zlib
 
 import pytest
 from openai import OpenAI
@@ -61,6 +65,31 @@ def post(url, path, body, raw=None):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def grey_png(width: int, height: int) -> bytes:
+    """A valid grey PNG, compressed row by row (a 12000 x 12000 one is ~140 KB and is written
+    without holding its pixels)."""
+
+    def chunk(kind, data):
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    packer, row, parts = zlib.compressobj(9), b"\x00" * (width + 1), []
+    for _ in range(height):
+        parts.append(packer.compress(row))
+    parts.append(packer.flush())
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", b"".join(parts))
+        + chunk(b"IEND", b"")
+    )
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def error_of(text):
