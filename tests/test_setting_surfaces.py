@@ -12,6 +12,7 @@ import json
 import openai
 import pytest
 
+from family_cases import CONFIGS, case_spec
 from fixtures import all_checkpoints, build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
@@ -26,7 +27,6 @@ from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.settings import resolve_settings
 from mlx_dllm_models.settings_index import choices, flag_rows
 from server_checks import chat_prompt, connect, start
-from test_family_defaults import CONFIGS, case_spec
 
 STEPS = 4
 SEED = 5
