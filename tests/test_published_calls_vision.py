@@ -363,7 +363,7 @@ def test_dimple_readme(fixture_dir, monkeypatch):
 # processor.apply_chat_template(chat, tokenize=True, return_tensors="pt") (no generation prompt),
 # model.generate(input_ids, max_new_tokens=512, streamer=streamer), the rest from the checkpoint's
 # generation_config. Its canvases and re-noising draw from torch's generator: both sides read one
-# pre-drawn sequence (test_diffusion_gemma_decoding.Draws), so everything is compared exactly.
+# pre-drawn sequence (diffusion_gemma_checks.Draws), so everything is compared exactly.
 
 
 @pytest.mark.slow
