@@ -1,6 +1,7 @@
 """What the block-diffusion decoding tests share (SDAR, SDAR-MoE, LLaDA2.x): their fixtures, a
 run's tokens, and the independent forwards the reference loops call (transformers' SDAR, mlx-vlm's
-llada2_moe; tests/test_published_calls.py calls them too)."""
+llada2_moe; tests/test_published_calls.py calls them too, and the forward-parity tests hold the
+package's LLaDA2 against mlx-vlm's language model itself)."""
 
 import json
 
@@ -78,18 +79,27 @@ def transformers_forward(path):
     return forward
 
 
-def mlx_vlm_forward(path):
-    """mlx-vlm's llada2_moe (an independent implementation) under the reference's mask."""
+def read_weights(path):
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def mlx_vlm_language_model(path):
+    """mlx-vlm's llada2_moe on the same checkpoint, through its own config and sanitize."""
     from mlx_vlm.models.llada2_moe import Model
     from mlx_vlm.models.llada2_moe.config import ModelConfig
 
     cfg = json.loads((path / "config.json").read_text())
     model = Model(ModelConfig.from_dict(cfg))
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()))
-    language_model = model.language_model
+    model.load_weights(list(model.sanitize(read_weights(path)).items()))
+    return model.language_model
+
+
+def mlx_vlm_forward(path):
+    """mlx-vlm's llada2_moe (an independent implementation) under the reference's mask."""
+    language_model = mlx_vlm_language_model(path)
 
     def forward(ids, keep):
         logits = language_model(

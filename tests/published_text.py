@@ -1,11 +1,14 @@
-"""The published calls' transcriptions that tests/test_published_calls.py compares with the
-package: what each returns (Outcome), and the text families' runs at their published arguments."""
+"""The published calls' transcriptions that tests/test_published_calls.py and
+tests/test_published_calls_vision.py compare with the package: what each returns (Outcome), the
+package's own call recorded the same way (package_outcome), and the text families' runs at their
+published arguments."""
 
 from dataclasses import dataclass
 
 import torch
 
-from helpers import cut_at_eos
+from helpers import cut_at_eos, spy_forwards
+from mlx_dllm_models import stream_generate_diffusion
 
 
 @dataclass
@@ -15,6 +18,26 @@ class Outcome:
     window: int  # positions after the prompt that the canvas spans
     repeats: int = 0  # forwards over the same canvas as the forward before (nothing committed)
     stores: int = 0  # forwards that only store a finished block's K/V
+
+
+def ids_of(encoded):
+    """apply_chat_template(tokenize=True)'s ids: a list, or a BatchEncoding in newer transformers."""
+    return encoded if isinstance(encoded, list) else encoded["input_ids"]
+
+
+def package_outcome(model, tok, prompt, settings):
+    """The package's call on a prompt's ids: its tokens, forwards and window (the widest span a
+    forward covers, cache included, past the prompt)."""
+    spans, tokens, last = [], [], None
+
+    def record(inputs, cache, mask, head_span):
+        offset = cache[0].offset if cache and cache[0] is not None else 0
+        spans.append(int(offset) + inputs.shape[1])
+
+    with spy_forwards(model, record):
+        for last in stream_generate_diffusion(model, tok, prompt, **settings):
+            tokens.extend(last.tokens)
+    return Outcome(tokens, last.nfe, max(spans) - len(prompt))
 
 
 def spans(forward, span):

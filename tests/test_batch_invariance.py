@@ -205,8 +205,8 @@ def test_narrow_moe_rows_equal_single_runs_on_the_cpu_path(name, form, fixture_d
     where an expert gather runs expert by expert once its sorted pairs are many an expert: a
     batch's gathers take that path where a row alone may not (or the other way round), and each
     row still gets its tokens alone."""
+    from checkpoint_forms import narrow
     from mlx_dllm_models.models import cpu_layers
-    from test_cpu_dtypes import narrow
 
     path = build_once(Path(fixture_dir) / f"invariance_{name}", BUILDERS[name])
     model, tok = load(path)

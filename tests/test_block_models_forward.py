@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from block_checks import mlx_vlm_language_model, read_weights
 from fixtures import build_once
 from fixtures import llada2 as llada2_fixture
 from fixtures import sdar as sdar_fixture
@@ -24,13 +25,6 @@ def canvas(batch, length, prompt, mask_id, seed):
     ids = np.random.default_rng(seed).integers(0, 256, (batch, length))
     ids[:, prompt:] = mask_id
     return ids
-
-
-def read_weights(path):
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
 
 
 def build_direct(module, path, weights=None):
@@ -131,17 +125,6 @@ def test_sdar_spec_and_mask_token_resolution(models):
 
 
 # ----------------------------------------------------------------------------------------- LLaDA2
-
-
-def mlx_vlm_language_model(path):
-    """mlx-vlm's llada2_moe on the same checkpoint, through its own config and sanitize."""
-    from mlx_vlm.models.llada2_moe import Model
-    from mlx_vlm.models.llada2_moe.config import ModelConfig
-
-    cfg = json.loads((path / "config.json").read_text())
-    model = Model(ModelConfig.from_dict(cfg))
-    model.load_weights(list(model.sanitize(read_weights(path)).items()))
-    return model.language_model
 
 
 @pytest.mark.parametrize("name", ["llada2_moe", "llada2_moe_hd32"])

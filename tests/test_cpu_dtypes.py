@@ -21,6 +21,7 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from checkpoint_forms import narrow
 from fixtures import all_checkpoints, build_once
 from helpers import parity
 from mlx_dllm_models import load, stream_generate_diffusion
@@ -42,32 +43,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:Fut
 @pytest.fixture(scope="module")
 def ckpts(fixture_dir):
     return {n: build_once(fixture_dir / n, b) for n, b in all_checkpoints().items()}
-
-
-def to_bf16(model):
-    keep = getattr(model, "cast_predicate", lambda key: True)  # LLaDA2's expert_bias
-
-    def cast(key, v):
-        return v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) and keep(key) else v
-
-    model.update(tree_map_with_path(cast, model.parameters()))
-
-
-def narrow(model, form):
-    """The model in `form`, as mlx-lm's convert would write it (its quant_predicate honoured)."""
-    if form != "q4_f32":
-        to_bf16(model)
-    if form == "bf16":
-        return model
-    own = getattr(model, "quant_predicate", None)
-
-    def predicate(path, module):
-        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % 32:
-            return False
-        return own(path, module) if own else True
-
-    nn.quantize(model, group_size=32, bits=8 if form == "q8" else 4, class_predicate=predicate)
-    return model
 
 
 def widen(model):

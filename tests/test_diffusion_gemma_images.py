@@ -14,27 +14,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import diffusion_gemma_checks as checks
+from diffusion_gemma_checks import C, gemma_fixtures
 from fixtures import diffusion_gemma as fx
 from helpers import mlx_lm_convert
 from mlx_dllm_models import batch_generate_diffusion, generate_diffusion, load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.settings import SettingsError
 from mlx_dllm_models.vision import ImageError, encode_prompt
-from test_diffusion_gemma_decoding import (  # noqa: F401  (fixtures)
-    C,
-    Draws,
-    assert_same_steps,
-    checkpoint,
-    dg,
-    eos_ids,
-    reference,
-    run_engine,
-    run_transformers,
-    until_eos,
-)
 
 SETTINGS = dict(max_denoising_steps=8, stability_threshold=0, confidence_threshold=0.2)
 EOS = [fx.VOCAB - 1]
+
+checkpoint, dg, reference, eos_ids = gemma_fixtures()
 
 
 def picture(seed, size=fx.IMAGE_SIZE):
@@ -80,10 +72,10 @@ def _transformers_image_inputs(ids, pixel_values):
 @pytest.fixture(scope="module")
 def image_parity(dg, reference, image_prompt):
     ids, pixel_values = image_prompt
-    draws = Draws(4, 2, SETTINGS["max_denoising_steps"])
-    ours = run_engine(dg[0], ids, draws, EOS, images=[pixel_values], **SETTINGS)
+    draws = checks.Draws(4, 2, SETTINGS["max_denoising_steps"])
+    ours = checks.run_engine(dg[0], ids, draws, EOS, images=[pixel_values], **SETTINGS)
     mp = pytest.MonkeyPatch()
-    theirs = run_transformers(
+    theirs = checks.run_transformers(
         reference, ids, draws, EOS, mp, **SETTINGS, **_transformers_image_inputs(ids, pixel_values)
     )
     return draws, ours, theirs
@@ -96,8 +88,8 @@ def _worst(ours, theirs):
 @pytest.mark.slow
 def test_image_generation_matches_transformers_step_by_step(image_parity):
     _, (rec, tokens, _), (ref_rec, ref_tokens) = image_parity
-    assert_same_steps(rec, ref_rec)
-    assert tokens == until_eos(ref_tokens, EOS) and len(tokens) == 2 * C
+    checks.assert_same_steps(rec, ref_rec)
+    assert tokens == checks.until_eos(ref_tokens, EOS) and len(tokens) == 2 * C
     assert _worst(rec["processed"], ref_rec["processed"]) < 1e-4
 
 
@@ -121,7 +113,7 @@ def test_the_image_parity_check_catches_mistakes(
             return real(h, shifted, features, token)
 
         monkeypatch.setattr(vision, "place_features", late)
-    rec, _, _ = run_engine(model, ids, draws, EOS, images=[pixel_values], **SETTINGS)
+    rec, _, _ = checks.run_engine(model, ids, draws, EOS, images=[pixel_values], **SETTINGS)
     monkeypatch.undo()
     assert _worst(rec["processed"][:1], ref_rec["processed"][:1]) > 1e-3
 

@@ -12,9 +12,9 @@ from PIL import Image
 
 from fixtures.llada_v import build_llada_v
 from helpers import checkpoint_fixtures
+from llava_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
 from mlx_dllm_models.request import prepare
 
-IMAGE_TOKEN_INDEX = -200  # llava/constants.py
 QUESTION = "<image>\nPlease describe the image in detail."
 
 
@@ -32,34 +32,6 @@ def tok(ckpt):
 def picture(seed):
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((40, 70, 3)) * 255).astype(np.uint8))
-
-
-def tokenizer_image_token(prompt, tokenizer):
-    """mm_utils.tokenizer_image_token, written again from its description: each chunk between
-    `<image>`s encoded by `tokenizer(chunk).input_ids`; offset 1 when the first chunk starts with
-    BOS (kept once); every chunk then contributes its ids from `offset` on, separated by one
-    IMAGE_TOKEN_INDEX."""
-    chunks = [tokenizer(chunk).input_ids for chunk in prompt.split("<image>")]
-    bos = tokenizer.bos_token_id
-    offset = 1 if chunks and chunks[0] and chunks[0][0] == bos else 0
-    out = [bos] if offset else []
-    for i, chunk in enumerate(chunks):
-        if i:
-            out.append(IMAGE_TOKEN_INDEX)
-        out += chunk[offset:]
-    return out
-
-
-def with_image_markers(model, ids):
-    """`ids` with each run of image feature ids as one IMAGE_TOKEN_INDEX."""
-    out = []
-    for t in ids:
-        if model.is_image_id(t):
-            if not out or out[-1] != IMAGE_TOKEN_INDEX:
-                out.append(IMAGE_TOKEN_INDEX)
-        else:
-            out.append(t)
-    return out
 
 
 def demo_prompt(tok, question=QUESTION):

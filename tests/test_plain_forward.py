@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from block_checks import mlx_vlm_language_model
 from fixtures import bd3lm as bd3lm_fixture
 from fixtures import build_once
 from fixtures import coda as coda_fixture
@@ -58,7 +59,6 @@ from reference import (
     wedlm_torch,
 )
 from reference.bd3lm_torch import BD3LMReference
-from test_block_models_forward import mlx_vlm_language_model
 
 # transformers warns about the `rope_scaling: null` that LLaDA-MoE's config.json carries.
 pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")

@@ -40,14 +40,13 @@ from fixtures import sdar as sdar_fixture
 from fixtures import stable_diffcoder as stable_diffcoder_fixture
 from fixtures import wedlm as wedlm_fixture
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
-from helpers import RecordedDraws, cut_at_eos, load_fixture, spy_forwards, torch_logits_fn
-from mlx_dllm_models import stream_generate_diffusion
+from helpers import RecordedDraws, cut_at_eos, load_fixture, torch_logits_fn
 from mlx_dllm_models.decoding import llada as llada_rules
 from mlx_dllm_models.decoding import stats as stats_module
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode
 from mlx_dllm_models.settings import resolve_settings
-from published_text import Outcome
+from published_text import Outcome, ids_of, package_outcome
 from reference import dream_torch, llada_torch, rnd1_sampling, sdar_generate
 from reference.llada2_generate import llada20_generate
 
@@ -73,11 +72,6 @@ class Call:
     # vocabulary, where the fixture's small one reads otherwise.
     template: Dict = field(default_factory=dict)
     text: Optional[str] = None  # a call without a chat template: the prompt text it tokenizes
-
-
-def ids_of(encoded):
-    """apply_chat_template(tokenize=True)'s ids: a list, or a BatchEncoding in newer transformers."""
-    return encoded if isinstance(encoded, list) else encoded["input_ids"]
 
 
 def _dict_ids(hf, messages):
@@ -373,21 +367,6 @@ def family(fixture_dir):
         return loaded[name]
 
     return get
-
-
-def package_outcome(model, tok, prompt, settings):
-    """The package's call on a prompt's ids: its tokens, forwards and window (the widest span a
-    forward covers, cache included, past the prompt)."""
-    spans, tokens, last = [], [], None
-
-    def record(inputs, cache, mask, head_span):
-        offset = cache[0].offset if cache and cache[0] is not None else 0
-        spans.append(int(offset) + inputs.shape[1])
-
-    with spy_forwards(model, record):
-        for last in stream_generate_diffusion(model, tok, prompt, **settings):
-            tokens.extend(last.tokens)
-    return Outcome(tokens, last.nfe, max(spans) - len(prompt))
 
 
 @pytest.mark.slow

@@ -46,12 +46,12 @@ from fixtures.llada_v import SUPPRESSED, build_llada_v
 from fixtures.llada_v import TILE as LLADA_V_TILE
 from fixtures.mmada import build_mmada
 from helpers import cut_at_eos, random_picture, torch_logits_fn
+from llava_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
 from mlx_dllm_models import load, stream_generate_diffusion
 from mlx_dllm_models.prompts import render_chat, user_turn
 from mlx_dllm_models.request import encode, prepare
+from published_text import Outcome, ids_of, package_outcome
 from reference import dimple_torch, lavida_torch, llada_torch, llada_v_torch
-from test_llada_v_prompt_ids import IMAGE_TOKEN_INDEX, tokenizer_image_token, with_image_markers
-from test_published_calls import Outcome, ids_of, package_outcome
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families"
 # conversation.py's conv_llava_llada (LLaDA-V's "llava_llada", LaViDa's "llada"): its system turn.
@@ -363,7 +363,7 @@ def test_dimple_readme(fixture_dir, monkeypatch):
 # processor.apply_chat_template(chat, tokenize=True, return_tensors="pt") (no generation prompt),
 # model.generate(input_ids, max_new_tokens=512, streamer=streamer), the rest from the checkpoint's
 # generation_config. Its canvases and re-noising draw from torch's generator: both sides read one
-# pre-drawn sequence (test_diffusion_gemma_decoding.Draws), so everything is compared exactly.
+# pre-drawn sequence (diffusion_gemma_checks.Draws), so everything is compared exactly.
 
 
 @pytest.mark.slow
@@ -372,7 +372,7 @@ def test_diffusion_gemma_generate_example(fixture_dir, monkeypatch):
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as gdg
 
     import mlx_dllm_models.engine.canvas as canvas_mod
-    from test_diffusion_gemma_decoding import Draws
+    from diffusion_gemma_checks import Draws
 
     build = gemma_fixture.CHECKPOINTS["diffusion_gemma"]
     ckpt, model, processor, hf = checkpoint(fixture_dir, "diffusion_gemma", build)

@@ -27,7 +27,7 @@ from mlx_dllm_models import load
 from mlx_dllm_models.cli import main as cli_main
 from mlx_dllm_models.server import Job, Scheduler, StopWords, make_server, shutdown
 from mlx_dllm_models.server.images import ImagePolicy
-from mlx_dllm_models.vision import text_tokenizer
+from server_checks import chat_prompt, post
 
 MODEL_ID = "llada-fixture"
 
@@ -49,25 +49,6 @@ def served(llada_path):
     yield server, url
     shutdown(server)
     assert not server.service.scheduler.healthy
-
-
-def chat_prompt(tokenizer, content):
-    messages = [{"role": "user", "content": content}]
-    return text_tokenizer(tokenizer).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-
-
-def post(url, path, body, raw=None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_openai_client_chat_not_streaming_and_streaming(llada, served):

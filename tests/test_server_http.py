@@ -5,13 +5,10 @@ budget), template arguments the server passes itself, image limits read from the
 OpenAI's clients tripped over (top_logprobs -1, echo / best_of / suffix, `param` of field errors,
 an empty answer's content, tool and unknown roles, null content, a million-id prompt)."""
 
-import base64
 import json
 import socket
-import struct
 import threading
 import time
-import zlib
 
 import openai
 import pytest
@@ -28,7 +25,7 @@ from mlx_dllm_models.server.process import check_args
 from mlx_dllm_models.server.process import parser as serve_parser
 from mlx_dllm_models.server.templates import CLIENT_TEMPLATE_SECONDS
 from mlx_dllm_models.vision import text_tokenizer
-from server_checks import call
+from server_checks import call, data_url, grey_png
 
 MODEL_ID = "default"
 CHAT = {"messages": [{"role": "user", "content": "What is 2+3?"}], "max_tokens": 8}
@@ -231,31 +228,6 @@ def test_an_allowed_client_template_is_used_within_its_budget(served):
 
 
 # ------------------------------------------------------------------------------------- images
-
-
-def grey_png(width: int, height: int) -> bytes:
-    """A valid grey PNG, compressed row by row (a 12000 x 12000 one is ~140 KB and is written
-    without holding its pixels)."""
-
-    def chunk(kind, data):
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    packer, row, parts = zlib.compressobj(9), b"\x00" * (width + 1), []
-    for _ in range(height):
-        parts.append(packer.compress(row))
-    parts.append(packer.flush())
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", b"".join(parts))
-        + chunk(b"IEND", b"")
-    )
-
-
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def test_image_limits_are_read_from_the_header():

@@ -18,7 +18,7 @@ from mlx_dllm_models import load
 from mlx_dllm_models.default import default_checkpoint
 from mlx_dllm_models.server import make_server, shutdown
 from mlx_dllm_models.server.transport import Limits
-from test_server_http import data_url, grey_png
+from server_checks import data_url, grey_png
 
 LIMITS = Limits(header_timeout=1.0, body_timeout=1.0, idle_timeout=5.0)
 CHAT = {"messages": [{"role": "user", "content": "What is 2+3?"}], "max_tokens": 8}

@@ -7,35 +7,23 @@ under a stop string, SSE keep-alive comments and the access log."""
 import json
 import logging
 import socket
-import threading
 import time
 
 import openai
 import pytest
-from openai import OpenAI
 
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import build_llada
 from fixtures.sdar import build_sdar
+from helpers import single_call as single
 from mlx_dllm_models import load
 from mlx_dllm_models.request import checkpoint_settings
-from mlx_dllm_models.server import make_server, shutdown
+from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.settings import resolve_settings
-from test_server import chat_prompt, post, single
+from server_checks import chat_prompt, connect, post, start
 
 MODEL_ID = "llada-openai"
 CHAT = [{"role": "user", "content": "Why is the sky blue?"}]
-
-
-def start(path, model_id, **kwargs):
-    server = make_server(lambda: load(path), host="127.0.0.1", port=0, model_id=model_id, **kwargs)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-def connect(url):
-    # A timeout: a request the server never answered fails the test rather than hanging it.
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import json
 import openai
 import pytest
 
+from family_cases import CONFIGS, case_spec
 from fixtures import all_checkpoints, build_once
 from fixtures import diffusion_gemma as dgfx
 from fixtures.llada import CHECKPOINTS as LLADA_CHECKPOINTS
@@ -25,9 +26,7 @@ from mlx_dllm_models.server import shutdown
 from mlx_dllm_models.server.api import Service
 from mlx_dllm_models.settings import resolve_settings
 from mlx_dllm_models.settings_index import choices, flag_rows
-from test_family_defaults import CONFIGS, case_spec
-from test_server import chat_prompt
-from test_server_openai import connect, start
+from server_checks import chat_prompt, connect, start
 
 STEPS = 4
 SEED = 5
