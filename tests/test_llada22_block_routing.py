@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from block_checks import read_weights
 from fixtures import llada2 as llada2_fixture
 from helpers import assert_close, checkpoint_fixtures, far
 from mlx_dllm_models.generate import batch_generate_diffusion
@@ -20,10 +21,6 @@ from mlx_dllm_models.models import llada2_moe
 from reference.llada2_block_routing import block_routing
 
 BLOCK = llada2_fixture.BLOCK_LENGTH
-
-
-def read_weights(path):
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
 
 
 def build_model(path, routed=True):
