@@ -321,7 +321,8 @@ def run_phase(model, data, steps, learning_rate, warmup, seed, monitor_every, mo
     )
 
 
-def main():
+def parse_args():
+    """The command line, with the combinations that would silently do nothing refused."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--few-shot-steps", type=int, default=FEW_SHOT_STEPS)
@@ -377,19 +378,44 @@ def main():
         )
     if args.few_shot_lr != FEW_SHOT_LEARNING_RATE and not args.few_shot_steps:
         p.error("--few-shot-lr is phase 2's learning rate: add --few-shot-steps N")
+    return args
 
+
+def build_model(from_checkpoint):
+    """A fresh model drawn from mx.random's current state, or phase 1's weights when
+    `from_checkpoint` is given."""
+    model = Model(ModelArgs.from_dict(CONFIG))
+    if from_checkpoint:
+        weights = mx.load(str(from_checkpoint / "model.safetensors"))
+        model.load_weights(list(model.sanitize(weights).items()))
+    mx.eval(model.parameters())
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"{n_params / 1e6:.2f}M parameters", flush=True)
+    return model
+
+
+def final_report(model, wrapped, monitor_shots):
+    """Held-out accuracy on the benchmark's 200 problems per shot count, then one generation with
+    the CLI's defaults."""
+    for k in monitor_shots:
+        problems = [
+            (few_shot_message(m, k, i), a) for i, (m, a) in enumerate(held_out_problems(200))
+        ]
+        acc = accuracy(model, wrapped, problems, **MONITOR)
+        print(f"held-out accuracy (200 problems, {k} shots, {MONITOR}): {acc:.3f}")
+    # The CLI's defaults (128 new tokens in blocks of 32, one token per step).
+    text = batch_generate_diffusion(model, wrapped, [chat_prompt(wrapped, DEFAULT_PROMPT)]).texts[0]
+    print(f"{DEFAULT_PROMPT!r} with the CLI's defaults -> {text!r}")
+
+
+def main():
+    args = parse_args()
     if args.few_shot_steps or args.few_shot_from_start:
         CONFIG["max_sequence_length"] = 1024  # few-shot prompts of up to ~500 tokens + canvases
     mx.random.seed(SEED)
     tmp = Path(tempfile.mkdtemp())
     tokenizer = build_llada_tokenizer(tmp)
-    model = Model(ModelArgs.from_dict(CONFIG))
-    if args.from_checkpoint:
-        weights = mx.load(str(args.from_checkpoint / "model.safetensors"))
-        model.load_weights(list(model.sanitize(weights).items()))
-    mx.eval(model.parameters())
-    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"{n_params / 1e6:.2f}M parameters", flush=True)
+    model = build_model(args.from_checkpoint)
 
     # What load() would return: mlx-lm's tokenizer wrapper, the generation config on the model.
     wrapped = TokenizerWrapper(tokenizer)
@@ -454,15 +480,7 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB)")
-    for k in monitor_shots:
-        problems = [
-            (few_shot_message(m, k, i), a) for i, (m, a) in enumerate(held_out_problems(200))
-        ]
-        acc = accuracy(model, wrapped, problems, **MONITOR)
-        print(f"held-out accuracy (200 problems, {k} shots, {MONITOR}): {acc:.3f}")
-    # The CLI's defaults (128 new tokens in blocks of 32, one token per step).
-    text = batch_generate_diffusion(model, wrapped, [chat_prompt(wrapped, DEFAULT_PROMPT)]).texts[0]
-    print(f"{DEFAULT_PROMPT!r} with the CLI's defaults -> {text!r}")
+    final_report(model, wrapped, monitor_shots)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,59 @@ def _early_stop(x, states, eos, prompt_len, mask_id):
     return first
 
 
+def _progress(states, bid):
+    return 1 - states[bid]["mask_count"] / states[bid]["total_masks"]
+
+
+def _new_block(states, bid, plen, block_size, max_new_tokens, mask_count, complete):
+    start = plen + (bid - 1) * block_size
+    end = min(start + block_size, plen + max_new_tokens)
+    states[bid] = dict(
+        start=start, end=end, mask_count=mask_count, total_masks=end - start,
+        is_complete=complete,
+    )  # fmt: skip
+
+
+def _update_block_activation_states(states, decoded_token_threshold):
+    """A block becomes complete (fully decodable) once its predecessor is decoded enough."""
+    for bid in sorted(states):
+        if bid > 0 and not states[bid]["is_complete"]:
+            if _progress(states, bid - 1) >= decoded_token_threshold:
+                states[bid]["is_complete"] = True
+
+
+def _rightmost_active(states):
+    rightmost = 0
+    for bid in sorted(states):
+        if states[bid]["is_complete"] or states[bid]["mask_count"] > 0:
+            rightmost = bid
+    return rightmost
+
+
+def _force_decode(states, transfer, x0, decode, entropy, logits, form):
+    """The first complete block that still has masks decodes at least its lowest-entropy one."""
+    first_full = None
+    for bid in sorted(states):
+        if bid > 0 and states[bid]["is_complete"] and states[bid]["mask_count"] > 0:
+            first_full = bid
+            break
+    if first_full is not None:
+        start, end = states[first_full]["start"], states[first_full]["end"]
+        if not transfer[:, start:end].any():
+            h = torch.where(decode[:, start:end], entropy[:, start:end], torch.inf)
+            best = int(h[0].argmin())
+            transfer[0, start + best] = True
+            if form == "llada":  # the reference re-reads the argmax there
+                x0[0, start + best] = torch.argmax(logits[0, start + best], dim=-1)
+
+
+def _count_transfers(states, transfer):
+    for bid in sorted(states):
+        if bid > 0 and states[bid]["mask_count"] > 0:
+            s = states[bid]
+            s["mask_count"] -= int(transfer[:, s["start"] : s["end"]].sum())
+
+
 def multi_block_generate(
     forward,
     prompt,
@@ -90,15 +143,7 @@ def multi_block_generate(
     num_blocks = max_new_tokens // block_size
 
     def new_block(bid, mask_count, complete):
-        start = plen + (bid - 1) * block_size
-        end = min(start + block_size, plen + max_new_tokens)
-        states[bid] = dict(
-            start=start, end=end, mask_count=mask_count, total_masks=end - start,
-            is_complete=complete,
-        )  # fmt: skip
-
-    def progress(bid):
-        return 1 - states[bid]["mask_count"] / states[bid]["total_masks"]
+        _new_block(states, bid, plen, block_size, max_new_tokens, mask_count, complete)
 
     next_bid = 1
     if next_bid <= num_blocks:
@@ -123,25 +168,21 @@ def multi_block_generate(
                         break
                 if (x == mask_id)[:, plen:].sum() == 0:
                     break
-        for bid in sorted(states):  # update_block_activation_states
-            if bid > 0 and not states[bid]["is_complete"]:
-                if progress(bid - 1) >= decoded_token_threshold:
-                    states[bid]["is_complete"] = True
+        _update_block_activation_states(states, decoded_token_threshold)
         if next_bid <= num_blocks and not has_eos:
             last = max(states)
             if last > 0 and (
-                progress(last) >= block_add_threshold or states[last]["mask_count"] == 0
+                _progress(states, last) >= block_add_threshold or states[last]["mask_count"] == 0
             ):
                 start = plen + (next_bid - 1) * block_size
                 end = min(start + block_size, plen + max_new_tokens)
                 if end > start:
                     count = int((x[:, start:end] == mask_id).sum())
-                    new_block(next_bid, count, progress(next_bid - 1) >= decoded_token_threshold)
+                    new_block(
+                        next_bid, count, _progress(states, next_bid - 1) >= decoded_token_threshold
+                    )
                     next_bid += 1
-        rightmost = 0
-        for bid in sorted(states):
-            if states[bid]["is_complete"] or states[bid]["mask_count"] > 0:
-                rightmost = bid
+        rightmost = _rightmost_active(states)
         if rightmost == 0:
             break
         active_end = states[rightmost]["end"]
@@ -155,25 +196,10 @@ def multi_block_generate(
             x0, transfer, entropy = _transfer_llada(logits, decode, x, threshold)
         else:
             x0, transfer, entropy = _transfer_dream(logits, decode, threshold)
-        first_full = None
-        for bid in sorted(states):
-            if bid > 0 and states[bid]["is_complete"] and states[bid]["mask_count"] > 0:
-                first_full = bid
-                break
-        if first_full is not None:
-            start, end = states[first_full]["start"], states[first_full]["end"]
-            if not transfer[:, start:end].any():
-                h = torch.where(decode[:, start:end], entropy[:, start:end], torch.inf)
-                best = int(h[0].argmin())
-                transfer[0, start + best] = True
-                if form == "llada":  # the reference re-reads the argmax there
-                    x0[0, start + best] = torch.argmax(logits[0, start + best], dim=-1)
+        _force_decode(states, transfer, x0, decode, entropy, logits, form)
         mask_commits += int((transfer & (x0 == mask_id)).sum())
         x[transfer] = x0[transfer]
-        for bid in sorted(states):
-            if bid > 0 and states[bid]["mask_count"] > 0:
-                s = states[bid]
-                s["mask_count"] -= int(transfer[:, s["start"] : s["end"]].sum())
+        _count_transfers(states, transfer)
         if nfe > 10000:
             break
     return x[0].numpy().astype(np.int64), nfe, forwards, mask_commits

@@ -235,6 +235,47 @@ def get_num_transfer_tokens(mask_index, steps):
     return num
 
 
+def guided_logits(forward, x, prompt_index, cfg_scale, mask_id):
+    """The step's logits; with `cfg_scale` > 0, classifier-free guidance against the row with its
+    prompt masked."""
+    if cfg_scale > 0.0:
+        un_x = x.clone()
+        un_x[prompt_index] = mask_id
+        logits, un_logits = torch.chunk(forward(torch.cat([x, un_x], dim=0)), 2, dim=0)
+        return un_logits + (cfg_scale + 1) * (logits - un_logits)
+    return forward(x)
+
+
+def remasking_confidence(logits, x0, remasking, rand):
+    """Each position's confidence in its candidate `x0`, float64."""
+    if remasking == "low_confidence":
+        # Confidence is read from the raw logits (no temperature), in float64.
+        p = F.softmax(logits.to(torch.float64), dim=-1)
+        return torch.gather(p, dim=-1, index=x0[..., None])[..., 0]
+    if remasking == "random":
+        return rand((x0.shape[0], x0.shape[1])).to(torch.float64)
+    raise NotImplementedError(remasking)
+
+
+def select_transfer(confidence, mask_index, num_transfer_tokens, i, end, threshold):
+    """The positions step `i` commits: per row its quota `num_transfer_tokens[j, i]` of the most
+    confident, or with `threshold` Fast-dLLM's rule over every mask before `end`."""
+    transfer_index = torch.zeros_like(confidence, dtype=torch.bool)
+    for j in range(confidence.shape[0]):
+        if threshold is None:
+            k = int(num_transfer_tokens[j, i])
+        else:
+            k = int(mask_index[j, :end].sum())
+        _, select_index = torch.topk(confidence[j], k=k)
+        transfer_index[j, select_index] = True
+        if threshold is not None:
+            # Fast-dLLM: the top-1 is always committed, the rest only above threshold.
+            for r in range(1, k):
+                if confidence[j, select_index[r]] < threshold:
+                    transfer_index[j, select_index[r]] = False
+    return transfer_index
+
+
 def llada_generate(
     forward,
     prompt_ids,
@@ -300,13 +341,7 @@ def llada_generate(
             if threshold is not None and (x[:, start:end] == mask_id).sum() == 0:
                 break
             mask_index = x == mask_id
-            if cfg_scale > 0.0:
-                un_x = x.clone()
-                un_x[prompt_index] = mask_id
-                logits, un_logits = torch.chunk(forward(torch.cat([x, un_x], dim=0)), 2, dim=0)
-                logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
-            else:
-                logits = forward(x)
+            logits = guided_logits(forward, x, prompt_index, cfg_scale, mask_id)
             nfe += 1
             if logits_eos_inf:
                 logits[:, :, eos_id] = -torch.inf
@@ -318,32 +353,15 @@ def llada_generate(
                 # EOS and EoT leave the confidence's softmax; above 0 it is a new array that is
                 # never read again, and only EoT does.
                 logits_with_noise[:, :, eos_id] = logits[:, :, eot_id] = -torch.inf
-            if remasking == "low_confidence":
-                # Confidence is read from the raw logits (no temperature), in float64.
-                p = F.softmax(logits.to(torch.float64), dim=-1)
-                x0_p = torch.gather(p, dim=-1, index=x0[..., None])[..., 0]
-            elif remasking == "random":
-                x0_p = rand((x0.shape[0], x0.shape[1])).to(torch.float64)
-            else:
-                raise NotImplementedError(remasking)
+            x0_p = remasking_confidence(logits, x0, remasking, rand)
             x0_p[:, end:] = -np.inf
 
             x0 = torch.where(mask_index, x0, x)
             confidence = torch.where(mask_index, x0_p, torch.tensor(-np.inf, dtype=x0_p.dtype))
 
-            transfer_index = torch.zeros_like(x0, dtype=torch.bool)
-            for j in range(B):
-                if threshold is None:
-                    k = int(num_transfer_tokens[j, i])
-                else:
-                    k = int(mask_index[j, :end].sum())
-                _, select_index = torch.topk(confidence[j], k=k)
-                transfer_index[j, select_index] = True
-                if threshold is not None:
-                    # Fast-dLLM: the top-1 is always committed, the rest only above threshold.
-                    for r in range(1, k):
-                        if confidence[j, select_index[r]] < threshold:
-                            transfer_index[j, select_index[r]] = False
+            transfer_index = select_transfer(
+                confidence, mask_index, num_transfer_tokens, i, end, threshold
+            )
             x[transfer_index] = x0[transfer_index]
             i += 1
 

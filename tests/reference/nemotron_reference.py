@@ -142,13 +142,8 @@ def hf_generate(
             cur[transfer] = x0[transfer]
             x_accum[:, block] = cur
 
-            tokens = x_accum[:, block]
-            eos_mask = tokens == eos_token_id
-            if eos_mask.any():
-                after_eos = np.cumsum(eos_mask, axis=1) > 0
-                mask_before = (tokens == mask_id) & ~after_eos
-                if (eos_mask.any(axis=1) & ~mask_before.any(axis=1)).any():
-                    break
+            if _eos_without_mask_before(x_accum[:, block], eos_token_id, mask_id):
+                break
 
         logits, past_key_values = model(
             x_accum[:, block], past_key_values=past_key_values, use_cache=True, use_causal_mask=True
@@ -161,6 +156,44 @@ def hf_generate(
             max_eos = int(is_eos.argmax(axis=1).max())
             return x_accum[:, : prompt_len + max_eos + 1], nfe
     return x_accum, nfe
+
+
+def _eos_without_mask_before(block_tokens, eos_token_id, mask_id):
+    """Whether some row of the block has an EOS with no mask before it (the block loop's exit)."""
+    eos_mask = block_tokens == eos_token_id
+    any_eos = eos_mask.any(axis=1)
+    if any_eos.any():
+        after_eos = np.cumsum(eos_mask, axis=1) > 0
+        mask_before = (block_tokens == mask_id) & ~after_eos
+        if (any_eos & ~mask_before.any(axis=1)).any():
+            return True
+    return False
+
+
+def _inject_end_think(
+    x_accum, prompt_len, num_block, block_length, max_thinking_tokens, end_think_token_id
+):
+    """The thinking budget at block `num_block`: rows with no end_think_token_id among the earlier
+    blocks' tokens get it at offset max(0, max_thinking_tokens - tokens before the block)."""
+    B = x_accum.shape[0]
+    current_block_start = prompt_len + num_block * block_length
+    tokens_before_block = num_block * block_length
+    tokens_after_block = tokens_before_block + block_length
+    if tokens_after_block > max_thinking_tokens:
+        gen_so_far = x_accum[:, prompt_len:current_block_start]
+        if gen_so_far.shape[1] > 0:
+            has_end_think = (gen_so_far == end_think_token_id).any(axis=1)
+        else:
+            has_end_think = np.zeros(B, dtype=bool)
+        if not has_end_think.all():
+            if tokens_before_block < max_thinking_tokens:
+                offset = max_thinking_tokens - tokens_before_block
+            else:
+                offset = 0
+            inject_pos = current_block_start + offset
+            for b in range(B):
+                if not has_end_think[b]:
+                    x_accum[b, inject_pos] = end_think_token_id
 
 
 def generate_with_prefix_cache_block_diff(
@@ -206,23 +239,10 @@ def generate_with_prefix_cache_block_diff(
         block = slice(current_block_start, current_block_start + block_length)
 
         if end_think_token_id is not None and max_thinking_tokens is not None:
-            tokens_before_block = num_block * block_length
-            tokens_after_block = tokens_before_block + block_length
-            if tokens_after_block > max_thinking_tokens:
-                gen_so_far = x_accum[:, prompt_len:current_block_start]
-                if gen_so_far.shape[1] > 0:
-                    has_end_think = (gen_so_far == end_think_token_id).any(axis=1)
-                else:
-                    has_end_think = np.zeros(B, dtype=bool)
-                if not has_end_think.all():
-                    if tokens_before_block < max_thinking_tokens:
-                        offset = max_thinking_tokens - tokens_before_block
-                    else:
-                        offset = 0
-                    inject_pos = current_block_start + offset
-                    for b in range(B):
-                        if not has_end_think[b]:
-                            x_accum[b, inject_pos] = end_think_token_id
+            _inject_end_think(
+                x_accum, prompt_len, num_block, block_length, max_thinking_tokens,
+                end_think_token_id,
+            )  # fmt: skip
 
         mask_block_idx0 = x_accum[:, block] == mask_id
         num_transfer_tokens = _get_num_transfer_tokens(mask_block_idx0, steps_per_block)
@@ -247,14 +267,8 @@ def generate_with_prefix_cache_block_diff(
             x_accum[:, block] = cur
 
             if eos_token_id is not None:
-                block_tokens = x_accum[:, block]
-                eos_mask = block_tokens == eos_token_id
-                any_eos = eos_mask.any(axis=1)
-                if any_eos.any():
-                    after_eos = np.cumsum(eos_mask, axis=1) > 0
-                    mask_before = (block_tokens == mask_id) & ~after_eos
-                    if (any_eos & ~mask_before.any(axis=1)).any():
-                        break
+                if _eos_without_mask_before(x_accum[:, block], eos_token_id, mask_id):
+                    break
 
         logits, past_key_values = model(
             x_accum[:, block],
@@ -361,6 +375,49 @@ class OurForward:
         return np.array(out.astype(mx.float32), dtype=np.float64), past_key_values
 
 
+def _draft_block(model, block, past_key_values, token_mask_id, threshold):
+    """linear_spec_generate's draft phase, in place on `block`: at threshold 0 one forward fills
+    every mask, else each forward reveals the masks at confidence >= threshold (at least the most
+    confident one). Returns (draft forwards, whether a mask was drafted as the mask id)."""
+    draft_forwards, drafted_mask = 0, False
+    while True:
+        is_mask = block == token_mask_id
+        if not is_mask.any():
+            break
+        draft_logits, _ = model(block, past_key_values=past_key_values, use_cache=False)
+        draft_forwards += 1
+        draft_tokens = np.argmax(draft_logits, axis=-1)
+        draft_probs = _softmax(draft_logits)
+        drafted_mask |= bool((draft_tokens[is_mask] == token_mask_id).any())
+
+        if threshold > 0:
+            draft_conf = np.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+            draft_conf = np.where(is_mask, draft_conf, -np.inf)
+            unmask = draft_conf >= threshold
+            # Force progress even when every masked position is below threshold.
+            if not unmask.any():
+                best_idx = int(draft_conf.reshape(-1).argmax())
+                unmask = np.zeros_like(is_mask, dtype=bool)
+                unmask.reshape(-1)[best_idx] = True
+            block[unmask] = draft_tokens[unmask]
+        else:
+            block[is_mask] = draft_tokens[is_mask]
+            break
+    return draft_forwards, drafted_mask
+
+
+def _accepted_length(ar_tokens, block, block_length):
+    """Accept consecutive matches; AR also gives one bonus token at the tail."""
+    accepted = 0
+    for i in range(block_length - 1):
+        if int(ar_tokens[0, i]) == int(block[0, i + 1]):
+            accepted += 1
+        else:
+            break
+    accepted += 1
+    return accepted
+
+
 def linear_spec_generate(
     model,
     prompt_ids,
@@ -413,33 +470,10 @@ def linear_spec_generate(
 
         # Draft phase (bidirectional, LoRA ON), iterated at threshold > 0.
         model.toggle_adapters(True)
-        draft_forwards, drafted_mask = 0, False
-        while True:
-            is_mask = block == token_mask_id
-            if not is_mask.any():
-                break
-            draft_logits, _ = model(block, past_key_values=past_key_values, use_cache=False)
-            nfe += 1
-            draft_forwards += 1
-            draft_tokens = np.argmax(draft_logits, axis=-1)
-            draft_probs = _softmax(draft_logits)
-            drafted_mask |= bool((draft_tokens[is_mask] == token_mask_id).any())
-
-            if threshold > 0:
-                draft_conf = np.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[
-                    ..., 0
-                ]
-                draft_conf = np.where(is_mask, draft_conf, -np.inf)
-                unmask = draft_conf >= threshold
-                # Force progress even when every masked position is below threshold.
-                if not unmask.any():
-                    best_idx = int(draft_conf.reshape(-1).argmax())
-                    unmask = np.zeros_like(is_mask, dtype=bool)
-                    unmask.reshape(-1)[best_idx] = True
-                block[unmask] = draft_tokens[unmask]
-            else:
-                block[is_mask] = draft_tokens[is_mask]
-                break
+        draft_forwards, drafted_mask = _draft_block(
+            model, block, past_key_values, token_mask_id, threshold
+        )
+        nfe += draft_forwards
 
         # Verify phase (causal, LoRA OFF).
         model.toggle_adapters(False)
@@ -449,14 +483,7 @@ def linear_spec_generate(
         nfe += 1
         ar_tokens = np.argmax(verify_logits, axis=-1)
 
-        # Accept consecutive matches; AR also gives one bonus token at the tail.
-        accepted = 0
-        for i in range(block_length - 1):
-            if int(ar_tokens[0, i]) == int(block[0, i + 1]):
-                accepted += 1
-            else:
-                break
-        accepted += 1
+        accepted = _accepted_length(ar_tokens, block, block_length)
 
         accepted_toks = ar_tokens[:, :accepted]
         generated.append(accepted_toks)

@@ -61,6 +61,41 @@ def apply_top_p_filtering(logits, p):
     return logits.masked_fill(remove, float("-inf"))
 
 
+def entropy_bounded_unmask(conf_i, ent_i, maskable, eb_gamma, finf):
+    """`diffusion_sample`'s step with `eb_gamma`: the maskable positions, most confident first,
+    while their entropies summed (less the largest) stay within eb_gamma."""
+    err = (-conf_i.clone()).masked_fill(~maskable, finf.max)
+    _, idx = torch.sort(err, dim=-1)
+    entropy_sorted = torch.gather(ent_i, 1, idx)
+    acc_entropy = torch.cumsum(entropy_sorted, dim=-1)
+    cummax_entropy, _ = torch.cummax(entropy_sorted, dim=-1)
+    valid = (acc_entropy - cummax_entropy) <= eb_gamma
+    to_unmask = torch.zeros_like(maskable)
+    for b in range(maskable.shape[0]):
+        k_b = int(valid[b].sum().item())
+        if k_b > 0:
+            candidate = torch.zeros_like(maskable[b])
+            candidate[idx[b][:k_b]] = True
+            to_unmask[b] = candidate & maskable[b]
+    return to_unmask
+
+
+def scheduled_unmask(ent_i, maskable, total_masked, rate, finf):
+    """`diffusion_sample`'s step without `eb_gamma`: the highest-entropy `rate` share of the
+    initially masked count stays masked, every other maskable position is revealed."""
+    cutoff_len = (total_masked * rate).long().clamp(min=0)
+    sel_scores = ent_i.masked_fill(~maskable, -finf.max)
+    k_max = cutoff_len.max().item()
+    keep_mask = torch.zeros_like(sel_scores, dtype=torch.bool)
+    if k_max > 0:
+        _, idx = torch.topk(sel_scores, k_max, dim=-1, largest=True)
+        for b in range(sel_scores.shape[0]):
+            k_b = int(cutoff_len[b].item())
+            if k_b > 0:
+                keep_mask[b, idx[b, :k_b]] = True
+    return maskable & ~keep_mask
+
+
 def diffusion_sample(
     forward,
     seq_len,
@@ -133,32 +168,9 @@ def diffusion_sample(
     finf = torch.finfo(conf_i.dtype)
     for step in range(num_steps - 1, 0, -1):
         if eb_gamma is not None:
-            err = (-conf_i.clone()).masked_fill(~maskable, finf.max)
-            _, idx = torch.sort(err, dim=-1)
-            entropy_sorted = torch.gather(ent_i, 1, idx)
-            acc_entropy = torch.cumsum(entropy_sorted, dim=-1)
-            cummax_entropy, _ = torch.cummax(entropy_sorted, dim=-1)
-            valid = (acc_entropy - cummax_entropy) <= eb_gamma
-            to_unmask = torch.zeros_like(maskable)
-            for b in range(maskable.shape[0]):
-                k_b = int(valid[b].sum().item())
-                if k_b > 0:
-                    candidate = torch.zeros_like(maskable[b])
-                    candidate[idx[b][:k_b]] = True
-                    to_unmask[b] = candidate & maskable[b]
+            to_unmask = entropy_bounded_unmask(conf_i, ent_i, maskable, eb_gamma, finf)
         else:
-            rate = step / num_steps
-            cutoff_len = (total_masked * rate).long().clamp(min=0)
-            sel_scores = ent_i.masked_fill(~maskable, -finf.max)
-            k_max = cutoff_len.max().item()
-            keep_mask = torch.zeros_like(sel_scores, dtype=torch.bool)
-            if k_max > 0:
-                _, idx = torch.topk(sel_scores, k_max, dim=-1, largest=True)
-                for b in range(sel_scores.shape[0]):
-                    k_b = int(cutoff_len[b].item())
-                    if k_b > 0:
-                        keep_mask[b, idx[b, :k_b]] = True
-            to_unmask = maskable & ~keep_mask
+            to_unmask = scheduled_unmask(ent_i, maskable, total_masked, step / num_steps, finf)
         if to_unmask.any():
             xt[to_unmask] = pred_i[to_unmask]
             maskable[to_unmask] = False
