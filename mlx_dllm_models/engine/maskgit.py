@@ -117,7 +117,7 @@ class ImageDecoder:
         self.gather = None
         if columns != list(range(*self.span)):
             self.gather = self.columns - columns[0]
-        self.step_rule, self.per_entry = STEP_RULES[rule]
+        self.step_rule = STEP_RULES[rule][0]
         self.nfe = 0
 
     def logits(self, guidance_scale: float) -> mx.array:
@@ -141,7 +141,7 @@ class ImageDecoder:
         if not uncond:
             return logits
         if len(uncond) == 1:
-            return guided(logits[:B], logits[B:], guidance_scale)
+            return guided(logits[:B], logits[B:], uncond[0][2])
         cond = logits[:B]
         out = cond
         for i, (_, _, scale) in enumerate(uncond, start=1):
