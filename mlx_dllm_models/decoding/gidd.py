@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from .maskgit import sample_inverse_cdf
+from .stats import filter_logits
 
 
 def log_snr_schedule(steps: int, schedule: str, min_log_snr: float, max_log_snr: float) -> mx.array:
@@ -57,19 +58,7 @@ def token_probs(
     if temperature == 0:
         top = mx.argmax(logits, axis=-1, keepdims=True)
         return (mx.arange(logits.shape[-1]) == top).astype(mx.float32)
-    x = logits / temperature
-    if top_k is not None and 0 < top_k < x.shape[-1]:
-        kth = mx.sort(x, axis=-1)[..., -top_k][..., None]
-        x = mx.where(x < kth, -mx.inf, x)
-    if top_p is not None and 0.0 < top_p < 1.0:
-        order = mx.argsort(-x, axis=-1)
-        ranked = mx.take_along_axis(x, order, axis=-1)
-        mass = mx.cumsum(mx.softmax(ranked, axis=-1), axis=-1)
-        # A token goes once the mass before it has passed p: the first always stays.
-        before = mx.concatenate([mx.zeros_like(mass[..., :1]), mass[..., :-1]], axis=-1)
-        drop = mx.put_along_axis(mx.zeros(x.shape, mx.bool_), order, before > top_p, axis=-1)
-        x = mx.where(drop, -mx.inf, x)
-    return mx.softmax(x, axis=-1)
+    return mx.softmax(filter_logits(logits / temperature, top_k, top_p), axis=-1)
 
 
 def draw(probs: mx.array, uniforms: mx.array) -> mx.array:

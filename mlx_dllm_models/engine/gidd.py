@@ -33,6 +33,7 @@ from ..decoding.gidd import (
     prior,
     token_probs,
 )
+from ..decoding.stats import without
 from ..settings import SettingsError
 from .base import StepEvent, block_event, check_finite
 from .canvas import CanvasNoise
@@ -146,8 +147,7 @@ class GiddDecoder(Decoder):
         self.nfe += 1
         if self.nfe == 2:  # the run's first window forward: corrupt weights show here
             check_finite(logits, self.model)
-        never = mx.arange(logits.shape[-1]) == self.spec.mask_token_id
-        return mx.where(never, -mx.inf, logits.astype(mx.float32))
+        return without(logits.astype(mx.float32), [self.spec.mask_token_id])
 
     def _step(self, rows, z, logits, log_snrs, step: int) -> mx.array:
         s, spec = self.s, self.spec
